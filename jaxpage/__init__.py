@@ -1,0 +1,7 @@
+"""jaxpage: PagedAttention LLM serving in JAX."""
+from jaxpage.llm import LLM
+from jaxpage.llm_engine import EngineArgs, LLMEngine
+from jaxpage.outputs import CompletionOutput, RequestOutput
+from jaxpage.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]

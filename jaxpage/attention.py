@@ -1,0 +1,54 @@
+"""Paged attention over the flat batch, through block tables: the XLA reference path."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+PAGES_PER_CHUNK = 8  # pages each query token reads per loop iteration
+
+
+def paged_attention_xla(q: jax.Array, kv_layer: jax.Array, token_seq: jax.Array, positions: jax.Array,
+                        block_tables: jax.Array, scale: float) -> jax.Array:
+    """Causal attention of each query token over its own sequence's pages, with an online softmax.
+
+    q: ``[T, num_heads, head_dim]``; kv_layer: ``[num_blocks, 2, kv_heads, block_size, head_dim]`` (one layer of
+    the pool, already holding this step's K/V); token_seq: ``[T]``, the row of ``block_tables`` ``[S, W]`` that
+    each token belongs to; positions: ``[T]``. Token t attends to key positions ``<= positions[t]``.
+    The loop runs over chunks of pages up to the longest context in the batch (a dynamic trip count), so the
+    cost follows the actual lengths while the block-table width stays static.
+    Returns ``[T, num_heads, head_dim]`` in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads, block_size = kv_layer.shape[2], kv_layer.shape[3]
+    group = num_heads // kv_heads
+    chunk_tokens = PAGES_PER_CHUNK * block_size
+    tables = block_tables[token_seq]  # [T, W]
+    pad = -tables.shape[1] % PAGES_PER_CHUNK
+    tables = jnp.pad(tables, ((0, 0), (0, pad)))  # padded entries point at the null block and are masked
+    q_g = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * scale
+
+    def body(chunk, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tables, chunk * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
+        kv = kv_layer[pages]  # [T, P, 2, kvh, bs, hd]
+        kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_tokens, 2, kv_heads, chunk_tokens, head_dim)
+        kv = kv.astype(jnp.float32)
+        scores = jnp.einsum("tkgd,tkld->tkgl", q_g, kv[:, 0])
+        key_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens)
+        visible = (key_pos[None, :] <= positions[:, None])[:, None, None, :]
+        scores = jnp.where(visible, scores, _MASKED)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgl,tkld->tkgd", p, kv[:, 1])
+        return m_new, l, acc
+
+    num_chunks = jnp.max(positions) // chunk_tokens + 1
+    init = (jnp.full((num_tokens, kv_heads, group), _MASKED, jnp.float32),
+            jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

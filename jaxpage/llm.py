@@ -1,0 +1,45 @@
+"""LLM: vLLM's offline interface over the engine."""
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from jaxpage.llm_engine import EngineArgs, LLMEngine
+from jaxpage.outputs import RequestOutput
+from jaxpage.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **options):
+        self.engine = LLMEngine(EngineArgs(model=model, **options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generates for every prompt (a string or {"prompt_token_ids": [...]}); results in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt, p)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update()
+        return [finished[i] for i in ids]

@@ -1,0 +1,102 @@
+"""The Llama-family transformer as pure functions over a stacked-weights pytree and the paged KV pool.
+
+Weights (head axes explicit, so they can be sharded over heads later without changing shape logic):
+  embed [V, D], final_norm [D], lm_head [D, V] (absent when tied), and under ``layers`` with a leading
+  layer axis L: attn_norm [L, D], wq [L, D, H, hd], wk/wv [L, D, KVH, hd], wo [L, H, hd, D],
+  optional bq [L, H, hd], bk/bv [L, KVH, hd], bo [L, D], mlp_norm [L, D], w_gate/w_up [L, D, F], w_down [L, F, D].
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.attention import paged_attention_xla
+from jaxpage.config import ModelConfig
+from jaxpage.kv_cache import write_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBatch:
+    """The device half of one step's flat batch (all int32, padded to a bucket).
+
+    token_ids, positions, slot_mapping, token_seq: [T]; block_tables: [S, W]; logits_indices: [S].
+    Padding tokens write into the null block and belong to an all-null block-table row.
+    """
+
+    token_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    token_seq: jax.Array
+    block_tables: jax.Array
+    logits_indices: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    TokenBatch, data_fields=[f.name for f in dataclasses.fields(TokenBatch)], meta_fields=[])
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, rotate-half convention (as transformers): x [T, heads, hd]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _attention_block(cfg: ModelConfig, lp: dict, x: jax.Array, pool: jax.Array, layer: jax.Array,
+                     batch: TokenBatch, inv_freq: jax.Array):
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("td,dhk->thk", h, lp["wq"])
+    k = jnp.einsum("td,dhk->thk", h, lp["wk"])
+    v = jnp.einsum("td,dhk->thk", h, lp["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = apply_rope(q, batch.positions, inv_freq)
+    k = apply_rope(k, batch.positions, inv_freq)
+    pool = write_kv(pool, layer, k, v, batch.slot_mapping)
+    attn = paged_attention_xla(q, pool[layer], batch.token_seq, batch.positions, batch.block_tables,
+                               scale=cfg.head_dim ** -0.5)
+    out = jnp.einsum("thk,hkd->td", attn, lp["wo"])
+    if cfg.o_bias:
+        out = out + lp["bo"]
+    return x + out, pool
+
+
+def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate = jax.nn.silu(h @ lp["w_gate"])
+    return x + (gate * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch):
+    """Runs all layers over the flat batch; returns final-normed hidden states [T, D] and the updated pool."""
+    inv_freq = jnp.asarray(cfg.rope_inv_freq())
+    x = params["embed"][batch.token_ids]
+
+    def layer_fn(carry, xs):
+        x, pool = carry
+        lp, layer = xs
+        x, pool = _attention_block(cfg, lp, x, pool, layer, batch, inv_freq)
+        return (_mlp_block(cfg, lp, x), pool), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, pool), _ = jax.lax.scan(layer_fn, (x, pool), (params["layers"], layers))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), pool
+
+
+def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """float32 logits [N, V] for hidden states [N, D]."""
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("nd,vd->nv", hidden, params["embed"])
+    else:
+        logits = hidden @ params["lm_head"]
+    return logits.astype(jnp.float32)
