@@ -1,0 +1,33 @@
+"""Shared fixtures: the real model is loaded once per test session, and so is its transformers reference."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("JAXPAGE_CACHE_DIR", str(Path.home() / ".cache" / "jaxpage"))
+
+SMOLLM2_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, dtype="float32",
+                       kv_cache_memory=256 << 20, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from jaxpage import LLM
+
+    return LLM(**SMOLLM2_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """(model, tokenizer) from the same GGUF file, read independently by transformers (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxpage.model_loader import default_model_path
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), tokenizer

@@ -1,0 +1,68 @@
+"""Reference computations the tests compare against: transformers for the model, plain loops for the rest."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jaxpage.model import TokenBatch, compute_logits, forward_hidden
+
+NEAR_TIE = 1e-3
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy decoding with transformers' own KV cache; returns the tokens and the logits that chose each."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens, logits = [], []
+    for _ in range(max_new_tokens):
+        step_logits = out.logits[0, -1].float().numpy()
+        token = int(step_logits.argmax())
+        tokens.append(token)
+        logits.append(step_logits)
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logits
+
+
+@torch.no_grad()
+def hf_logits(model, token_ids: list[int]) -> np.ndarray:
+    return model(torch.tensor([token_ids])).logits[0].float().numpy()
+
+
+def first_near_tie(step_logits: list[np.ndarray]) -> int:
+    """The first step whose two best reference logits lie within NEAR_TIE (len if none)."""
+    for i, logits in enumerate(step_logits):
+        top2 = np.sort(logits)[-2:]
+        if top2[1] - top2[0] < NEAR_TIE:
+            return i
+    return len(step_logits)
+
+
+def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[np.ndarray], context: str = ""):
+    """Tokens must be identical, except from a step where the reference itself was a near-tie on."""
+    n = first_near_tie(ref_logits)
+    assert ours[:n] == ref[:n], f"{context}: greedy tokens differ (near-tie free prefix {n})\nours={ours}\nref ={ref}"
+    assert len(ours) == len(ref), f"{context}: {len(ours)} tokens, reference {len(ref)}"
+
+
+def paged_logits(llm, token_ids: list[int], seed: int = 0) -> np.ndarray:
+    """Teacher-forced logits of the engine's model for one sequence, through a shuffled block table."""
+    cfg, params = llm.engine.config, llm.engine.runner.params
+    bs, n = cfg.block_size, len(token_ids)
+    rng = np.random.default_rng(seed)
+    num_blocks = -(-n // bs)
+    table = rng.permutation(np.arange(1, cfg.num_kv_blocks))[:num_blocks].astype(np.int32)
+    pos = np.arange(n, dtype=np.int32)
+    tables = np.zeros((1, cfg.max_blocks_per_seq), np.int32)
+    tables[0, :num_blocks] = table
+    batch = TokenBatch(np.asarray(token_ids, np.int32), pos, table[pos // bs] * bs + pos % bs,
+                       np.zeros(n, np.int32), tables, np.zeros(1, np.int32))
+    pool = jnp.zeros_like(llm.engine.runner.kv_pool)
+    hidden, _ = forward_hidden(cfg.model, params, pool, batch)
+    return np.asarray(compute_logits(cfg.model, params, hidden))
+
+
+def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4, context: str = ""):
+    """Agreement relative to the logits' scale: max |ours - ref| <= rtol * max |ref|."""
+    err, scale = np.abs(ours - ref).max(), np.abs(ref).max()
+    assert err <= rtol * scale, f"{context}: max abs error {err:.3g} > {rtol} x {scale:.3g}"

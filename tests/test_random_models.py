@@ -1,0 +1,256 @@
+"""jaxpage against Hugging Face transformers (PyTorch, float32) on small, randomly initialised models.
+
+Every run draws a fresh seed (set JAXPAGE_TEST_SEED to replay one); it is named in every assertion message.
+
+For each architecture variant (MHA, GQA 3:1 and 4:1, MQA, Qwen2 q/k/v bias, Mistral without a window, Llama with
+attention_bias; tied and untied embeddings; head_dim 64 and 128) and prompts of 1, block_size-1, block_size and
+block_size+1 tokens:
+- greedy generation through `LLM.generate` is token-identical to a greedy loop in transformers with full
+  recomputation, up to the first step where the reference's two top logits lie within NEAR_TIE (a divergence
+  from there on is a near-tie, not a failure);
+- teacher-forced logits through the paged path (forward_hidden over a shuffled block table) agree with
+  transformers' to REL_TOL relative, row by row;
+- eight prompts in one `generate` call (mixed and chunked prefill, different max_tokens) each match their
+  single-prompt reference.
+An unsupported architecture (GPT-2) is refused with a ValueError that names it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, MistralConfig, Qwen2Config
+
+from jaxpage import LLM, SamplingParams
+from jaxpage.model import TokenBatch, compute_logits, forward_hidden
+
+SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
+BLOCK_SIZE = 16
+PROMPT_LENS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1)
+NEW_TOKENS = 20
+MAX_MODEL_LEN = 64
+NUM_KV_BLOCKS = 32  # 8 sequences of <= 3 blocks each, plus the null block: no preemption
+ENGINE_OPTIONS = dict(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=8,
+                      max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, dtype="float32", progress=False)
+REL_TOL = 1e-4  # teacher-forced logits: max|jax - torch| <= REL_TOL * max|torch| + ATOL, per position
+ATOL = 1e-6
+NEAR_TIE = 1e-3  # reference top-2 logit gap under which a greedy divergence is a near-tie
+INIT_STD = 0.15
+
+torch.set_num_threads(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    config_cls: type
+    kwargs: dict
+
+
+def _common(**kw) -> dict:
+    return dict(num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                hidden_act="silu", **kw)
+
+
+CASES = [
+    Case("llama-mha-hd64-untied", LlamaConfig, _common(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=64, tie_word_embeddings=False)),
+    Case("llama-gqa3to1-hd64-tied", LlamaConfig, _common(
+        vocab_size=256, hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=64, tie_word_embeddings=True)),
+    Case("llama-gqa4to1-hd128-untied", LlamaConfig, _common(  # num_heads * head_dim (1024) != hidden_size
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=128, tie_word_embeddings=False)),
+    Case("llama-mqa-hd128-tied", LlamaConfig, _common(
+        vocab_size=320, hidden_size=256, intermediate_size=160, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=128, tie_word_embeddings=True)),
+    Case("llama-attnbias-gqa2to1-hd64-untied", LlamaConfig, _common(  # q/k/v and o_proj biases
+        vocab_size=288, hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, attention_bias=True, tie_word_embeddings=False)),
+    Case("qwen2-gqa2to1-hd64-untied", Qwen2Config, _common(
+        vocab_size=448, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, tie_word_embeddings=False)),
+    Case("qwen2-mqa-hd128-tied", Qwen2Config, _common(
+        vocab_size=256, hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=128, tie_word_embeddings=True)),
+    Case("mistral-gqa4to1-hd64-nowindow-untied", MistralConfig, _common(
+        vocab_size=320, hidden_size=128, intermediate_size=224, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, sliding_window=None, tie_word_embeddings=False)),
+]
+
+
+def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Large enough weights that logits are spread out; norms around 1; nonzero biases."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied lm_head is the embedding: visited once
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(INIT_STD * noise)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], num_new: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and each step's logits [num_new, V], recomputing the whole sequence at every step."""
+    ids, step_logits = list(prompt), []
+    for _ in range(num_new):
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        step_logits.append(logits.numpy())
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):], np.stack(step_logits)
+
+
+def first_near_tie(step_logits: np.ndarray) -> int:
+    """The first step whose two top reference logits are within NEAR_TIE; len(step_logits) if none."""
+    top2 = np.sort(step_logits, axis=-1)[:, -2:]
+    ties = np.flatnonzero(top2[:, 1] - top2[:, 0] < NEAR_TIE)
+    return int(ties[0]) if ties.size else len(step_logits)
+
+
+@dataclasses.dataclass
+class Built:
+    case: Case
+    seed: int
+    hf: torch.nn.Module
+    llm: LLM
+    prompts: dict  # name -> prompt token ids
+    _refs: dict = dataclasses.field(default_factory=dict)
+
+    def ref(self, name: str) -> tuple[list[int], np.ndarray]:
+        if name not in self._refs:
+            self._refs[name] = hf_greedy(self.hf, self.prompts[name], NEW_TOKENS)
+        return self._refs[name]
+
+    def where(self, name: str) -> str:
+        return f"[case={self.case.id} prompt={name} len={len(self.prompts[name])} seed={self.seed}]"
+
+    def check_tokens(self, name: str, got: list[int], max_tokens: int = NEW_TOKENS) -> None:
+        ref_tokens, step_logits = self.ref(name)
+        assert len(got) == max_tokens, f"{self.where(name)} generated {len(got)} tokens, expected {max_tokens}"
+        n = min(first_near_tie(step_logits), max_tokens)
+        for i in range(n):
+            if got[i] != ref_tokens[i]:
+                top2 = np.sort(step_logits[i])[-2:]
+                pytest.fail(f"{self.where(name)} greedy divergence at step {i} (no near-tie before it): "
+                            f"jaxpage {got[i]} vs transformers {ref_tokens[i]} (reference top-2 gap "
+                            f"{top2[1] - top2[0]:.3g}, reference logit of jaxpage's token "
+                            f"{step_logits[i][got[i]]:.6g} vs max {top2[1]:.6g})\n"
+                            f"jaxpage:      {got}\ntransformers: {ref_tokens}")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("jaxpage-cache")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
+def built(request, cache_dir, tmp_path_factory):
+    case = request.param
+    seed = (SEED + 7919 * CASES.index(case)) % 2**31
+    torch.manual_seed(seed)
+    hf_config = case.config_cls(**case.kwargs)
+    hf_config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    _randomize(model, torch.Generator().manual_seed(seed))
+    model.eval()
+    hf_dir = tmp_path_factory.mktemp(case.id)
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    llm = LLM(model=str(hf_dir), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
+    rng = np.random.default_rng(seed)
+    vocab = hf_config.vocab_size
+    prompts = {}
+    for tag in ("a", "b"):  # "a" prompts for the single-prompt tests, "b" extra ones for the batched test
+        for n in PROMPT_LENS:
+            prompts[f"{tag}{n}"] = [int(t) for t in rng.integers(0, vocab, n)]
+    yield Built(case, seed, model, llm, prompts)
+    del llm
+
+
+def test_engine_matches_config(built):
+    """The engine read the architecture as intended (guards the cases against silently testing less)."""
+    m, kw = built.llm.engine.config.model, built.case.kwargs
+    assert (m.num_heads, m.num_kv_heads, m.head_dim) == (
+        kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"])
+    assert m.tie_word_embeddings == kw["tie_word_embeddings"]
+    assert m.qkv_bias == (built.case.config_cls is Qwen2Config or kw.get("attention_bias", False))
+    assert ("lm_head" in built.llm.engine.runner.params) == (not kw["tie_word_embeddings"])
+
+
+@pytest.mark.parametrize("prompt_len", PROMPT_LENS, ids=[f"len{n}" for n in PROMPT_LENS])
+def test_greedy_matches_transformers(built, prompt_len):
+    name = f"a{prompt_len}"
+    out = built.llm.generate([{"prompt_token_ids": built.prompts[name]}],
+                             SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert len(out) == 1 and out[0].prompt_token_ids == built.prompts[name], built.where(name)
+    built.check_tokens(name, out[0].outputs[0].token_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _paged_logits(model_cfg, params, pool, batch):
+    hidden, _ = forward_hidden(model_cfg, params, pool, batch)
+    return compute_logits(model_cfg, params, hidden)
+
+
+@pytest.mark.parametrize("prompt_len", PROMPT_LENS, ids=[f"len{n}" for n in PROMPT_LENS])
+def test_teacher_forced_logits(built, prompt_len):
+    """Prompt plus the reference continuation, all in one prefill through a shuffled block table."""
+    name = f"a{prompt_len}"
+    seq = built.prompts[name] + built.ref(name)[0]
+    with torch.no_grad():
+        expected = built.hf(torch.tensor([seq]), use_cache=False).logits[0].float().numpy()
+
+    cfg = built.llm.engine.config
+    bs, t = cfg.block_size, len(seq)
+    rng = np.random.default_rng(built.seed + prompt_len)
+    table = rng.permutation(np.arange(1, cfg.num_kv_blocks))[:-(-t // bs)].astype(np.int32)
+    positions = np.arange(t, dtype=np.int32)
+    block_tables = np.zeros((1, cfg.max_blocks_per_seq), np.int32)
+    block_tables[0, :len(table)] = table
+    batch = TokenBatch(token_ids=np.asarray(seq, np.int32), positions=positions,
+                       slot_mapping=(table[positions // bs] * bs + positions % bs).astype(np.int32),
+                       token_seq=np.zeros(t, np.int32), block_tables=block_tables,
+                       logits_indices=np.zeros(1, np.int32))
+    pool = jnp.zeros_like(built.llm.engine.runner.kv_pool)
+    got = np.asarray(_paged_logits(cfg.model, built.llm.engine.runner.params, pool, batch))
+
+    assert got.shape == expected.shape
+    assert np.isfinite(got).all(), built.where(name)
+    err = np.abs(got - expected).max(axis=-1)
+    bound = REL_TOL * np.abs(expected).max(axis=-1) + ATOL
+    bad = np.flatnonzero(err > bound)
+    assert bad.size == 0, (f"{built.where(name)} teacher-forced logits differ at positions {bad.tolist()}: "
+                           f"max|diff| {err[bad].tolist()} > bound {bound[bad].tolist()} "
+                           f"(block table {table.tolist()})")
+
+
+def test_batched_mixed_prefill_matches_single(built):
+    """Eight prompts in one generate call: 98 prompt tokens over a 64-token budget, so the first steps mix
+    whole prefills, a chunked prefill and decodes; max_tokens differ so sequences finish at different steps."""
+    names = ["a17", "b1", "a15", "b16", "a1", "b17", "a16", "b15"]
+    max_tokens = [NEW_TOKENS, 9, NEW_TOKENS, 14, 5, NEW_TOKENS, 1, 17]
+    outs = built.llm.generate(
+        [{"prompt_token_ids": built.prompts[n]} for n in names],
+        [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in max_tokens])
+    assert len(outs) == len(names)
+    for name, k, out in zip(names, max_tokens, outs):
+        assert out.prompt_token_ids == built.prompts[name], f"{built.where(name)} outputs out of order"
+        built.check_tokens(name, out.outputs[0].token_ids, max_tokens=k)
+
+
+def test_unsupported_architecture_is_refused(tmp_path, cache_dir):
+    torch.manual_seed(SEED)
+    cfg = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ValueError, match="gpt2"):
+        LLM(model=str(tmp_path), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
