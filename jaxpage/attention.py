@@ -8,19 +8,19 @@ _MASKED = -1e30
 PAGES_PER_CHUNK = 8  # pages each query token reads per loop iteration
 
 
-def paged_attention_xla(q: jax.Array, kv_layer: jax.Array, token_seq: jax.Array, positions: jax.Array,
-                        block_tables: jax.Array, scale: float) -> jax.Array:
+def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_seq: jax.Array,
+                        positions: jax.Array, block_tables: jax.Array, scale: float) -> jax.Array:
     """Causal attention of each query token over its own sequence's pages, with an online softmax.
 
-    q: ``[T, num_heads, head_dim]``; kv_layer: ``[num_blocks, 2, kv_heads, block_size, head_dim]`` (one layer of
-    the pool, already holding this step's K/V); token_seq: ``[T]``, the row of ``block_tables`` ``[S, W]`` that
+    q: ``[T, num_heads, head_dim]``; pool: the whole KV pool (see jaxpage.kv_cache), already holding this step's
+    K/V, read at ``layer`` page by page (never sliced whole, which would copy a layer per call); token_seq: ``[T]``, the row of ``block_tables`` ``[S, W]`` that
     each token belongs to; positions: ``[T]``. Token t attends to key positions ``<= positions[t]``.
     The loop runs over chunks of pages up to the longest context in the batch (a dynamic trip count), so the
     cost follows the actual lengths while the block-table width stays static.
     Returns ``[T, num_heads, head_dim]`` in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads, block_size = kv_layer.shape[2], kv_layer.shape[3]
+    kv_heads, block_size = pool.shape[3], pool.shape[4]
     group = num_heads // kv_heads
     chunk_tokens = PAGES_PER_CHUNK * block_size
     tables = block_tables[token_seq]  # [T, W]
@@ -31,7 +31,7 @@ def paged_attention_xla(q: jax.Array, kv_layer: jax.Array, token_seq: jax.Array,
     def body(chunk, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, chunk * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
-        kv = kv_layer[pages]  # [T, P, 2, kvh, bs, hd]
+        kv = pool[layer, pages]  # [T, P, 2, kvh, bs, hd]
         kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_tokens, 2, kv_heads, chunk_tokens, head_dim)
         kv = kv.astype(jnp.float32)
         scores = jnp.einsum("tkgd,tkld->tkgl", q_g, kv[:, 0])

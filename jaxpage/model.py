@@ -63,7 +63,7 @@ def _attention_block(cfg: ModelConfig, lp: dict, x: jax.Array, pool: jax.Array, 
     q = apply_rope(q, batch.positions, inv_freq)
     k = apply_rope(k, batch.positions, inv_freq)
     pool = write_kv(pool, layer, k, v, batch.slot_mapping)
-    attn = paged_attention_xla(q, pool[layer], batch.token_seq, batch.positions, batch.block_tables,
+    attn = paged_attention_xla(q, pool, layer, batch.token_seq, batch.positions, batch.block_tables,
                                scale=cfg.head_dim ** -0.5)
     out = jnp.einsum("thk,hkd->td", attn, lp["wo"])
     if cfg.o_bias:

@@ -1,0 +1,94 @@
+"""Host-side pieces on their own: the block pool, pool sizing, config reading, the weights cache."""
+from __future__ import annotations
+
+import pytest
+from transformers import GPT2Config, LlamaConfig, MistralConfig
+
+from jaxpage.block_pool import BlockPool
+from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
+
+
+def test_block_pool_hands_out_each_block_once_and_never_the_null_block():
+    pool = BlockPool(9)
+    blocks = pool.allocate(8)
+    assert sorted(blocks) == list(range(1, 9)) and NULL_BLOCK not in blocks
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+    pool.fork(blocks[:2])
+    pool.free(blocks)
+    assert pool.num_free == 6  # the two forked blocks still have an owner
+    pool.free(blocks[:2])
+    assert pool.num_free == 8 and pool.peak_used == 8
+    with pytest.raises(AssertionError):
+        pool.free(blocks[:1])
+
+
+def _smollm2_shape() -> ModelConfig:
+    return ModelConfig.from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                           max_position_embeddings=8192))
+
+
+def _engine(model, **kw):
+    options = dict(dtype="float32", block_size=16, kv_cache_memory=None, num_kv_blocks=None, max_num_seqs=8,
+                   max_num_batched_tokens=64, max_model_len=None, gpu_memory_utilization=0.9)
+    return build_engine_config(model, **{**options, **kw})
+
+
+def test_pool_is_sized_from_the_byte_budget():
+    model = _smollm2_shape()
+    per_block = 30 * 2 * 3 * 16 * 64 * 4
+    assert bytes_per_block(model, 16, "float32") == per_block
+    assert _engine(model, kv_cache_memory=1000 * per_block + 5).num_kv_blocks == 1000
+
+
+def test_budget_too_small_for_one_sequence_says_how_much_is_needed():
+    model = _smollm2_shape()
+    per_block = bytes_per_block(model, 16, "float32")
+    with pytest.raises(ValueError, match=f"needs 513 .*{513 * per_block} bytes"):
+        _engine(model, kv_cache_memory=100 * per_block)
+    with pytest.raises(ValueError, match="num_kv_blocks=10 must be >= 513"):
+        _engine(model, num_kv_blocks=10)
+
+
+def test_unsupported_architecture_and_sliding_window_are_refused():
+    with pytest.raises(ValueError, match="'gpt2'"):
+        ModelConfig.from_hf(GPT2Config())
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        ModelConfig.from_hf(MistralConfig(sliding_window=16, max_position_embeddings=128))
+    assert ModelConfig.from_hf(MistralConfig(sliding_window=None)).model_type == "mistral"
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    import numpy as np
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(head_dim=64, num_attention_heads=4, hidden_size=256, max_position_embeddings=131072,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    np.testing.assert_allclose(ModelConfig.from_hf(hf).rope_inv_freq(), ref.numpy(), rtol=1e-6)
+
+
+def test_second_load_restores_converted_weights_instead_of_converting(tmp_path, monkeypatch):
+    import numpy as np
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from jaxpage import model_loader
+
+    torch.manual_seed(np.random.SeedSequence().entropy % 2**31)
+    hf = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                     tie_word_embeddings=False)
+    LlamaForCausalLM(hf).save_pretrained(tmp_path / "model")
+    first = model_loader.load_model(tmp_path / "model", tmp_path / "cache")
+    monkeypatch.setattr(model_loader, "_convert_into", lambda *a: pytest.fail("converted a cached model again"))
+    second = model_loader.load_model(tmp_path / "model", tmp_path / "cache")
+    state = LlamaForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    expected = model_loader.params_from_hf_state(ModelConfig.from_hf(hf), {k: v.numpy() for k, v in state.items()})
+    for loaded in (first, second):
+        np.testing.assert_array_equal(loaded.params["layers"]["wq"], expected["layers"]["wq"])
+        np.testing.assert_array_equal(loaded.params["lm_head"], expected["lm_head"])
