@@ -1,49 +1,102 @@
-"""BlockPool: the host-side allocator of KV blocks, a free list with reference counts."""
+"""BlockPool: the host-side allocator of KV blocks: reference counts, an LRU free queue and the prefix cache."""
 from __future__ import annotations
 
-import collections
+import hashlib
+
+import numpy as np
 
 from jaxpage.kv_cache import NULL_BLOCK
 
 
-class BlockPool:
-    """Hands out physical block ids 1..num_blocks-1 (block 0 is the null block, never handed out)."""
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """Prefix-cache key of a full block: chained from its parent's key, so equal keys mean equal prefixes."""
+    h = hashlib.blake2b(parent or b"root", digest_size=16)
+    h.update(np.asarray(token_ids, np.int64).tobytes())
+    return h.digest()
 
-    def __init__(self, num_blocks: int):
+
+class BlockPool:
+    """Hands out block ids 1..num_blocks-1 (block 0 is the null block, never handed out).
+
+    A block whose reference count drops to zero goes to the back of the free queue but, if it holds a full
+    cached block, stays findable by its hash until it is handed out again: least recently freed go first.
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks={num_blocks} must be at least 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._free = collections.deque(range(1, num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(1, num_blocks))  # insertion-ordered: front = LRU
+        self._cached: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
         self.peak_used = 0
 
     @property
     def num_free(self) -> int:
+        """Blocks that can be handed out, cached-but-unreferenced ones included."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - 1 - len(self._free)
 
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self._free if b in self._hash_of)
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for b in blocks:
-            assert self.ref_counts[b] == 0, f"free block {b} still referenced"
-            self.ref_counts[b] = 1
+        blocks = []
+        for _ in range(count):
+            block = next(iter(self._free))
+            del self._free[block]
+            self._evict(block)
+            assert self.ref_counts[block] == 0, f"free block {block} still referenced"
+            self.ref_counts[block] = 1
+            blocks.append(block)
         self.peak_used = max(self.peak_used, self.num_used)
         return blocks
 
-    def fork(self, blocks: list[int]) -> None:
-        """Another owner now shares these blocks."""
+    def share(self, blocks: list[int]) -> None:
+        """Another owner now holds these blocks (a fork, or a prefix-cache hit on a possibly free block)."""
         for b in blocks:
-            assert self.ref_counts[b] > 0, f"fork of free block {b}"
+            if self.ref_counts[b] == 0:
+                del self._free[b]
             self.ref_counts[b] += 1
+        self.peak_used = max(self.peak_used, self.num_used)
 
     def free(self, blocks: list[int]) -> None:
+        """Drops one reference to each; pass a table tail first so a prefix outlives its extensions."""
         for b in blocks:
             assert b != NULL_BLOCK and self.ref_counts[b] > 0, f"double free of block {b}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Makes a full block findable by its hash (the first holder of a hash keeps it)."""
+        if self.enable_prefix_caching and block_hash not in self._cached and block not in self._hash_of:
+            self._cached[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def _evict(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block, None)
+        if block_hash is not None:
+            del self._cached[block_hash]
+
+    def check(self, tables: list[list[int]]) -> None:
+        """Asserts the accounting: references equal table entries; free means unreferenced."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for b in table:
+                counts[b] += 1
+        assert counts[NULL_BLOCK] == 0, "null block in a table"
+        assert counts == self.ref_counts, "reference counts differ from the tables"
+        assert all((self.ref_counts[b] == 0) == (b in self._free) for b in range(1, self.num_blocks))
+        assert all(self._cached[h] == b for b, h in self._hash_of.items())

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one scheduled and executed step at a time, outputs back."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -8,23 +9,26 @@ import os
 import time
 from pathlib import Path
 
+from jaxpage.beam_search import beam_search_step, final_beams
 from jaxpage.block_pool import BlockPool
 from jaxpage.compile_cache import enable_compilation_cache
 from jaxpage.config import ModelConfig, build_engine_config
 from jaxpage.detokenizer import IncrementalDetokenizer
+from jaxpage.kv_cache import bytes_per_block
+from jaxpage.kv_cache_manager import KVCacheManager
 from jaxpage.model_loader import default_cache_dir, load_model
 from jaxpage.model_runner import ModelRunner
-from jaxpage.outputs import CompletionOutput, RequestOutput
+from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import Scheduler
-from jaxpage.sequence import Sequence
+from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class EngineArgs:
-    """The engine's options, as `LLM(...)` and the CLI take them."""
+    """The engine's options, as `LLM(...)`, the CLI and the server take them."""
 
     model: str | None = None
     block_size: int = 16
@@ -35,16 +39,20 @@ class EngineArgs:
     max_model_len: int | None = None
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
     cache_dir: str | None = None
     progress: bool = True
 
 
 @dataclasses.dataclass
 class Request:
-    request_id: str
+    group: SequenceGroup
     prompt: str | None
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizers: dict[int, IncrementalDetokenizer]  # by seq_id
+    metrics: RequestMetrics
+    stop_reasons: dict[int, str | int] = dataclasses.field(default_factory=dict)
 
 
 class LLMEngine:
@@ -62,15 +70,24 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
-        self.runner = ModelRunner(self.config, loaded.params)
-        self.block_pool = BlockPool(self.config.num_kv_blocks)
-        self.scheduler = Scheduler(self.config, self.block_pool)
-        self.requests: dict[str, Request] = {}
+        per_block = bytes_per_block(self.config.model, self.config.block_size, self.config.dtype)
+        num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
+        self.runner = ModelRunner(self.config, loaded.params, num_host_blocks)
+        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
+        self.block_pool = BlockPool(self.config.num_kv_blocks, args.enable_prefix_caching)
+        self.kv = KVCacheManager(self.block_pool, self.config.block_size, num_host_blocks)
+        self.scheduler = Scheduler(self.config, self.kv, args.preemption_mode)
         self._seq_ids = itertools.count()
+        self.scheduler._next_seq_id = lambda: next(self._seq_ids)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.finished_metrics: collections.deque[RequestMetrics] = collections.deque(maxlen=1000)
+        self.peak_kv = {"blocks_used": 0, "kv_tokens_stored": 0, "kv_slots_allocated": 0}
         started = time.perf_counter()
         self.runner.warm_up(progress=args.progress)
         self.warmup_seconds = time.perf_counter() - started
 
+    # --- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: give prompt_token_ids instead of text")
@@ -81,7 +98,7 @@ class LLMEngine:
             raise ValueError("this model has no chat template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, token_ids = self._prompt_tokens(prompt)
@@ -89,16 +106,16 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than "
                              f"max_model_len={max_len} to leave room for one generated token")
-        vocab = self.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
+        if params.best_of > self.config.max_num_seqs:
+            raise ValueError(f"SamplingParams.best_of={params.best_of} exceeds max_num_seqs={self.config.max_num_seqs}")
         if params.max_tokens is not None:
             max_len = min(max_len, len(token_ids) + params.max_tokens)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(token_ids),
-                       num_prompt_tokens=len(token_ids), params=params, max_len=max_len, seed=seed)
-        self.requests[request_id] = Request(request_id, text, seq, IncrementalDetokenizer(self.tokenizer, token_ids))
-        self.scheduler.add(seq)
+        seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+                       max_len=max_len, seed=seed)
+        group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority)
+        self.requests[request_id] = Request(group, text, {}, RequestMetrics(time.monotonic()))
+        self.scheduler.add(group)
 
     def _prompt_tokens(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -109,57 +126,169 @@ class LLMEngine:
             ids = list(prompt["prompt_token_ids"])
             if not ids:
                 raise ValueError("prompt_token_ids is empty")
-            if not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be integers")
+            vocab = self.config.model.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
             return None, ids
         raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> None:
+        """Ends the request now and returns its blocks to the pool."""
         request = self.requests.pop(request_id, None)
-        if request is not None and not request.seq.is_finished:
-            self.scheduler.finish(request.seq, "abort")
+        if request is not None:
+            self.scheduler.finish_group(request.group, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # --- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one iteration; returns an output for every request that got a token."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        out = self.scheduler.schedule()
+        self.runner.apply(out.ops)
+        if not out.scheduled:
             return []
-        tokens, logprobs = self.runner.execute(scheduled)
-        outputs = []
-        for s, token, logprob in zip(scheduled, tokens.tolist(), logprobs.tolist()):
-            samples = s.samples
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if samples:
-                outputs.append(self._append_token(s.seq, token, logprob))
-        return outputs
+        sampled = self.runner.execute(out.scheduled)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for row, s in enumerate(out.scheduled):
+            seq, group = s.seq, s.group
+            if s.logits_of is None:
+                seq.num_computed_tokens += s.num_new_tokens
+            else:  # a fork: the rows before it have advanced its parent
+                seq.num_computed_tokens = s.logits_of.num_computed_tokens
+            self.kv.cache_full_blocks(seq)
+            if not s.samples or group.status == SequenceStatus.FINISHED:
+                continue
+            request = self.requests[group.request_id]
+            touched[group.request_id] = request
+            top = (sampled.top_ids[row], sampled.top_logprobs[row])
+            if group.params.use_beam_search:
+                seq.pending_top = top
+            else:
+                self._append_token(request, seq, int(sampled.tokens[row]), float(sampled.logprobs[row]), top)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+        for request in touched.values():
+            if request.group.params.use_beam_search:
+                self._advance_beams(request)
+        self._track_peak_kv()
+        return [self._finish_if_done(r, now) for r in touched.values()]
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float) -> RequestOutput:
+    def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top) -> None:
+        p = request.group.params
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
-        request = self.requests[seq.request_id]
-        request.detokenizer.add(token)
-        reason = self._finish_reason(seq, token)
+        if p.logprobs is not None:
+            ids, lps = top
+            entry = {int(i): float(v) for i, v in zip(ids[:p.logprobs], lps[:p.logprobs])}
+            entry[token] = logprob
+            seq.output_logprobs.append(entry)
+        detok = request.detokenizers.setdefault(seq.seq_id, IncrementalDetokenizer(
+            self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop))
+        detok.add(token)
+        reason = self._finish_reason(request, seq, token, detok)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id]
-        return self._output(request)
+            self.scheduler.finish_seq(request.group, seq, reason)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
+    def _finish_reason(self, request: Request, seq: Sequence, token: int, detok) -> str | None:
+        p = request.group.params
         if seq.num_output_tokens >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            if token in p.stop_token_ids:
+                request.stop_reasons[seq.seq_id] = token
+                return "stop"
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return "stop"
+            stop = detok.find_stop(p.stop, p.include_stop_str_in_output)
+            if stop is not None:
+                request.stop_reasons[seq.seq_id] = stop
                 return "stop"
         if seq.num_tokens >= seq.max_len:
             return "length"
         return None
 
-    def _output(self, request: Request) -> RequestOutput:
-        seq = request.seq
-        completion = CompletionOutput(index=0, text=request.detokenizer.text, token_ids=list(seq.output_token_ids),
-                                      finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=[completion],
-                             finished=seq.is_finished)
+    def _advance_beams(self, request: Request) -> None:
+        group = request.group
+        live = group.live_seqs
+        if not live or any(getattr(s, "pending_top", None) is None for s in live):
+            return  # some beam is still recomputing after a preemption
+        beam_search_step(group, self.eos_token_ids, self.scheduler, lambda: next(self._seq_ids))
+
+    def _finish_if_done(self, request: Request, now: float) -> RequestOutput:
+        group = request.group
+        done = not group.live_seqs
+        if done:
+            request.metrics.finished_time = now
+            request.metrics.num_output_tokens = max(s.num_output_tokens for s in group.seqs + group.finished_seqs)
+            self.finished_metrics.append(request.metrics)
+            self.scheduler.finish_group(group, "stop")
+            del self.requests[group.request_id]
+        return self._output(request, done)
+
+    def _output(self, request: Request, finished: bool) -> RequestOutput:
+        group, p = request.group, request.group.params
+        if p.use_beam_search:
+            seqs = final_beams(group) if finished else group.live_seqs
+        elif finished and p.best_of > p.n:
+            seqs = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
+        else:
+            seqs = group.seqs[:p.n] if finished else group.seqs
+        completions = []
+        for index, seq in enumerate(seqs):
+            detok = request.detokenizers.get(seq.seq_id)
+            text = detok.output_text(final=finished or seq.is_finished) if detok else ""
+            if p.use_beam_search and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            completions.append(CompletionOutput(
+                index=index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if p.logprobs is not None else None,
+                finish_reason=seq.finish_reason if finished or seq.is_finished else None,
+                stop_reason=request.stop_reasons.get(seq.seq_id)))
+        first = group.seqs[0]
+        return RequestOutput(request_id=group.request_id, prompt=request.prompt,
+                             prompt_token_ids=first.token_ids[:first.num_prompt_tokens], outputs=completions,
+                             finished=finished, metrics=request.metrics)
+
+    # --- stats ----------------------------------------------------------------------------------------
+    def _kv_occupancy(self) -> tuple[int, int]:
+        """(tokens stored, slots allocated) over the blocks that sequences hold, each block counted once."""
+        filled: dict[int, int] = {}
+        bs = self.config.block_size
+        for group in self.scheduler.running:
+            for seq in group.live_seqs:
+                for i, block in enumerate(seq.block_table):
+                    n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                    filled[block] = max(filled.get(block, 0), n)
+        return sum(filled.values()), self.block_pool.num_used * bs
+
+    def _track_peak_kv(self) -> None:
+        used = self.block_pool.num_used
+        if used > self.peak_kv["blocks_used"]:
+            stored, allocated = self._kv_occupancy()
+            self.peak_kv = {"blocks_used": used, "kv_tokens_stored": stored, "kv_slots_allocated": allocated}
+
+    def stats(self) -> dict:
+        stored, allocated = self._kv_occupancy()
+        peak = self.peak_kv
+        requests = list(self.finished_metrics)
+        return {
+            "num_blocks": self.config.num_kv_blocks - 1,  # the null block is never handed out
+            "num_free_blocks": self.block_pool.num_free,
+            "num_cached_free_blocks": self.block_pool.num_cached_free,
+            "num_running": self.scheduler.num_running_seqs(),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "kv_tokens_stored": stored,
+            "kv_slots_allocated": allocated,
+            "kv_waste": 1 - stored / allocated if allocated else 0.0,
+            "peak_blocks_used": self.block_pool.peak_used,
+            "kv_waste_at_peak": (1 - peak["kv_tokens_stored"] / peak["kv_slots_allocated"]
+                                 if peak["kv_slots_allocated"] else 0.0),
+            "requests": [{"ttft": m.ttft, "time_per_output_token": m.time_per_output_token,
+                          "e2e_latency": m.e2e_latency, "num_output_tokens": m.num_output_tokens}
+                         for m in requests],
+        }

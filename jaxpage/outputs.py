@@ -9,12 +9,36 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" or "length" once finished
     cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None  # per generated token: top token id -> log-probability
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
 @dataclasses.dataclass
@@ -24,3 +48,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None

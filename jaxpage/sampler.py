@@ -6,13 +6,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpage.sampling_params import MAX_LOGPROBS
+
+MAX_BANNED = 16  # EOS and stop token ids masked while a sequence is under min_tokens
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingBatch:
     """Per-sequence sampling settings, padded to the sequence bucket [S].
 
-    temperature 0 means greedy; top_k 0 means off; top_p 1 means off. seeds and steps form the per-request
-    PRNG stream: the key of a request's n-th token is fold_in(key(seed), n), whatever else is in the batch.
+    temperature 0 means greedy; top_k 0 and top_p 1 mean off. The key of a request's n-th token is
+    fold_in(key(seed), n), whatever else is in the batch. history [S, max_model_len] holds each row's token ids
+    (prompt then output, -1 after) and is read only when a row has a penalty; banned [S, MAX_BANNED] (-1 padded)
+    lists token ids that may not be sampled. want_top [] says whether any row needs the top log-probabilities.
     """
 
     temperature: jax.Array
@@ -21,19 +27,62 @@ class SamplingBatch:
     min_p: jax.Array
     seeds: jax.Array
     steps: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
+    history: jax.Array
+    num_prompt_tokens: jax.Array
+    banned: jax.Array
+    want_top: jax.Array
 
 
 jax.tree_util.register_dataclass(
     SamplingBatch, data_fields=[f.name for f in dataclasses.fields(SamplingBatch)], meta_fields=[])
 
 
-def sample(logits: jax.Array, sp: SamplingBatch) -> tuple[jax.Array, jax.Array]:
-    """Returns (token ids [S] int32, their log-probabilities [S] under the unmodified distribution)."""
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    tokens: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S] log-probability of each sampled token under the model's distribution
+    top_ids: jax.Array  # [S, MAX_LOGPROBS] (zeros unless want_top)
+    top_logprobs: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    SamplerOutput, data_fields=[f.name for f in dataclasses.fields(SamplerOutput)], meta_fields=[])
+
+
+def sample(logits: jax.Array, sp: SamplingBatch) -> SamplerOutput:
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    has_penalty = (sp.presence_penalty != 0) | (sp.frequency_penalty != 0) | (sp.repetition_penalty != 1)
+    logits = jax.lax.cond(jnp.any(has_penalty), lambda: _apply_penalties(logits, sp), lambda: logits)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, jnp.where(sp.banned >= 0, sp.banned, logits.shape[1])].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _sample_random(logits, sp, greedy),
                           lambda: greedy)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.cond(
+        sp.want_top, lambda: tuple(jax.lax.top_k(logprobs, MAX_LOGPROBS)),
+        lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), logprobs.dtype),
+                 jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)))
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _apply_penalties(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
+    """vLLM's penalties: repetition over prompt and output tokens, presence and frequency over output tokens."""
+    num_seqs, vocab = logits.shape
+    valid = sp.history >= 0
+    ids = jnp.where(valid, sp.history, vocab)
+    is_output = valid & (jnp.arange(sp.history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], ids.shape)
+    seen = jnp.zeros((num_seqs, vocab), bool).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32),
+                                                                          mode="drop")
+    rp = sp.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - sp.frequency_penalty[:, None] * counts
+    return logits - sp.presence_penalty[:, None] * (counts > 0)
 
 
 def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array) -> jax.Array:

@@ -3,29 +3,53 @@ from __future__ import annotations
 
 import dataclasses
 
+MAX_LOGPROBS = 20  # top log-probabilities the step returns per token (also bounds beam width: 2 x width)
+
 
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # samples (or beams) generated, n best returned; defaults to n
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 (or -1) = off
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
+    logprobs: int | None = None  # top log-probabilities returned per generated token
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
-        _check(isinstance(self.n, int) and self.n == 1, "n", self.n, "must be 1 (n > 1 is not supported yet)")
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.best_of = self.n if self.best_of is None else self.best_of
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _check(isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", self.best_of,
+               f"must be an integer >= n={self.n}")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
-               "must be an integer >= 0 (0 disables it)")
+               "must be an integer >= 0 (0 or -1 disables it)")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "seed", self.seed,
                "must be an integer in [0, 2**32)")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
+               "must be in [-2, 2]")
+        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", self.repetition_penalty,
+               "must be in (0, 2]")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
@@ -34,10 +58,24 @@ class SamplingParams:
                f"must not exceed max_tokens={self.max_tokens}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be non-negative integers")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.use_beam_search:
+            _check(self.temperature == 0 or self.temperature == 1.0, "temperature", self.temperature,
+                   "must be 0 with use_beam_search (beam search is deterministic)")
+            _check(2 * self.best_of <= MAX_LOGPROBS, "best_of", self.best_of,
+                   f"must be at most {MAX_LOGPROBS // 2} with use_beam_search")
+            _check(not self.has_penalties, "use_beam_search", True, "cannot be combined with penalties")
+            self.temperature = 0.0
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of
 
 
 def _check(ok: bool, field: str, value, rule: str) -> None:

@@ -1,99 +1,181 @@
 """Scheduler: iteration-level (continuous) batching under a token budget, with chunked prefill and preemption."""
 from __future__ import annotations
 
-import collections
 import dataclasses
+import logging
 
-from jaxpage.block_pool import BlockPool
 from jaxpage.config import EngineConfig
-from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.kv_cache_manager import DeviceOps, KVCacheManager
+from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, starting at seq.num_computed_tokens
+    group: SequenceGroup
+    samples: bool  # this chunk reaches the sequence's last token, so the step's sample is its next token
+    logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token, so the step's sample is its next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    ops: DeviceOps
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_pool: BlockPool):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, preemption_mode: str = "recompute"):
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.config = config
-        self.block_pool = block_pool
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.kv = kv
+        self.preemption_mode = preemption_mode
+        self.waiting: list[SequenceGroup] = []  # kept sorted by (priority, arrival)
+        self.running: list[SequenceGroup] = []  # in admission order
+        self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self._next_seq_id = None  # set by the engine: a callable giving fresh sequence ids
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+        self.waiting.sort(key=lambda g: (g.priority, g.arrival))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> list[ScheduledSeq]:
-        """Running sequences first (a decode token, or the next prompt chunk), then waiting prompts."""
+    def num_running_seqs(self) -> int:
+        return sum(len(g.live_seqs) for g in self.running)
+
+    def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve_or_preempt(seq, num_new):
-                break  # seq itself was preempted: it was the last running one
-            scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-            i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self._blocks_needed(seq, num_new) > self.block_pool.num_free:
+        preempted = False
+        for group in list(self.running):
+            if group.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            for seq in group.live_seqs:
+                if not seq.block_table and seq.num_computed_tokens == 0:
+                    self.kv.match_prefix(seq)  # a sequence recomputing after preemption
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if num_new == 0:
+                    continue  # waiting for its beam siblings, or out of budget
+                if not self._make_room(seq, num_new, group):
+                    preempted = True
+                    break
+                preempted |= group.status != SequenceStatus.RUNNING
+                scheduled.append(self._scheduled(seq, num_new, group))
+                budget -= num_new
+        scheduled = [s for s in scheduled if s.group.status == SequenceStatus.RUNNING]
+        if not preempted:
+            self._swap_in_what_fits()
+        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        while self.waiting and budget > 0 and not self.swapped:
+            group = self.waiting[0]
+            if self.num_running_seqs() + group.max_seqs > self.config.max_num_seqs:
                 break
-            self.waiting.popleft()
-            self._reserve(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-        return scheduled
+            seq = None if group.forked else group.seqs[0]
+            if seq is None:  # resumed after recompute: every live sequence recomputes its own history
+                if not self._admit_all(group):
+                    break
+            else:
+                if seq.num_computed_tokens == 0 and not seq.block_table:
+                    self.kv.match_prefix(seq)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if self.kv.blocks_needed(seq, num_new) > self.kv.pool.num_free:
+                    self.kv.free(seq)
+                    break
+                self.kv.reserve(seq, num_new)
+                scheduled.append(self._scheduled(seq, num_new, group))
+                budget -= num_new
+            self.waiting.pop(0)
+            group.status = SequenceStatus.RUNNING
+            self.running.append(group)
+        scheduled.extend(self._forks(scheduled))
+        return SchedulerOutput(scheduled, self.kv.take_ops())
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = -(-(seq.num_computed_tokens + num_new) // self.config.block_size)
-        return max(0, total - len(seq.block_table))
+    def _admit_all(self, group: SequenceGroup) -> bool:
+        """Admits a resumed multi-sequence group without computing yet; its sequences run from the next step."""
+        needed = sum(-(-s.num_tokens // self.config.block_size) for s in group.live_seqs)
+        return needed <= self.kv.pool.num_free
 
-    def _reserve(self, seq: Sequence, num_new: int) -> None:
-        seq.block_table.extend(self.block_pool.allocate(self._blocks_needed(seq, num_new)))
+    def _scheduled(self, seq: Sequence, num_new: int, group: SequenceGroup) -> ScheduledSeq:
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSeq(seq, num_new, group, samples)
 
-    def _reserve_or_preempt(self, seq: Sequence, num_new: int) -> bool:
-        while self._blocks_needed(seq, num_new) > self.block_pool.num_free:
-            victim = self.running[-1]
+    def _forks(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Parallel samples: when a prompt's last chunk runs, its siblings fork it and sample the same logits."""
+        forks = []
+        for s in scheduled:
+            group = s.group
+            if not s.samples or group.forked or group.width == 1 or group.params.use_beam_search:
+                continue
+            group.forked = True
+            for i in range(1, group.width):
+                child = s.seq.fork(self._next_seq_id(), seed=_child_seed(s.seq.seed, i))
+                self.kv.fork(child)
+                group.seqs.append(child)
+                forks.append(ScheduledSeq(child, 0, group, True, logits_of=s.seq))
+        return forks
+
+    def _make_room(self, seq: Sequence, num_new: int, group: SequenceGroup) -> bool:
+        """Preempts the lowest-priority, most recently admitted groups until seq fits; False if it was preempted."""
+        while self.kv.blocks_needed(seq, num_new) > self.kv.pool.num_free:
+            victim = max(self.running, key=lambda g: (g.priority, g.arrival))
             self.preempt(victim)
-            if victim is seq:
+            if victim is group:
                 return False
-        self._reserve(seq, num_new)
+        self.kv.reserve(seq, num_new)
         return True
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the sequence's blocks and requeue it at the front."""
-        self.running.remove(seq)
-        self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+    def preempt(self, group: SequenceGroup) -> None:
+        self.running.remove(group)
         self.num_preemptions += 1
+        live = group.live_seqs
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(live):
+            self.kv.swap_out(live)
+            group.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            return
+        for seq in live:
+            self.kv.free(seq)
+        group.status = SequenceStatus.WAITING
+        self.waiting.insert(0, group)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self._release(seq)
-        seq.status = SequenceStatus.FINISHED
+    def _swap_in_what_fits(self) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            live = group.live_seqs
+            needed = self.kv.blocks_to_swap_in(live) + len(live)  # and room for each to grow by a block
+            if needed > self.kv.pool.num_free:
+                return
+            self.swapped.pop(0)
+            self.kv.swap_in(live)
+            group.status = SequenceStatus.RUNNING
+            self.running.append(group)
+
+    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        self.kv.free(seq) if group.status != SequenceStatus.SWAPPED else self._drop_host_slots([seq])
 
-    def _release(self, seq: Sequence) -> None:
-        self.block_pool.free(seq.block_table)
-        seq.block_table = []
+    def finish_group(self, group: SequenceGroup, reason: str = "abort") -> None:
+        """Ends every live sequence of the group and forgets the group (finish or abort)."""
+        for seq in group.live_seqs:
+            self.finish_seq(group, seq, reason)
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        group.status = SequenceStatus.FINISHED
+
+    def _drop_host_slots(self, seqs: list[Sequence]) -> None:
+        slots = {b for s in seqs for b in s.block_table}
+        still_used = {b for g in self.swapped for s in g.live_seqs if s not in seqs for b in s.block_table}
+        self.kv.host_free.extend(slots - still_used)
+        for s in seqs:
+            s.block_table = []
+
+
+def _child_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index * 7_919) % (1 << 32)

@@ -1,4 +1,4 @@
-"""Sequence: one stream of tokens being generated, with its block table."""
+"""Sequence (one stream of tokens and its block table) and SequenceGroup (the sequences of one request)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,23 +10,24 @@ from jaxpage.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
     seq_id: int
-    request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    params: SamplingParams
     max_len: int  # prompt + output tokens may not exceed this (max_model_len and max_tokens)
-    status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = dataclasses.field(default_factory=list)
+    seed: int = 0
+    block_table: list[int] = dataclasses.field(default_factory=list)  # device blocks (host slots when swapped)
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of its full blocks
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
-    seed: int = 0
+    output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    pending_top: tuple | None = None  # beam search: this step's top (ids, logprobs), until all beams have theirs
 
     @property
     def num_tokens(self) -> int:
@@ -42,4 +43,41 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.finish_reason is not None
+
+    def fork(self, seq_id: int, seed: int) -> "Sequence":
+        """A copy sharing this sequence's history; the caller shares the blocks by reference count."""
+        return dataclasses.replace(self, seq_id=seq_id, seed=seed, token_ids=list(self.token_ids),
+                                   block_table=list(self.block_table), block_hashes=list(self.block_hashes),
+                                   output_logprobs=list(self.output_logprobs))
+
+
+@dataclasses.dataclass(eq=False)
+class SequenceGroup:
+    """A request: one sequence until its prompt is computed, then ``width`` samples or beams sharing its blocks."""
+
+    request_id: str
+    seqs: list[Sequence]
+    params: SamplingParams
+    arrival: int
+    priority: int = 0  # lower is served first, as in vLLM
+    status: SequenceStatus = SequenceStatus.WAITING
+    forked: bool = False  # whether the prompt's sequence has been forked into its samples or beams
+    finished_seqs: list[Sequence] = dataclasses.field(default_factory=list)  # finished beam hypotheses
+
+    @property
+    def width(self) -> int:
+        return self.params.best_of
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.seqs[0].num_computed_tokens >= self.seqs[0].num_prompt_tokens
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences this group can hold at once (counted against max_num_seqs at admission)."""
+        return self.width

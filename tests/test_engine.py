@@ -53,7 +53,7 @@ def _all_blocks_free(llm) -> bool:
     ("", SamplingParams(max_tokens=4), "prompt is empty"),
     ({"prompt_token_ids": []}, SamplingParams(max_tokens=4), "prompt_token_ids is empty"),
     ({"prompt_token_ids": [1] * 1024}, SamplingParams(max_tokens=4), "max_model_len=1024"),
-    ({"prompt_token_ids": [10**9]}, SamplingParams(max_tokens=4), "prompt_token_ids must lie in"),
+    ({"prompt_token_ids": [10**9]}, SamplingParams(max_tokens=4), "prompt_token_ids must be integers in"),
     (42, SamplingParams(max_tokens=4), "prompt must be a string"),
 ])
 def test_bad_input_is_refused_and_the_engine_keeps_serving(smollm2, prompt, params, message):

@@ -15,7 +15,7 @@ def test_block_pool_hands_out_each_block_once_and_never_the_null_block():
     assert sorted(blocks) == list(range(1, 9)) and NULL_BLOCK not in blocks
     with pytest.raises(MemoryError):
         pool.allocate(1)
-    pool.fork(blocks[:2])
+    pool.share(blocks[:2])
     pool.free(blocks)
     assert pool.num_free == 6  # the two forked blocks still have an owner
     pool.free(blocks[:2])

@@ -1,0 +1,144 @@
+"""KVCacheManager: the block tables of sequences: prefix matching, growth, copy-on-write, forks and swapping.
+
+It only does bookkeeping; the device work it implies (block copies, swaps) is queued in ``DeviceOps`` for the
+model runner to carry out before the step that needs it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxpage.block_pool import BlockPool, hash_block
+from jaxpage.sequence import Sequence
+
+
+COPY, SWAP_OUT, SWAP_IN = "copy", "swap_out", "swap_in"
+
+
+@dataclasses.dataclass
+class DeviceOps:
+    """Block moves to apply before the next step, in the order they were queued (a later op may read what an
+    earlier one wrote): (COPY, src block, dst block), (SWAP_OUT, block, host slot), (SWAP_IN, host slot, block)."""
+
+    moves: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+
+    def batches(self) -> list[tuple[str, list[int], list[int]]]:
+        """Consecutive moves of one kind, as (kind, sources, destinations)."""
+        out: list[tuple[str, list[int], list[int]]] = []
+        for kind, src, dst in self.moves:
+            if not out or out[-1][0] != kind:
+                out.append((kind, [], []))
+            out[-1][1].append(src)
+            out[-1][2].append(dst)
+        return out
+
+
+class KVCacheManager:
+    def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int):
+        self.pool = block_pool
+        self.block_size = block_size
+        self.host_free = collections.deque(range(num_host_blocks))
+        self.num_host_blocks = num_host_blocks
+        self.ops = DeviceOps()
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found
+
+    def take_ops(self) -> DeviceOps:
+        ops, self.ops = self.ops, DeviceOps()
+        return ops
+
+    # --- admission and growth -------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> None:
+        """Reuses cached blocks for the longest cached prefix; the last token is always left to compute."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        bs, tokens = self.block_size, seq.token_ids
+        parent = None
+        matchable = (seq.num_tokens - 1) // bs
+        for i in range(matchable):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            block = self.pool.lookup(parent)
+            if block is None:
+                break
+            self.pool.share([block])
+            seq.block_table.append(block)
+            seq.block_hashes.append(parent)
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += seq.num_computed_tokens
+
+    def blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        """New blocks to write num_new more tokens: growth plus a copy of a shared block written into."""
+        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        growth = max(0, total - len(seq.block_table))
+        return growth + int(self._shared_write_block(seq) is not None)
+
+    def reserve(self, seq: Sequence, num_new: int) -> None:
+        shared = self._shared_write_block(seq)
+        if shared is not None:  # copy-on-write: the first write into a block someone else holds
+            index, src = shared
+            (dst,) = self.pool.allocate(1)
+            self.ops.moves.append((COPY, src, dst))
+            self.pool.free([src])
+            seq.block_table[index] = dst
+        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        seq.block_table.extend(self.pool.allocate(max(0, total - len(seq.block_table))))
+
+    def _shared_write_block(self, seq: Sequence) -> tuple[int, int] | None:
+        index = seq.num_computed_tokens // self.block_size
+        if seq.num_computed_tokens % self.block_size == 0 or index >= len(seq.block_table):
+            return None  # writing starts a fresh block
+        block = seq.block_table[index]
+        return (index, block) if self.pool.ref_counts[block] > 1 else None
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Registers the blocks this sequence has completely computed under their chained hashes."""
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(block_hash)
+            self.pool.cache(seq.block_table[i], block_hash)
+
+    # --- sharing and release --------------------------------------------------------------------------
+    def fork(self, seq: Sequence) -> None:
+        """Counts a new holder of every block in ``seq``'s table (the table was copied by Sequence.fork)."""
+        self.pool.share(seq.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table[::-1])
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # --- swapping -------------------------------------------------------------------------------------
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return len({b for s in seqs for b in s.block_table}) <= len(self.host_free)
+
+    def swap_out(self, seqs: list[Sequence]) -> None:
+        """Moves the sequences' blocks to host slots (shared blocks once) and frees them on the device."""
+        slot_of: dict[int, int] = {}
+        for seq in seqs:
+            for b in seq.block_table:
+                if b not in slot_of:
+                    slot_of[b] = self.host_free.popleft()
+                    self.ops.moves.append((SWAP_OUT, b, slot_of[b]))
+        for seq in seqs:
+            self.pool.free(seq.block_table[::-1])
+            seq.block_table = [slot_of[b] for b in seq.block_table]
+
+    def blocks_to_swap_in(self, seqs: list[Sequence]) -> int:
+        return len({b for s in seqs for b in s.block_table})
+
+    def swap_in(self, seqs: list[Sequence]) -> None:
+        slots = list(dict.fromkeys(b for s in seqs for b in s.block_table))
+        blocks = self.pool.allocate(len(slots))
+        block_of = dict(zip(slots, blocks))
+        refs = collections.Counter(b for s in seqs for b in s.block_table)
+        for slot, block in block_of.items():
+            self.pool.share([block] * (refs[slot] - 1))
+            self.ops.moves.append((SWAP_IN, slot, block))
+            self.host_free.append(slot)
+        for seq in seqs:
+            seq.block_table = [block_of[s] for s in seq.block_table]
+            seq.block_hashes = []  # re-registered by cache_full_blocks after the next step
