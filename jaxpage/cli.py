@@ -47,7 +47,7 @@ def generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed)
     if not ns.prompt:
         raise ValueError("prompt is empty")
-    engine = LLMEngine(engine_args_from(ns))
+    engine = LLMEngine.from_args(engine_args_from(ns))
     prompt = engine.apply_chat_template([{"role": "user", "content": ns.prompt}]) if ns.chat else ns.prompt
     engine.add_request("cli", prompt, params)
     printed = 0

@@ -12,7 +12,7 @@ from jaxpage.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **options):
-        self.engine = LLMEngine(EngineArgs(model=model, **options))
+        self.engine = LLMEngine.from_args(EngineArgs(model=model, **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -43,3 +43,6 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update()
         return [finished[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -12,7 +12,7 @@ from pathlib import Path
 from jaxpage.beam_search import beam_search_step, final_beams
 from jaxpage.block_pool import BlockPool
 from jaxpage.compile_cache import enable_compilation_cache
-from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.config import EngineConfig, ModelConfig, build_engine_config
 from jaxpage.detokenizer import IncrementalDetokenizer
 from jaxpage.kv_cache import bytes_per_block
 from jaxpage.kv_cache_manager import KVCacheManager
@@ -56,36 +56,50 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
-        cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-        enable_compilation_cache(cache_dir)
-        started = time.perf_counter()
-        loaded = load_model(args.model, cache_dir)
-        self.load_seconds = time.perf_counter() - started
-        self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.config = build_engine_config(
-            ModelConfig.from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
-        per_block = bytes_per_block(self.config.model, self.config.block_size, self.config.dtype)
-        num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
-        self.runner = ModelRunner(self.config, loaded.params, num_host_blocks)
-        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
-        self.block_pool = BlockPool(self.config.num_kv_blocks, args.enable_prefix_caching)
-        self.kv = KVCacheManager(self.block_pool, self.config.block_size, num_host_blocks)
-        self.scheduler = Scheduler(self.config, self.kv, args.preemption_mode)
+    """The engine over any runner with ``warm_up``, ``apply(DeviceOps)`` and ``execute(scheduled)``."""
+
+    def __init__(self, config: EngineConfig, runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
+                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute", num_host_blocks: int = 0):
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.model_name = model_name
+        self.block_pool = BlockPool(config.num_kv_blocks, enable_prefix_caching)
+        self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks)
+        self.scheduler = Scheduler(config, self.kv, preemption_mode)
         self._seq_ids = itertools.count()
         self.scheduler._next_seq_id = lambda: next(self._seq_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.finished_metrics: collections.deque[RequestMetrics] = collections.deque(maxlen=1000)
         self.peak_kv = {"blocks_used": 0, "kv_tokens_stored": 0, "kv_slots_allocated": 0}
+        self.load_seconds = self.warmup_seconds = 0.0
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Loads the model, sizes the pool, compiles every bucket: the engine ready to serve."""
+        cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+        enable_compilation_cache(cache_dir)
         started = time.perf_counter()
-        self.runner.warm_up(progress=args.progress)
-        self.warmup_seconds = time.perf_counter() - started
+        loaded = load_model(args.model, cache_dir)
+        load_seconds = time.perf_counter() - started
+        config = build_engine_config(
+            ModelConfig.from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+        per_block = bytes_per_block(config.model, config.block_size, config.dtype)
+        num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
+        runner = ModelRunner(config, loaded.params, num_host_blocks)
+        runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
+        engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
+                     model_name=loaded.name, enable_prefix_caching=args.enable_prefix_caching,
+                     preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks)
+        started = time.perf_counter()
+        runner.warm_up(progress=args.progress)
+        engine.load_seconds, engine.warmup_seconds = load_seconds, time.perf_counter() - started
+        return engine
 
     # --- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
