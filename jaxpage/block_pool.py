@@ -32,6 +32,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self.peak_used = 0
+        self.num_shared = 0  # blocks with more than one holder
 
     @property
     def num_free(self) -> int:
@@ -66,6 +67,7 @@ class BlockPool:
             if self.ref_counts[b] == 0:
                 del self._free[b]
             self.ref_counts[b] += 1
+            self.num_shared += self.ref_counts[b] == 2
         self.peak_used = max(self.peak_used, self.num_used)
 
     def free(self, blocks: list[int]) -> None:
@@ -73,6 +75,7 @@ class BlockPool:
         for b in blocks:
             assert b != NULL_BLOCK and self.ref_counts[b] > 0, f"double free of block {b}"
             self.ref_counts[b] -= 1
+            self.num_shared -= self.ref_counts[b] == 1
             if self.ref_counts[b] == 0:
                 self._free[b] = None
 
@@ -100,3 +103,4 @@ class BlockPool:
         assert counts == self.ref_counts, "reference counts differ from the tables"
         assert all((self.ref_counts[b] == 0) == (b in self._free) for b in range(1, self.num_blocks))
         assert all(self._cached[h] == b for b, h in self._hash_of.items())
+        assert self.num_shared == sum(c > 1 for c in self.ref_counts)

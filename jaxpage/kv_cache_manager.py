@@ -68,9 +68,9 @@ class KVCacheManager:
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """New blocks to write num_new more tokens: growth plus a copy of a shared block written into."""
-        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
-        growth = max(0, total - len(seq.block_table))
-        return growth + int(self._shared_write_block(seq) is not None)
+        end = seq.num_computed_tokens + num_new
+        growth = max(0, -(-end // self.block_size) - len(seq.block_table))
+        return growth + (self.pool.num_shared > 0 and self._shared_write_block(seq) is not None)
 
     def reserve(self, seq: Sequence, num_new: int) -> None:
         shared = self._shared_write_block(seq)

@@ -1,6 +1,7 @@
 """LLM: vLLM's offline interface over the engine."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from tqdm.auto import tqdm
@@ -25,6 +26,7 @@ class LLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
+        params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]

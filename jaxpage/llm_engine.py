@@ -53,6 +53,7 @@ class Request:
     detokenizers: dict[int, IncrementalDetokenizer]  # by seq_id
     metrics: RequestMetrics
     stop_reasons: dict[int, str | int] = dataclasses.field(default_factory=dict)
+    sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # delta mode: tokens, chars sent
 
 
 class LLMEngine:
@@ -187,7 +188,8 @@ class LLMEngine:
             if request.group.params.use_beam_search:
                 self._advance_beams(request)
         self._track_peak_kv()
-        return [self._finish_if_done(r, now) for r in touched.values()]
+        outputs = [self._finish_if_done(r, now) for r in touched.values()]
+        return [o for o in outputs if o is not None]
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top) -> None:
         p = request.group.params
@@ -198,8 +200,10 @@ class LLMEngine:
             entry = {int(i): float(v) for i, v in zip(ids[:p.logprobs], lps[:p.logprobs])}
             entry[token] = logprob
             seq.output_logprobs.append(entry)
-        detok = request.detokenizers.setdefault(seq.seq_id, IncrementalDetokenizer(
-            self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop))
+        detok = request.detokenizers.get(seq.seq_id)
+        if detok is None:
+            detok = request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
         detok.add(token)
         reason = self._finish_reason(request, seq, token, detok)
         if reason is not None:
@@ -228,7 +232,7 @@ class LLMEngine:
             return  # some beam is still recomputing after a preemption
         beam_search_step(group, self.eos_token_ids, self.scheduler, lambda: next(self._seq_ids))
 
-    def _finish_if_done(self, request: Request, now: float) -> RequestOutput:
+    def _finish_if_done(self, request: Request, now: float) -> RequestOutput | None:
         group = request.group
         done = not group.live_seqs
         if done:
@@ -237,6 +241,8 @@ class LLMEngine:
             self.finished_metrics.append(request.metrics)
             self.scheduler.finish_group(group, "stop")
             del self.requests[group.request_id]
+        if not done and group.params.output_kind == "final_only":
+            return None
         return self._output(request, done)
 
     def _output(self, request: Request, finished: bool) -> RequestOutput:
@@ -248,15 +254,20 @@ class LLMEngine:
         else:
             seqs = group.seqs[:p.n] if finished else group.seqs
         completions = []
+        delta = p.output_kind == "delta"
         for index, seq in enumerate(seqs):
             detok = request.detokenizers.get(seq.seq_id)
             text = detok.output_text(final=finished or seq.is_finished) if detok else ""
             if p.use_beam_search and self.tokenizer is not None:
                 text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            tokens_from, text_from = request.sent.get(seq.seq_id, (0, 0)) if delta else (0, 0)
+            token_ids = seq.token_ids[seq.num_prompt_tokens + tokens_from:]
+            logprobs = seq.output_logprobs[tokens_from:] if p.logprobs is not None else None
+            if delta:
+                request.sent[seq.seq_id] = (tokens_from + len(token_ids), len(text))
             completions.append(CompletionOutput(
-                index=index, text=text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if p.logprobs is not None else None,
+                index=index, text=text[text_from:], token_ids=token_ids,
+                cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
                 finish_reason=seq.finish_reason if finished or seq.is_finished else None,
                 stop_reason=request.stop_reasons.get(seq.seq_id)))
         first = group.seqs[0]
@@ -267,8 +278,11 @@ class LLMEngine:
     # --- stats ----------------------------------------------------------------------------------------
     def _kv_occupancy(self) -> tuple[int, int]:
         """(tokens stored, slots allocated) over the blocks that sequences hold, each block counted once."""
-        filled: dict[int, int] = {}
         bs = self.config.block_size
+        if not self.block_pool.num_shared:  # every block has one holder: no block can be counted twice
+            stored = sum(s.num_computed_tokens for g in self.scheduler.running for s in g.live_seqs)
+            return stored, self.block_pool.num_used * bs
+        filled: dict[int, int] = {}
         for group in self.scheduler.running:
             for seq in group.live_seqs:
                 for i, block in enumerate(seq.block_table):

@@ -115,46 +115,82 @@ def _abstract_inputs(config: EngineConfig, num_tokens: int):
     return batch, sampling
 
 
+@functools.lru_cache(maxsize=64)
+def _plain_rows(num_seqs: int, max_model_len: int) -> tuple[np.ndarray, ...]:
+    """Penalty and ban inputs of rows without penalties or bans (the common case), made once per shape."""
+    arrays = (np.zeros(num_seqs, np.float32), np.zeros(num_seqs, np.float32), np.ones(num_seqs, np.float32),
+              np.full((num_seqs, max_model_len), -1, np.int32), np.zeros(num_seqs, np.int32),
+              np.full((num_seqs, MAX_BANNED), -1, np.int32))
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
+
+
 def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
                 eos_token_ids: tuple[int, ...] = ()) -> tuple[TokenBatch, SamplingBatch]:
-    """The flat batch in numpy, padded to its buckets. Padding tokens write to the null block."""
+    """The flat batch in numpy, padded to its buckets. Padding tokens write to the null block.
+
+    Built in Python lists and converted once per field: this runs every step for every sequence.
+    """
     bs = config.block_size
-    total = sum(s.num_new_tokens for s in scheduled)
-    num_tokens = pick_bucket(config.token_buckets(), max(total, 1))
-    num_seqs = config.num_seqs_for(num_tokens)
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slots = np.zeros(num_tokens, np.int32)
-    token_seq = np.zeros(num_tokens, np.int32)
-    tables = np.zeros((num_seqs, config.max_blocks_per_seq), np.int32)
-    logits_indices = np.zeros(num_seqs, np.int32)
-    f = lambda value: np.full(num_seqs, value, np.float32)  # noqa: E731
-    temperature, top_p, min_p = f(0), f(1), f(0)
-    presence, frequency, repetition = f(0), f(0), f(1)
-    top_k, steps, num_prompt = (np.zeros(num_seqs, np.int32) for _ in range(3))
-    seeds = np.zeros(num_seqs, np.uint32)
-    history = np.full((num_seqs, config.max_model_len), -1, np.int32)
-    banned = np.full((num_seqs, MAX_BANNED), -1, np.int32)
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    token_seq: list[int] = []
+    table_entries: list[int] = []
+    table_rows: list[int] = []
+    table_cols: list[int] = []
+    logits_indices: list[int] = []
+    rows = {name: [] for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
+    special_rows = []  # rows with penalties or banned tokens: rare, filled one by one below
     want_top = False
     last_index: dict[int, int] = {}
-    start = 0
     for row, s in enumerate(scheduled):
         seq, n, p = s.seq, s.num_new_tokens, s.group.params
         if n:
-            first = seq.num_computed_tokens
-            pos = np.arange(first, first + n, dtype=np.int32)
-            table = np.asarray(seq.block_table, np.int32)
-            token_ids[start:start + n] = seq.token_ids[first:first + n]
-            positions[start:start + n] = pos
-            slots[start:start + n] = table[pos // bs] * bs + pos % bs
-            token_seq[start:start + n] = row
-            tables[row, :len(table)] = table
-            start += n
-            last_index[seq.seq_id] = start - 1
-        logits_indices[row] = last_index[(s.logits_of or seq).seq_id]
-        temperature[row], top_k[row], top_p[row], min_p[row] = p.temperature, p.top_k, p.top_p, p.min_p
-        seeds[row], steps[row] = seq.seed, seq.num_output_tokens
+            first, table = seq.num_computed_tokens, seq.block_table
+            if n == 1:
+                token_ids.append(seq.token_ids[first])
+                positions.append(first)
+                slots.append(table[first // bs] * bs + first % bs)
+                token_seq.append(row)
+            else:
+                token_ids.extend(seq.token_ids[first:first + n])
+                positions.extend(range(first, first + n))
+                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(first, first + n))
+                token_seq.extend([row] * n)
+            table_entries.extend(table)
+            table_rows.extend([row] * len(table))
+            table_cols.extend(range(len(table)))
+            last_index[seq.seq_id] = len(token_ids) - 1
+        logits_indices.append(last_index[(s.logits_of or seq).seq_id])
+        rows["temperature"].append(p.temperature)
+        rows["top_k"].append(p.top_k)
+        rows["top_p"].append(p.top_p)
+        rows["min_p"].append(p.min_p)
+        rows["seeds"].append(seq.seed)
+        rows["steps"].append(seq.num_output_tokens)
         want_top |= p.logprobs is not None or p.use_beam_search
+        if p.has_penalties or seq.num_output_tokens < p.min_tokens:
+            special_rows.append((row, seq, p))
+    num_tokens = pick_bucket(config.token_buckets(), max(len(token_ids), len(scheduled), 1))  # forks add rows
+    num_seqs = config.num_seqs_for(num_tokens)
+
+    def padded(values, size, dtype, fill=0):
+        out = np.full(size, fill, dtype)
+        out[:len(values)] = values
+        return out
+
+    tables = np.zeros((num_seqs, config.max_blocks_per_seq), np.int32)
+    tables[table_rows, table_cols] = table_entries
+    batch = TokenBatch(padded(token_ids, num_tokens, np.int32), padded(positions, num_tokens, np.int32),
+                       padded(slots, num_tokens, np.int32), padded(token_seq, num_tokens, np.int32), tables,
+                       padded(logits_indices, num_seqs, np.int32))
+    presence, frequency, repetition, history, num_prompt, banned = _plain_rows(num_seqs, config.max_model_len)
+    if special_rows:  # copies: the plain arrays are shared between steps and must stay as they are
+        presence, frequency, repetition, history, num_prompt, banned = (
+            a.copy() for a in (presence, frequency, repetition, history, num_prompt, banned))
+    for row, seq, p in special_rows:
         if p.has_penalties:
             presence[row], frequency[row], repetition[row] = (p.presence_penalty, p.frequency_penalty,
                                                               p.repetition_penalty)
@@ -163,7 +199,9 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
         if seq.num_output_tokens < p.min_tokens:
             ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             banned[row, :len(ban)] = ban[:MAX_BANNED]
-    batch = TokenBatch(token_ids, positions, slots, token_seq, tables, logits_indices)
-    sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, steps, presence, frequency, repetition,
-                             history, num_prompt, banned, np.bool_(want_top))
+    sampling = SamplingBatch(
+        padded(rows["temperature"], num_seqs, np.float32), padded(rows["top_k"], num_seqs, np.int32),
+        padded(rows["top_p"], num_seqs, np.float32, 1.0), padded(rows["min_p"], num_seqs, np.float32),
+        padded(rows["seeds"], num_seqs, np.uint32), padded(rows["steps"], num_seqs, np.int32),
+        presence, frequency, repetition, history, num_prompt, banned, np.bool_(want_top))
     return batch, sampling

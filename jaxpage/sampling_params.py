@@ -28,6 +28,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top log-probabilities returned per generated token
     skip_special_tokens: bool = True
+    # "cumulative": every step, the whole output so far; "delta": every step, what is new since the last
+    # output; "final_only": one output when finished
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         if self.top_k == -1:
@@ -61,6 +64,10 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
+               "must be 'cumulative', 'delta' or 'final_only'")
+        _check(self.output_kind != "delta" or (self.best_of == self.n and not self.use_beam_search),
+               "output_kind", self.output_kind, "cannot be 'delta' with beam search or best_of > n")
         if self.use_beam_search:
             _check(self.temperature == 0 or self.temperature == 1.0, "temperature", self.temperature,
                    "must be 0 with use_beam_search (beam search is deterministic)")

@@ -72,9 +72,10 @@ class Scheduler:
         if not preempted:
             self._swap_in_what_fits()
         budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        num_seqs = sum(g.max_seqs for g in self.running) if self.waiting else 0  # as reserved at admission
         while self.waiting and budget > 0 and not self.swapped:
             group = self.waiting[0]
-            if self.num_running_seqs() + group.max_seqs > self.config.max_num_seqs:
+            if num_seqs + group.max_seqs > self.config.max_num_seqs:
                 break
             seq = None if group.forked else group.seqs[0]
             if seq is None:  # resumed after recompute: every live sequence recomputes its own history
@@ -93,6 +94,7 @@ class Scheduler:
             self.waiting.pop(0)
             group.status = SequenceStatus.RUNNING
             self.running.append(group)
+            num_seqs += group.max_seqs
         scheduled.extend(self._forks(scheduled))
         return SchedulerOutput(scheduled, self.kv.take_ops())
 
@@ -122,7 +124,10 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_new: int, group: SequenceGroup) -> bool:
         """Preempts the lowest-priority, most recently admitted groups until seq fits; False if it was preempted."""
-        while self.kv.blocks_needed(seq, num_new) > self.kv.pool.num_free:
+        needed = self.kv.blocks_needed(seq, num_new)
+        if not needed:
+            return True  # the common decode step: room in its last, unshared block
+        while needed > self.kv.pool.num_free:
             victim = max(self.running, key=lambda g: (g.priority, g.arrival))
             self.preempt(victim)
             if victim is group:

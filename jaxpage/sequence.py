@@ -71,6 +71,8 @@ class SequenceGroup:
 
     @property
     def live_seqs(self) -> list[Sequence]:
+        if len(self.seqs) == 1:  # the common case, on the per-step path
+            return [] if self.seqs[0].finish_reason is not None else self.seqs
         return [s for s in self.seqs if not s.is_finished]
 
     @property

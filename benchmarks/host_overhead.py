@@ -1,0 +1,98 @@
+"""Host work per engine step, without the model: scheduling, batch building and the update of 256 sequences.
+
+    python benchmarks/host_overhead.py [--seqs 256] [--steps 200] [--json out.json]
+
+A stand-in runner builds the real flat batch (jaxpage.model_runner.build_batch) and returns a token per row,
+so everything the host does per step is timed, and nothing of the device.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import platform
+import pstats
+import statistics
+import time
+
+import numpy as np
+from transformers import LlamaConfig
+
+from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.llm_engine import LLMEngine
+from jaxpage.model_runner import build_batch
+from jaxpage.sampler import SamplerOutput
+from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class BatchOnlyRunner:
+    """Builds the batch as the real runner does; 'samples' token 7 for every row."""
+
+    def __init__(self, config):
+        self.config = config
+        self.build_seconds: list[float] = []
+
+    def warm_up(self, progress: bool = True) -> None:
+        pass
+
+    def apply(self, ops) -> None:
+        pass
+
+    def execute(self, scheduled):
+        t = time.perf_counter()
+        build_batch(self.config, scheduled)
+        self.build_seconds.append(time.perf_counter() - t)
+        n = len(scheduled)
+        return SamplerOutput(np.full(n, 7), np.zeros(n), np.zeros((n, MAX_LOGPROBS), int),
+                             np.zeros((n, MAX_LOGPROBS)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps")
+    args = parser.parse_args()
+    model = ModelConfig.from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                            max_position_embeddings=8192))
+    config = build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None,
+                                 num_kv_blocks=args.seqs * 64 + 1, max_num_seqs=args.seqs,
+                                 max_num_batched_tokens=4096, max_model_len=2048, gpu_memory_utilization=0.9)
+    runner = BatchOnlyRunner(config)
+    engine = LLMEngine(config, runner)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True, output_kind="delta")  # as served
+    for i in range(args.seqs):
+        engine.add_request(str(i), {"prompt_token_ids": rng.integers(0, 49152, rng.integers(50, 400)).tolist()},
+                           params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1
+                                          for g in engine.scheduler.running for s in g.seqs):
+        engine.step()  # prefill until every sequence is decoding
+    runner.build_seconds.clear()
+    step_seconds = []
+    profiler = cProfile.Profile() if args.profile else None
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        step_seconds.append(time.perf_counter() - t)
+    if profiler:
+        profiler.enable()
+        for _ in range(args.steps):
+            engine.step()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+    result = {"machine": platform.machine(), "running_seqs": engine.scheduler.num_running_seqs(),
+              "step_ms_median": 1e3 * statistics.median(step_seconds),
+              "build_batch_ms_median": 1e3 * statistics.median(runner.build_seconds)}
+    result["schedule_and_update_ms_median"] = result["step_ms_median"] - result["build_batch_ms_median"]
+    print(f"{'running seqs':>14} {'host ms/step':>13} {'of which batch':>15}")
+    print(f"{result['running_seqs']:>14} {result['step_ms_median']:>13.3f} {result['build_batch_ms_median']:>15.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
