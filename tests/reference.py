@@ -66,3 +66,28 @@ def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4, c
     """Agreement relative to the logits' scale: max |ours - ref| <= rtol * max |ref|."""
     err, scale = np.abs(ours - ref).max(), np.abs(ref).max()
     assert err <= rtol * scale, f"{context}: max abs error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def randomize_weights(model: torch.nn.Module, gen: torch.Generator, std: float = 0.15) -> None:
+    """Large enough weights that logits are spread out; norms around 1; nonzero biases."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied lm_head is the embedding: visited once
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def save_random_model(hf_config, path, seed: int) -> torch.nn.Module:
+    """A randomly initialised transformers model saved as a Hugging Face directory (config + safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
+    randomize_weights(model, torch.Generator().manual_seed(seed))
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
