@@ -11,17 +11,15 @@ NEAR_TIE = 1e-3
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy decoding with transformers' own KV cache; returns the tokens and the logits that chose each."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
-    tokens, logits = [], []
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and each step's logits [n, V], recomputing the whole sequence at every step (transformers'
+    own KV cache is no faster for these sizes here, and recomputation leaves nothing cached to get wrong)."""
+    ids, step_logits = list(prompt_ids), []
     for _ in range(max_new_tokens):
-        step_logits = out.logits[0, -1].float().numpy()
-        token = int(step_logits.argmax())
-        tokens.append(token)
-        logits.append(step_logits)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, logits
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        step_logits.append(logits.numpy())
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):], np.stack(step_logits)
 
 
 @torch.no_grad()
@@ -29,13 +27,11 @@ def hf_logits(model, token_ids: list[int]) -> np.ndarray:
     return model(torch.tensor([token_ids])).logits[0].float().numpy()
 
 
-def first_near_tie(step_logits: list[np.ndarray]) -> int:
+def first_near_tie(step_logits: np.ndarray) -> int:
     """The first step whose two best reference logits lie within NEAR_TIE (len if none)."""
-    for i, logits in enumerate(step_logits):
-        top2 = np.sort(logits)[-2:]
-        if top2[1] - top2[0] < NEAR_TIE:
-            return i
-    return len(step_logits)
+    top2 = np.sort(np.asarray(step_logits), axis=-1)[:, -2:]
+    ties = np.flatnonzero(top2[:, 1] - top2[:, 0] < NEAR_TIE)
+    return int(ties[0]) if ties.size else len(step_logits)
 
 
 def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[np.ndarray], context: str = ""):

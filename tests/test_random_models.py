@@ -6,7 +6,7 @@ For each architecture variant (MHA, GQA 3:1 and 4:1, MQA, Qwen2 q/k/v bias, Mist
 attention_bias; tied and untied embeddings; head_dim 64 and 128) and prompts of 1, block_size-1, block_size and
 block_size+1 tokens:
 - greedy generation through `LLM.generate` is token-identical to a greedy loop in transformers with full
-  recomputation, up to the first step where the reference's two top logits lie within NEAR_TIE (a divergence
+  recomputation, up to the first step where the reference's two top logits lie within reference.NEAR_TIE (a divergence
   from there on is a near-tie, not a failure);
 - teacher-forced logits through the paged path (forward_hidden over a shuffled block table) agree with
   transformers' to REL_TOL relative, row by row;
@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, MistralConfig, Qwen2Config
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.model import TokenBatch, compute_logits, forward_hidden
+from tests.reference import first_near_tie, hf_greedy, save_random_model
 
 SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
 BLOCK_SIZE = 16
@@ -41,8 +42,6 @@ ENGINE_OPTIONS = dict(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_nu
                       max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, dtype="float32", progress=False)
 REL_TOL = 1e-4  # teacher-forced logits: max|jax - torch| <= REL_TOL * max|torch| + ATOL, per position
 ATOL = 1e-6
-NEAR_TIE = 1e-3  # reference top-2 logit gap under which a greedy divergence is a near-tie
-INIT_STD = 0.15
 TF_TOKENS = 48  # teacher-forced batches are padded to this many tokens
 
 torch.set_num_threads(1)  # tiny matmuls; leaves the other core to XLA
@@ -88,37 +87,6 @@ CASES = [
 ]
 
 
-def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Large enough weights that logits are spread out; norms around 1; nonzero biases."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # tied lm_head is the embedding: visited once
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(INIT_STD * noise)
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], num_new: int) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens and each step's logits [num_new, V], recomputing the whole sequence at every step."""
-    ids, step_logits = list(prompt), []
-    for _ in range(num_new):
-        logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
-        step_logits.append(logits.numpy())
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt):], np.stack(step_logits)
-
-
-def first_near_tie(step_logits: np.ndarray) -> int:
-    """The first step whose two top reference logits are within NEAR_TIE; len(step_logits) if none."""
-    top2 = np.sort(step_logits, axis=-1)[:, -2:]
-    ties = np.flatnonzero(top2[:, 1] - top2[:, 0] < NEAR_TIE)
-    return int(ties[0]) if ties.size else len(step_logits)
-
-
 @dataclasses.dataclass
 class Built:
     case: Case
@@ -159,13 +127,9 @@ def cache_dir(tmp_path_factory):
 def built(request, cache_dir, tmp_path_factory):
     case = request.param
     seed = (SEED + 7919 * CASES.index(case)) % 2**31
-    torch.manual_seed(seed)
     hf_config = case.config_cls(**case.kwargs)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
-    _randomize(model, torch.Generator().manual_seed(seed))
-    model.eval()
     hf_dir = tmp_path_factory.mktemp(case.id)
-    model.save_pretrained(hf_dir, safe_serialization=True)
+    model = save_random_model(hf_config, hf_dir, seed)
     llm = LLM(model=str(hf_dir), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
     rng = np.random.default_rng(seed)
     vocab = hf_config.vocab_size
