@@ -1,8 +1,41 @@
-"""Paged attention over the flat batch, through block tables: the XLA reference path."""
+"""Paged attention over the flat batch, through block tables: the backend choice and the XLA reference path."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxpage.kv_cache import write_kv
+
+BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+
+
+def resolve_backend(name: str) -> str:
+    """'auto' picks the Pallas kernel of the platform, and the XLA path on the CPU."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend={name!r} must be one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
+
+
+def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer: jax.Array,
+                     token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array, block_tables: jax.Array,
+                     scale: float) -> tuple[jax.Array, jax.Array]:
+    """Writes this step's K/V into the pool and attends through the block tables; returns (out, pool).
+
+    Every backend has these semantics (pallas_kernels.reference.ragged_paged_attention_reference). On a CPU the
+    Pallas backends run through the Pallas interpreter, so the whole engine can be exercised here.
+    """
+    if backend == "xla":
+        pool = write_kv(pool, layer, k, v, slot_mapping)
+        return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale), pool
+    import pallas_kernels
+
+    kernel = {"pallas_gpu": pallas_kernels.ragged_paged_attention_gpu,
+              "pallas_tpu": pallas_kernels.ragged_paged_attention_tpu}[backend]
+    interpret = jax.default_backend() == "cpu"
+    return kernel(q, k.astype(q.dtype), v.astype(q.dtype), pool, layer, token_seq, positions, slot_mapping,
+                  block_tables, scale=scale, interpret=interpret)
 
 _MASKED = -1e30
 PAGES_PER_CHUNK = 8  # pages each query token reads per loop iteration

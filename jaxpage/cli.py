@@ -37,6 +37,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("prompt")
+
+    srv = sub.add_parser("serve", help="serve the model over gRPC (jaxpage.v1.Generation), with health and metrics")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics over HTTP (0: off)")
+    srv.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (default: --host)")
+    srv.add_argument("--max-queue", type=int, default=None,
+                     help="requests in flight (waiting + running) beyond which calls get RESOURCE_EXHAUSTED")
+    srv.add_argument("--grace-seconds", type=float, default=30.0,
+                     help="on SIGTERM/SIGINT, how long calls in flight may take to finish")
+
+    cli = sub.add_parser("client", help="call a running `jaxpage serve`; the text goes to stdout")
+    cli.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
+    cli.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    cli.add_argument("--max-tokens", type=int, default=128)
+    cli.add_argument("--temperature", type=float, default=0.0)
+    cli.add_argument("--seed", type=int, default=None)
+    cli.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    cli.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    cli.add_argument("--info", action="store_true", help="print the served model's info instead")
+    cli.add_argument("--verbose", "-v", action="store_true", help="finish reason and token counts to stderr")
+    cli.add_argument("prompt", nargs="?", default="")
     return parser
 
 
@@ -61,10 +84,26 @@ def generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def serve(ns: argparse.Namespace) -> int:
+    if ns.max_queue is not None and ns.max_queue < 1:
+        raise ValueError(f"--max-queue={ns.max_queue} must be >= 1")
+    from serving.server import run
+
+    return run(ns)
+
+
+def client(ns: argparse.Namespace) -> int:
+    if not ns.prompt and not ns.info:
+        raise ValueError("prompt is empty")
+    from serving.client import run
+
+    return run(ns)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        return {"generate": generate}[ns.command](ns)
+        return {"generate": generate, "serve": serve, "client": client}[ns.command](ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"jaxpage: error: {e}", file=sys.stderr)
         return 2

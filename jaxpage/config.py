@@ -123,6 +123,7 @@ class EngineConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -169,9 +170,11 @@ def resolve_dtype(dtype: str) -> str:
 
 def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_cache_memory: int | None,
                         num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
-                        max_model_len: int | None, gpu_memory_utilization: float) -> EngineConfig:
+                        max_model_len: int | None, gpu_memory_utilization: float,
+                        attention_backend: str = "auto") -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     from jaxpage import kv_cache
+    from jaxpage.attention import resolve_backend
 
     dtype = resolve_dtype(dtype)
     _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
@@ -193,7 +196,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
         num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, dtype, budget, max_model_len)
     return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens)
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        attention_backend=resolve_backend(attention_backend))
 
 
 def _require(ok: bool, field: str, value, rule: str) -> None:

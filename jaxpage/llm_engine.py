@@ -40,6 +40,7 @@ class EngineArgs:
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
     preemption_mode: str = "recompute"
     swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
     cache_dir: str | None = None
@@ -89,7 +90,8 @@ class LLMEngine:
             ModelConfig.from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+            max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+            attention_backend=args.attention_backend)
         per_block = bytes_per_block(config.model, config.block_size, config.dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)

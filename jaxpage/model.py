@@ -12,9 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpage.attention import paged_attention_xla
+from jaxpage.attention import write_and_attend
 from jaxpage.config import ModelConfig
-from jaxpage.kv_cache import write_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +52,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def _attention_block(cfg: ModelConfig, lp: dict, x: jax.Array, pool: jax.Array, layer: jax.Array,
-                     batch: TokenBatch, inv_freq: jax.Array):
+                     batch: TokenBatch, inv_freq: jax.Array, backend: str):
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("td,dhk->thk", h, lp["wq"])
     k = jnp.einsum("td,dhk->thk", h, lp["wk"])
@@ -62,9 +61,8 @@ def _attention_block(cfg: ModelConfig, lp: dict, x: jax.Array, pool: jax.Array, 
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q, batch.positions, inv_freq)
     k = apply_rope(k, batch.positions, inv_freq)
-    pool = write_kv(pool, layer, k, v, batch.slot_mapping)
-    attn = paged_attention_xla(q, pool, layer, batch.token_seq, batch.positions, batch.block_tables,
-                               scale=cfg.head_dim ** -0.5)
+    attn, pool = write_and_attend(backend, q, k, v, pool, layer, batch.token_seq, batch.positions,
+                                  batch.slot_mapping, batch.block_tables, scale=cfg.head_dim ** -0.5)
     out = jnp.einsum("thk,hkd->td", attn, lp["wo"])
     if cfg.o_bias:
         out = out + lp["bo"]
@@ -77,15 +75,17 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
     return x + (gate * (h @ lp["w_up"])) @ lp["w_down"]
 
 
-def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch):
-    """Runs all layers over the flat batch; returns final-normed hidden states [T, D] and the updated pool."""
+def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch, backend: str = "xla"):
+    """Runs all layers over the flat batch; returns final-normed hidden states [T, D] and the updated pool.
+
+    backend: the attention backend (jaxpage.attention.BACKENDS, resolved), static under jit."""
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     x = params["embed"][batch.token_ids]
 
     def layer_fn(carry, xs):
         x, pool = carry
         lp, layer = xs
-        x, pool = _attention_block(cfg, lp, x, pool, layer, batch, inv_freq)
+        x, pool = _attention_block(cfg, lp, x, pool, layer, batch, inv_freq, backend)
         return (_mlp_block(cfg, lp, x), pool), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
          sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
     """One engine iteration: write K/V, attend through the block tables, sample one token per sequence."""
-    hidden, pool = forward_hidden(config.model, params, pool, batch)
+    hidden, pool = forward_hidden(config.model, params, pool, batch, config.attention_backend)
     logits = compute_logits(config.model, params, hidden[batch.logits_indices])
     return sample(logits, sampling), pool
 
