@@ -1,0 +1,279 @@
+"""Ragged paged attention for TPU: one kernel call writes a flat mixed batch's K/V into the pool and attends.
+
+The batch is the engine's (jaxpage.model.TokenBatch): T tokens, each with its block-table row (token_seq), its
+position and its slot; a sequence's tokens are contiguous, decodes usually first. The kernel:
+
+- grid ``(KV-head blocks, query blocks of TQ tokens)``; the head-block axis is ``parallel`` (megacore), the
+  query-block axis ``arbitrary`` (in order on one core);
+- step (hb, qb) first copies the K/V of its TQ tokens, heads of block hb, from HBM into their slots of the
+  pool (two small DMAs per token into the output pool, which aliases the input pool, so the pool is updated in
+  place; no separate scatter), and waits for them. Every key a token may see was written by itself, an
+  earlier token of the same step, or an earlier step on the same core: the reference's write-then-read order;
+- then it walks the runs of equal ``token_seq`` inside its query block; for each run it streams the
+  sequence's pages up to the run's last position in chunks of P pages (one async copy per page of heads hb,
+  double buffered) through an online softmax over all TQ x G query rows (rows outside the run are masked),
+  and stores the run's rows of the output.
+
+Tokens in the null block (padding) get finite but unspecified outputs: they may read null-block slots that
+later padding tokens overwrite. Loaded values are reshaped, refs never are; every copy has a static shape.
+The wrapper lays q out as [KVH, T * G, D] (and the output back), so a KV head's query rows are one 2-D tile.
+
+Not tuned yet: a run's first chunk is not prefetched during the previous run (JAX's kernel does that across
+sequences), and every run computes all TQ x G rows of its query block (decodes use G of them).
+
+ragged_paged_attention_gpu (below) is the GPU version (Triton lowering), one program per (token, KV head).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import gpu_decode as gpu
+from pallas_kernels.reference import check_ragged_args
+from pallas_kernels.tpu_decode import (ANY, ARBITRARY, PARALLEL, PageCopies, _CompilerParams, attend_chunk,
+                                       finish_state, init_state)
+
+
+def _ragged_kernel(layer_ref, tseq_ref, pos_ref, slot_ref, tables_ref,  # scalar prefetch (SMEM)
+                   q_ref, row_pos_ref, k_hbm, v_hbm, _pool_in,  # inputs
+                   o_ref, pool_hbm,  # outputs; pool_hbm aliases _pool_in
+                   kv_buf, sems, write_sem,  # scratch
+                   *, scale, soft_cap, width, num_tokens, tokens_per_block, pages_per_block, precision):
+    head_block, q_block = pl.program_id(0), pl.program_id(1)
+    _, _, _, kv_heads, block_size, head_dim = kv_buf.shape  # kv heads of this head block
+    rows = q_ref.shape[1]
+    group, block_tokens = rows // tokens_per_block, pages_per_block * block_size
+    first_head, layer = head_block * kv_heads, layer_ref[0]
+    t0 = q_block * tokens_per_block
+    t_end = t0 + tokens_per_block
+    heads = pl.ds(first_head, kv_heads)
+
+    # 1. This block's new K/V into their slots (heads of this head block), before anything reads the pool.
+    def write_copies(i):
+        slot = slot_ref[t0 + i]
+        block, offset = slot // block_size, slot % block_size
+        return [pltpu.make_async_copy(src.at[t0 + i, heads], pool_hbm.at[layer, block, kv, heads, offset], write_sem)
+                for kv, src in ((0, k_hbm), (1, v_hbm))]
+
+    def start_writes(i, _):
+        for copy in write_copies(i):
+            copy.start()
+
+    def wait_writes(i, _):
+        for copy in write_copies(i):
+            copy.wait()
+
+    jax.lax.fori_loop(0, tokens_per_block, start_writes, None)
+    jax.lax.fori_loop(0, tokens_per_block, wait_writes, None)
+
+    # 2. Attention, one run of equal token_seq at a time. A KV head's query rows are [TQ * G, D], row r being
+    # token t0 + r // G (the wrapper lays q out as [KVH, T * G, D]); row_pos_ref holds each row's position.
+    row_pos = row_pos_ref[...]  # [rows, 1]
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+
+    def run_body(start):
+        seq = tseq_ref[start]
+
+        def in_run(carry):
+            r, _ = carry
+            return jnp.logical_and(r < t_end, tseq_ref[jnp.minimum(r, num_tokens - 1)] == seq)
+
+        def extend(carry):
+            r, max_pos = carry
+            return r + 1, jnp.maximum(max_pos, pos_ref[r])
+
+        end, max_pos = jax.lax.while_loop(in_run, extend, (start, jnp.int32(0)))
+        num_pages = jnp.minimum(max_pos // block_size + 1, width)
+        num_chunks = pl.cdiv(num_pages, pages_per_block)
+        row_in_run = jnp.logical_and(row >= (start - t0) * group, row < (end - t0) * group)
+
+        def copies(chunk, slot):
+            return PageCopies(lambda page: pool_hbm.at[layer, page, :, heads],
+                              lambda j: tables_ref[seq * width + jnp.minimum(j, width - 1)],
+                              kv_buf.at[slot], sems.at[slot], chunk, num_pages, pages_per_block)
+
+        copies(0, 0).start()
+
+        def body(chunk, states):
+            slot = chunk % 2
+
+            @pl.when(chunk + 1 < num_chunks)
+            def _prefetch_next():
+                copies(chunk + 1, 1 - slot).start()
+
+            copies(chunk, slot).wait()
+            first = chunk * block_tokens
+            key_pos = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+            visible = jnp.logical_and(row_in_run, key_pos <= row_pos)  # [rows, K]
+            # keys past the run's last position may be stale or never copied: select them away
+            written = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) <= max_pos
+            new_states = []
+            for h in range(kv_heads):
+                k = kv_buf[slot, :, 0, h].reshape(block_tokens, head_dim)
+                v = kv_buf[slot, :, 1, h].reshape(block_tokens, head_dim)
+                v = jnp.where(written, v, jnp.zeros_like(v))
+                new_states.append(attend_chunk(q_ref[h], k, v, visible, states[h],
+                                               scale=scale, soft_cap=soft_cap, precision=precision))
+            return tuple(new_states)
+
+        states = jax.lax.fori_loop(0, num_chunks, body, tuple(init_state(rows, head_dim) for _ in range(kv_heads)))
+        for h in range(kv_heads):
+            o_ref[h] = jnp.where(row_in_run, finish_state(states[h]).astype(o_ref.dtype), o_ref[h])
+        return end
+
+    jax.lax.while_loop(lambda start: start < t_end, run_body, t0)
+
+
+def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,
+                               token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
+                               block_tables: jax.Array, *, scale: float, soft_cap: float | None = None,
+                               interpret=False, queries_per_block: int = 16,
+                               pages_per_compute_block: int | None = None,
+                               kv_heads_per_block: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Writes the batch's K/V into the pool and attends; same semantics as
+    reference.ragged_paged_attention_reference for every token outside the null block.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; pool: [L, N, 2, KVH, block_size, D], whole, written and read at ``layer``;
+    token_seq, positions, slot_mapping: int32 [T]; block_tables: int32 [S, W] (see check_ragged_args for the
+    batch invariants). Returns (out [T, H, D], pool); the pool is aliased to the output, so under ``jit``
+    with the pool donated it is updated in place.
+    queries_per_block (TQ): tokens per grid step, reduced to gcd(T, TQ); pages_per_compute_block (P,
+    default ``max(1, 128 // block_size)`` capped at W); kv_heads_per_block: KV heads per step (divides KVH;
+    default all), giving ``KVH / kv_heads_per_block`` parallel (megacore) blocks. For real Mosaic, TQ a multiple
+    of 8, block_size of the sublane tiling, D a multiple of 128, and a head block a whole tile of heads.
+    q and the output pass through XLA as [KVH, T * G, D] (one small transpose each way).
+    interpret: False, True or ``pltpu.InterpretParams(...)`` as for the decode kernel.
+    """
+    num_tokens, num_heads, head_dim, kv_heads, block_size, _, width = check_ragged_args(
+        q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap)
+    tokens_per_block = math.gcd(num_tokens, queries_per_block)
+    pages_per_block = pages_per_compute_block or max(1, min(width, 128 // block_size))
+    kv_heads_per_block = kv_heads_per_block or kv_heads
+    if kv_heads % kv_heads_per_block:
+        raise ValueError(f"kv_heads_per_block={kv_heads_per_block} must divide kv_heads={kv_heads}")
+    group = num_heads // kv_heads
+    rows = tokens_per_block * group
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    kernel = functools.partial(_ragged_kernel, scale=float(scale), soft_cap=soft_cap, width=width,
+                               num_tokens=num_tokens, tokens_per_block=tokens_per_block,
+                               pages_per_block=pages_per_block, precision=precision)
+    # q as [KVH, T * G, D]: a KV head's query rows are one 2-D tile, taken by indexing the ref, never reshaped
+    q_rows = q.reshape(num_tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = q_rows.reshape(kv_heads, num_tokens * group, head_dim)
+    row_positions = jnp.repeat(positions, group).reshape(num_tokens * group, 1)
+    q_spec = pl.BlockSpec((kv_heads_per_block, rows, head_dim), lambda hb, qb, *_: (hb, qb, 0))
+    hbm = pl.BlockSpec(memory_space=ANY)
+    scalars = (jnp.asarray(layer, jnp.int32).reshape(1), token_seq, positions, slot_mapping,
+               block_tables.reshape(-1))
+    out, pool = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars),
+            grid=(kv_heads // kv_heads_per_block, num_tokens // tokens_per_block),
+            in_specs=[q_spec, pl.BlockSpec((rows, 1), lambda hb, qb, *_: (qb, 0)), hbm, hbm, hbm],
+            out_specs=[q_spec, hbm],
+            scratch_shapes=[
+                pltpu.VMEM((2, pages_per_block, 2, kv_heads_per_block, block_size, head_dim), pool.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SemaphoreType.DMA(()),
+            ],
+        ),
+        out_shape=[jax.ShapeDtypeStruct(q_rows.shape, q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+        input_output_aliases={len(scalars) + 4: 1},
+        compiler_params=_CompilerParams(dimension_semantics=(PARALLEL, ARBITRARY)),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(*scalars, q_rows, row_positions, k, v, pool)
+    out = out.reshape(kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(num_tokens, num_heads, head_dim), pool
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+def _ragged_gpu_kernel(layer_ref, tseq_ref, pos_ref, slot_ref, start_ref, tables_ref, q_ref, k_ref, v_ref,
+                       pool_ref, o_ref, pool_out_ref, *, block_size, pages_per_block, new_block, **step):
+    token, kv_head = pl.program_id(0), pl.program_id(1)
+    layer, seq, slot, start = layer_ref[0], tseq_ref[token], slot_ref[token], start_ref[token]
+    start_pos = pos_ref[start]  # keys below the run's first position were in the pool before this call
+    head_dim = q_ref.shape[1]
+
+    # This token's K/V into its slot; nobody in this call reads that slot from the pool (see below).
+    block, offset = slot // block_size, slot % block_size
+    pool_out_ref[layer, block, 0, kv_head, offset, :] = k_ref[token, kv_head, :]
+    pool_out_ref[layer, block, 1, kv_head, offset, :] = v_ref[token, kv_head, :]
+
+    q = q_ref[...]  # [Gp, D]
+    carry = gpu.paged_keys_loop(
+        q, pool_ref, layer, kv_head, lambda c: tables_ref[seq, pl.ds(c * pages_per_block, pages_per_block)],
+        0, pl.cdiv(start_pos, block_size), start_pos, gpu.init_carry(*q.shape), block_size=block_size,
+        pages_per_block=pages_per_block, **step)
+
+    def new_keys(c, carry):  # this call's keys of the run, straight from the inputs: tokens start .. token
+        first = start + c * new_block
+        k = k_ref[pl.ds(first, new_block), kv_head, :]
+        v = v_ref[pl.ds(first, new_block), kv_head, :]
+        visible = first + jnp.arange(new_block) <= token
+        return gpu.online_softmax_step(q, k, v, visible, carry, **step)
+
+    carry = jax.lax.fori_loop(0, pl.cdiv(token - start + 1, new_block), new_keys, carry)
+    o_ref[...] = gpu.finish_carry(carry)[0].astype(o_ref.dtype)
+
+
+def ragged_paged_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,
+                               token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
+                               block_tables: jax.Array, *, scale: float, soft_cap: float | None = None,
+                               interpret=False, pages_per_compute_block: int | None = None,
+                               new_tokens_per_block: int = 16, num_warps: int = 4,
+                               num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+    """Ragged paged attention on GPU (Triton lowering): one call writes the batch's K/V and attends; same
+    semantics as reference.ragged_paged_attention_reference for every token outside the null block.
+
+    One program per (token, KV head) with the token's G query heads as rows (padded to 16). GPU programs
+    have no order, so a program never reads from the pool what this call writes: it takes keys below its run's
+    first position from the pool (pages through the block table), and the run's keys from this call (tokens
+    ``run start .. itself``) straight from the k/v inputs, then writes its own K/V into its slot of the output
+    pool (aliased to the input: updated in place). This needs, besides check_ragged_args' invariants, that a
+    sequence's tokens have consecutive positions (a prompt chunk or a decode), as the engine's batches do.
+    Run starts come from a small jnp scan of token_seq. Constraints as for paged_decode_attention_gpu.
+    Not tuned: prompt tokens each read their sequence's pages again (a query-block version would share them).
+    """
+    num_tokens, num_heads, head_dim, kv_heads, block_size, _, width = check_ragged_args(
+        q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap)
+    pages_per_block = pages_per_compute_block or gpu.default_pages_per_block(block_size, width)
+    gpu.check_triton_shapes(block_size, head_dim, pages_per_block, interpret)
+    if new_tokens_per_block & (new_tokens_per_block - 1) or (not interpret and new_tokens_per_block < 16):
+        raise ValueError(f"new_tokens_per_block={new_tokens_per_block} must be a power of two (>= 16 on GPU)")
+    group = num_heads // kv_heads
+    rows = max(16, gpu.next_pow2(group))
+    q_g = jnp.pad(q.reshape(num_tokens, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    tables = jnp.pad(block_tables, ((0, 0), (0, -width % pages_per_block)))
+    k_pad, v_pad = (jnp.pad(x, ((0, new_tokens_per_block), (0, 0), (0, 0))) for x in (k, v))
+    index = jnp.arange(num_tokens, dtype=jnp.int32)
+    boundary = jnp.concatenate([jnp.ones((1,), bool), token_seq[1:] != token_seq[:-1]])
+    run_start = jax.lax.cummax(jnp.where(boundary, index, 0))
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    kernel = functools.partial(_ragged_gpu_kernel, scale=float(scale), soft_cap=soft_cap, precision=precision,
+                               block_size=block_size, pages_per_block=pages_per_block,
+                               new_block=new_tokens_per_block)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda t, h: (0,) * x.ndim)  # noqa: E731 (indexed in-kernel)
+    operands = (jnp.asarray(layer, jnp.int32).reshape(1), token_seq, positions, slot_mapping, run_start, tables,
+                q_g, k_pad, v_pad, pool)
+    in_specs = [whole(x) for x in operands]
+    in_specs[6] = pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0))
+    out, pool = pl.pallas_call(
+        kernel,
+        grid=(num_tokens, kv_heads),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)), whole(pool)],
+        out_shape=[jax.ShapeDtypeStruct(q_g.shape, q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+        input_output_aliases={len(operands) - 1: 1},
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+        **gpu.triton_params(num_warps, num_stages),
+    )(*operands)
+    return out[:, :, :group].reshape(num_tokens, num_heads, head_dim), pool

@@ -1,0 +1,143 @@
+"""Pure-jnp references for the paged-attention kernels, and the argument checks every kernel shares.
+
+The references define the semantics; each kernel takes the same data arguments (and the same ``scale`` and
+``soft_cap``) and adds only tuning keywords. All work on the engine's one KV layout (jaxpage.kv_cache):
+
+    pool: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]   (axis 2: 0 = K, 1 = V)
+
+taken whole together with a ``layer`` index (an int32 scalar, possibly traced inside ``lax.scan``). Block 0 is the
+null block. Keys are masked by position, and masked values never reach a product (``where`` on V, not ``0 * V``),
+so whatever stale data or NaN sits past a sequence's length cannot leak into its output.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -1e30  # finite, so a fully masked row gives exp(MASK - MASK) = 1 rather than NaN
+
+
+def _is_int32(x) -> bool:
+    return jnp.asarray(x).dtype == jnp.int32
+
+
+def check_pool(pool: jax.Array, layer) -> tuple[int, int, int, int, int, int]:
+    if pool.ndim != 6 or pool.shape[2] != 2:
+        raise ValueError(f"pool must be [num_layers, num_blocks, 2, kv_heads, block_size, head_dim], "
+                         f"got {pool.shape}")
+    if jnp.ndim(layer) != 0 or not _is_int32(layer):
+        raise ValueError(f"layer must be an int32 scalar, got {jnp.asarray(layer).dtype}{jnp.shape(layer)}")
+    return pool.shape
+
+
+def check_decode_args(q, pool, layer, block_tables, context_lens, scale, soft_cap):
+    """Checks the shapes and dtypes of a decode call; returns (S, H, D, KVH, block_size, W).
+
+    q: [S, H, D] in pool's dtype; block_tables: int32 [S, W]; context_lens: int32 [S]; H a multiple of KVH.
+    Not checked (values, not shapes): 0 <= context_lens <= W * block_size and 0 <= table entries < num_blocks.
+    """
+    _, _, _, kv_heads, block_size, head_dim = check_pool(pool, layer)
+    if q.ndim != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [S, num_heads, {head_dim}], got {q.shape}")
+    num_seqs, num_heads, _ = q.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of kv_heads={kv_heads}")
+    if q.dtype != pool.dtype:
+        raise ValueError(f"q ({q.dtype}) and pool ({pool.dtype}) must have one dtype")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or not _is_int32(block_tables):
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, W], got {block_tables.dtype}{block_tables.shape}")
+    if context_lens.shape != (num_seqs,) or not _is_int32(context_lens):
+        raise ValueError(f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype}{context_lens.shape}")
+    if not isinstance(scale, (int, float)) or (soft_cap is not None and not soft_cap > 0):
+        raise ValueError(f"scale must be a Python number and soft_cap None or > 0, got {scale}, {soft_cap}")
+    return num_seqs, num_heads, head_dim, kv_heads, block_size, block_tables.shape[1]
+
+
+def check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap):
+    """Checks a ragged call; returns (T, H, D, KVH, block_size, S, W).
+
+    q: [T, H, D]; k, v: [T, KVH, D]; all in pool's dtype; token_seq, positions, slot_mapping: int32 [T];
+    block_tables: int32 [S, W].
+    Not checked (values): 0 <= token_seq < S; a sequence's tokens are contiguous with strictly increasing
+    positions; slot_mapping[t] = block_tables[token_seq[t], p // bs] * bs + p % bs for p = positions[t]
+    (padding tokens: a slot in the null block); positions < W * bs.
+    """
+    _, _, _, kv_heads, block_size, head_dim = check_pool(pool, layer)
+    if q.ndim != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [T, num_heads, {head_dim}], got {q.shape}")
+    num_tokens, num_heads, _ = q.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of kv_heads={kv_heads}")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != (num_tokens, kv_heads, head_dim):
+            raise ValueError(f"{name} must be [{num_tokens}, {kv_heads}, {head_dim}], got {x.shape}")
+    if not q.dtype == k.dtype == v.dtype == pool.dtype:
+        raise ValueError(f"q, k, v and pool must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {pool.dtype}")
+    for name, x in (("token_seq", token_seq), ("positions", positions), ("slot_mapping", slot_mapping)):
+        if x.shape != (num_tokens,) or not _is_int32(x):
+            raise ValueError(f"{name} must be int32 [{num_tokens}], got {x.dtype}{x.shape}")
+    if block_tables.ndim != 2 or not _is_int32(block_tables):
+        raise ValueError(f"block_tables must be int32 [S, W], got {block_tables.dtype}{block_tables.shape}")
+    if not isinstance(scale, (int, float)) or (soft_cap is not None and not soft_cap > 0):
+        raise ValueError(f"scale must be a Python number and soft_cap None or > 0, got {scale}, {soft_cap}")
+    return (num_tokens, num_heads, head_dim, kv_heads, block_size) + tuple(block_tables.shape)
+
+
+def soft_cap_logits(logits: jax.Array, soft_cap: float | None) -> jax.Array:
+    return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def paged_decode_attention_reference(q: jax.Array, pool: jax.Array, layer, block_tables: jax.Array,
+                                     context_lens: jax.Array, *, scale: float,
+                                     soft_cap: float | None = None) -> jax.Array:
+    """One query token per sequence attending to its first ``context_lens[s]`` keys, read through its table.
+
+    q: [S, H, D]; pool: the whole KV pool, read at ``layer``; block_tables: int32 [S, W]; context_lens:
+    int32 [S] (0 = an empty padding row, whose output is 0). Query heads ``g*G .. g*G+G-1`` share KV head g
+    (G = H // KVH). Logits are ``q.k * scale``, then ``soft_cap * tanh(logits / soft_cap)`` when soft_cap
+    is set, all in float32. Returns [S, H, D] in q's dtype.
+    """
+    num_seqs, num_heads, head_dim, kv_heads, block_size, width = check_decode_args(
+        q, pool, layer, block_tables, context_lens, scale, soft_cap)
+    group = num_heads // kv_heads
+    kv = pool[layer, block_tables]  # [S, W, 2, KVH, bs, D]: a gather, not a copy of the layer
+    kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_seqs, 2, kv_heads, width * block_size, head_dim)
+    kv = kv.astype(jnp.float32)
+    q_g = q.reshape(num_seqs, kv_heads, group, head_dim).astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("skgd,skld->skgl", q_g, kv[:, 0], precision=hi) * scale
+    logits = soft_cap_logits(logits, soft_cap)
+    visible = jnp.arange(width * block_size)[None, :] < context_lens[:, None]  # [S, L]
+    logits = jnp.where(visible[:, None, None, :], logits, MASK_VALUE)
+    m = logits.max(axis=-1, keepdims=True)
+    p = jnp.where(visible[:, None, None, :], jnp.exp(logits - m), 0.0)
+    l = p.sum(axis=-1)
+    values = jnp.where(visible[:, None, :, None], kv[:, 1], 0.0)
+    out = jnp.einsum("skgl,skld->skgd", p, values, precision=hi) / jnp.where(l == 0, 1.0, l)[..., None]
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def write_kv_reference(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatters new K/V [T, KVH, D] into their slots (block * block_size + offset) of ``layer``."""
+    block_size = pool.shape[4]
+    kv = jnp.stack([k, v], axis=1).astype(pool.dtype)  # [T, 2, KVH, D]
+    return pool.at[layer, slot_mapping // block_size, :, :, slot_mapping % block_size, :].set(kv)
+
+
+def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,
+                                     token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
+                                     block_tables: jax.Array, *, scale: float,
+                                     soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """A flat mixed batch (prefill chunks and decodes): write its K/V, then causal paged attention per token.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; pool: the whole KV pool, written and read at ``layer``; token_seq [T]: the
+    row of block_tables [S, W] each token belongs to; positions [T]: token t attends to the key positions
+    ``<= positions[t]`` of its own sequence; slot_mapping [T]: where token t's K/V go. First every token's K/V
+    is written to its slot (jaxpage.kv_cache.write_kv), then every token attends over its sequence's pages
+    (jaxpage.attention.paged_attention_xla). Returns (out [T, H, D] in q's dtype, the updated pool).
+    """
+    check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap)
+    pool = write_kv_reference(pool, layer, k, v, slot_mapping)
+    out = paged_decode_attention_reference(q, pool, layer, block_tables[token_seq], positions + 1,
+                                           scale=scale, soft_cap=soft_cap)
+    return out, pool

@@ -1,0 +1,393 @@
+"""The Pallas paged-attention kernels against their pure-jnp references, on CPU through the Pallas interpreters.
+
+Every case draws fresh random inputs (the seed is in every failure message; set KERNEL_TEST_SEED to replay one)
+and is built to catch reads and writes in the wrong place:
+- block tables are a random permutation of distinct block ids, padded with the null block (0);
+- every slot that no sequence owns up to its length is NaN: the null block, the tail of each sequence's last
+  page, unused blocks, and every other layer. A kernel that reads a key it should not, or multiplies a masked
+  value instead of selecting it away, returns NaN;
+- outputs start as NaN (both interpreters fill fresh buffers with NaN; test_interpreters_poison_outputs pins
+  that down), so an element the kernel never writes fails the finiteness check.
+Batches mix lengths 1, block multiples, block multiples +- 1, the maximum and empty rows (length 0).
+Tolerances: float32 1e-5, bfloat16 1e-2 (relative and absolute, on outputs of magnitude ~1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference, paged_decode_attention_tpu,
+                            ragged_paged_attention_gpu, ragged_paged_attention_reference, ragged_paged_attention_tpu)
+
+_InterpretParams = getattr(pltpu, "InterpretParams", None) or pltpu.TPUInterpretParams
+SIM = _InterpretParams()  # the TPU simulator: checks DMAs, semaphores and out-of-bounds reads
+SIM_2_CORES = _InterpretParams(num_cores_or_threads=2, detect_races=True)  # megacore: 2 cores, race detector
+NUM_LAYERS, LAYER = 2, 1
+
+
+def fresh_rng():
+    seed = int(os.environ.get("KERNEL_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
+    return np.random.default_rng(seed), f"seed={seed} (KERNEL_TEST_SEED={seed} replays it)"
+
+
+def run_jitted(fn, *args):
+    """jit, compiled without XLA's backend optimisations: most of a case's time is compiling the interpreted
+    kernel, and -O0 compiles several times faster (results are the same math)."""
+    lowered = jax.jit(fn).lower(*args)
+    try:
+        compiled = lowered.compile({"xla_backend_optimization_level": 0})
+    except Exception:  # an XLA that no longer knows the option
+        compiled = lowered.compile()
+    return compiled(*args)
+
+
+def tolerance(dtype) -> float:
+    return 1e-5 if dtype == jnp.float32 else 1e-2
+
+
+def assert_matches(out, ref, dtype, msg, rows=slice(None)):
+    out, ref = np.asarray(out.astype(jnp.float32))[rows], np.asarray(ref.astype(jnp.float32))[rows]
+    assert np.isfinite(out).all(), f"NaN/inf in outputs (unwritten, or a masked value leaked); {msg}"
+    assert np.isfinite(ref).all(), f"reference not finite; {msg}"
+    tol = tolerance(dtype)
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol, err_msg=msg)
+
+
+def random_pool(rng, num_blocks, kv_heads, block_size, head_dim, dtype):
+    shape = (NUM_LAYERS, num_blocks, 2, kv_heads, block_size, head_dim)
+    return rng.standard_normal(shape).astype(np.float32), np.zeros(shape[1:2] + shape[4:5], bool)
+
+
+def assign_pages(rng, lengths, block_size, width, num_spare=3):
+    """Distinct random blocks for each sequence's pages (a permutation), 0 past them; ``owned[b, off]`` marks
+    the slots some sequence holds below its length."""
+    pages = [-(-n // block_size) for n in lengths]
+    num_blocks = 1 + sum(pages) + num_spare
+    ids = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(lengths), width), np.int32)
+    owned = np.zeros((num_blocks, block_size), bool)
+    start = 0
+    for row, (n, p) in enumerate(zip(lengths, pages)):
+        tables[row, :p] = ids[start:start + p]
+        start += p
+        for pos in range(n):
+            owned[tables[row, pos // block_size], pos % block_size] = True
+    return tables, owned, num_blocks
+
+
+def poison(pool, owned):
+    """NaN everywhere but the owned slots of LAYER."""
+    keep = np.zeros(pool.shape, bool)
+    keep[LAYER] = owned[:, None, None, :, None]
+    return np.where(keep, pool, np.nan)
+
+
+# ----------------------------------------------------------------------------------------------------- decode
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    dtype: str
+    block_size: int
+    ratio: int  # query heads per KV head
+    head_dim: int
+    kv_heads: int
+    width: int  # pages per block-table row (max length = width * block_size)
+    soft_cap: float | None = None
+    gpu: tuple = ()  # extra keywords for the GPU kernel: split-K shapes
+    tpu: tuple = ()  # extra keywords for the TPU kernel
+
+    def __str__(self):
+        extra = "".join(f"-{k}{v}" for k, v in self.gpu + self.tpu)
+        cap = f"-cap{self.soft_cap}" if self.soft_cap else ""
+        return (f"{self.dtype}-bs{self.block_size}-g{self.ratio}-d{self.head_dim}-kvh{self.kv_heads}"
+                f"-w{self.width}{cap}{extra}")
+
+    def lengths(self, rng):
+        bs, w = self.block_size, self.width
+        lens = [w * bs, 0, 1, bs - 1, bs, bs + 1, min(w, 3) * bs - 1]
+        return [int(x) for x in rng.permutation(lens)]
+
+
+DECODE_CASES = [
+    DecodeCase("float32", 16, 1, 64, 2, 4),
+    DecodeCase("float32", 16, 3, 128, 1, 5),
+    DecodeCase("float32", 32, 4, 64, 2, 3, gpu=(("pages_per_split", 1),), tpu=(("pages_per_compute_block", 1),)),
+    DecodeCase("float32", 64, 8, 128, 1, 2),
+    DecodeCase("float32", 16, 4, 64, 1, 9, soft_cap=1.5,
+               gpu=(("pages_per_split", 2), ("pages_per_compute_block", 1)), tpu=(("pages_per_compute_block", 2),)),
+    DecodeCase("float32", 16, 8, 64, 2, 6, gpu=(("pages_per_split", 4), ("pages_per_compute_block", 2)),
+               tpu=(("pages_per_compute_block", 4),)),
+    DecodeCase("bfloat16", 16, 4, 128, 2, 4),
+    DecodeCase("bfloat16", 32, 1, 64, 1, 3, gpu=(("pages_per_split", 1),)),
+    DecodeCase("bfloat16", 64, 3, 64, 2, 2, soft_cap=2.0),
+    DecodeCase("bfloat16", 16, 8, 64, 1, 7, gpu=(("pages_per_split", 2),), tpu=(("pages_per_compute_block", 3),)),
+    DecodeCase("bfloat16", 32, 8, 128, 2, 3, soft_cap=1.5),
+]
+
+
+def make_decode_inputs(case: DecodeCase, rng):
+    dtype = jnp.dtype(case.dtype)
+    lengths = case.lengths(rng)
+    tables, owned, num_blocks = assign_pages(rng, lengths, case.block_size, case.width)
+    pool, _ = random_pool(rng, num_blocks, case.kv_heads, case.block_size, case.head_dim, dtype)
+    q = rng.standard_normal((len(lengths), case.kv_heads * case.ratio, case.head_dim))
+    return (jnp.asarray(q, dtype), jnp.asarray(poison(pool, owned), dtype), jnp.int32(LAYER), jnp.asarray(tables),
+            jnp.asarray(lengths, jnp.int32))
+
+
+def check_decode(kernel, case: DecodeCase, **kw):
+    rng, msg = fresh_rng()
+    args = make_decode_inputs(case, rng)
+    scale = case.head_dim ** -0.5
+    out = run_jitted(functools.partial(kernel, scale=scale, soft_cap=case.soft_cap, **kw), *args)
+    ref = run_jitted(functools.partial(paged_decode_attention_reference, scale=scale, soft_cap=case.soft_cap), *args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert_matches(out, ref, args[0].dtype, f"{case}; lengths={args[4].tolist()}; {msg}")
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_gpu_decode_matches_reference(case):
+    check_decode(paged_decode_attention_gpu, case, interpret=True, **dict(case.gpu))
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_tpu_decode_matches_reference(case):
+    check_decode(paged_decode_attention_tpu, case, interpret=True, **dict(case.tpu))
+
+
+SIM_DECODE_CASES = [
+    (DecodeCase("float32", 16, 4, 64, 2, 3, tpu=(("pages_per_compute_block", 2),)), SIM_2_CORES),
+    (DecodeCase("bfloat16", 16, 3, 128, 1, 2), SIM),
+]
+
+
+@pytest.mark.parametrize("case,params", SIM_DECODE_CASES, ids=[f"{c}-cores{p.num_cores_or_threads}" for c, p in SIM_DECODE_CASES])
+def test_tpu_decode_in_tpu_simulator(case, params):
+    check_decode(paged_decode_attention_tpu, case, interpret=params, **dict(case.tpu))
+    assert not races_found(), "the TPU simulator found a data race between cores"
+
+
+def races_found() -> bool:
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as sim
+    except ImportError:  # moved in a later JAX: the simulator still printed any race it found
+        return False
+    return bool(sim.races is not None and sim.races.races_found)
+
+
+# ----------------------------------------------------------------------------------------------------- ragged
+
+@dataclasses.dataclass(frozen=True)
+class RaggedCase:
+    dtype: str
+    block_size: int
+    ratio: int
+    head_dim: int
+    kv_heads: int
+    width: int
+    soft_cap: float | None = None
+    # "distinct": padding tokens belong to an all-null row and take null slots 0, 1, ...; "engine": as
+    # jaxpage.model_runner.build_batch pads: token_seq 0 (the FIRST sequence's row), position 0, slot 0
+    padding: str = "distinct"
+    mix: str = "mixed"  # "mixed": decodes then prompt chunks; "one": a single prompt chunk
+    kw: tuple = ()  # extra keywords for the TPU kernel
+    gpu: tuple = ()  # extra keywords for the GPU kernel
+
+    def __str__(self):
+        extra = "".join(f"-{k}{v}" for k, v in self.kw + self.gpu)
+        cap = f"-cap{self.soft_cap}" if self.soft_cap else ""
+        return (f"{self.dtype}-bs{self.block_size}-g{self.ratio}-d{self.head_dim}-kvh{self.kv_heads}"
+                f"-w{self.width}{cap}-pad_{self.padding}-{self.mix}{extra}")
+
+    def sequences(self, rng):
+        """(tokens already in the pool, new tokens) per sequence: decodes first, then prompt chunks."""
+        bs, max_len = self.block_size, self.width * self.block_size
+        if self.mix == "one":  # with engine padding, the padding tokens continue this sequence's run
+            return [(bs - 1, min(bs + 2, max_len - bs + 1))]
+        decodes = [(max_len - 1, 1), (bs - 1, 1), (bs, 1), (2 * bs - 2, 1), (0, 1)]
+        chunks = [(0, bs + 1), (bs - 1, min(bs + 2, max_len - bs + 1)), (0, 3)]
+        return [decodes[i] for i in rng.permutation(len(decodes))] + chunks
+
+
+RAGGED_CASES = [
+    RaggedCase("float32", 16, 1, 64, 2, 4),
+    RaggedCase("float32", 16, 3, 128, 1, 3, kw=(("queries_per_block", 8),), gpu=(("new_tokens_per_block", 4),)),
+    RaggedCase("float32", 32, 4, 64, 2, 3, kw=(("pages_per_compute_block", 1),), gpu=(("pages_per_compute_block", 1),)),
+    RaggedCase("float32", 64, 8, 64, 1, 2, padding="engine"),
+    RaggedCase("float32", 16, 4, 128, 2, 5, soft_cap=1.5, kw=(("kv_heads_per_block", 1), ("pages_per_compute_block", 2)),
+               gpu=(("pages_per_compute_block", 2),)),
+    RaggedCase("float32", 16, 8, 64, 1, 4, kw=(("queries_per_block", 32), ("pages_per_compute_block", 3))),
+    RaggedCase("bfloat16", 16, 4, 64, 2, 4),
+    RaggedCase("bfloat16", 32, 1, 128, 2, 3, padding="engine", kw=(("kv_heads_per_block", 1),)),
+    RaggedCase("bfloat16", 64, 3, 64, 1, 2, soft_cap=2.0, gpu=(("new_tokens_per_block", 32),)),
+    RaggedCase("float32", 16, 4, 64, 2, 3, padding="engine", mix="one", kw=(("queries_per_block", 8),)),
+    RaggedCase("bfloat16", 16, 8, 128, 1, 3, kw=(("queries_per_block", 8), ("pages_per_compute_block", 2)),
+               gpu=(("pages_per_compute_block", 1), ("new_tokens_per_block", 8))),
+]
+
+
+def make_ragged_inputs(case: RaggedCase, rng, tokens_multiple=16):
+    dtype = jnp.dtype(case.dtype)
+    bs = case.block_size
+    seqs = case.sequences(rng)
+    tables, owned, num_blocks = assign_pages(rng, [c + n for c, n in seqs], bs, case.width)
+    owned_before = np.zeros_like(owned)  # slots holding K/V from earlier steps
+    token_seq, positions, slots = [], [], []
+    for row, (context, new) in enumerate(seqs):
+        for pos in range(context + new):
+            slot = (tables[row, pos // bs], pos % bs)
+            if pos < context:
+                owned_before[slot] = True
+            else:
+                token_seq.append(row), positions.append(pos), slots.append(slot[0] * bs + slot[1])
+    num_valid = len(token_seq)
+    num_pad = -num_valid % tokens_multiple or tokens_multiple  # always some padding
+    pad_row = len(seqs)  # an all-null table row
+    tables = np.concatenate([tables, np.zeros((1, case.width), np.int32)])
+    for j in range(num_pad):
+        if case.padding == "distinct":
+            token_seq.append(pad_row), positions.append(0), slots.append(j % bs)
+        else:
+            token_seq.append(0), positions.append(0), slots.append(0)
+    pool, _ = random_pool(rng, num_blocks, case.kv_heads, bs, case.head_dim, dtype)
+    t, h = len(token_seq), case.kv_heads * case.ratio
+    q, k, v = (rng.standard_normal((t, heads, case.head_dim)) for heads in (h, case.kv_heads, case.kv_heads))
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(poison(pool, owned_before), dtype), jnp.int32(LAYER), jnp.asarray(token_seq, jnp.int32),
+            jnp.asarray(positions, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(tables))
+    return args, num_valid
+
+
+def check_ragged(kernel, case: RaggedCase, interpret, tokens_multiple=16):
+    """Outputs of padding tokens are compared only for the TPU kernel with distinct padding slots: the GPU
+    kernel's padding tokens (all at position 0 of one run) attend each other, unlike the reference's."""
+    rng, msg = fresh_rng()
+    args, num_valid = make_ragged_inputs(case, rng, tokens_multiple)
+    scale = case.head_dim ** -0.5
+    kw = dict(case.kw if kernel is ragged_paged_attention_tpu else case.gpu)
+    compare_padding = case.padding == "distinct" and kernel is ragged_paged_attention_tpu
+    out, pool = run_jitted(functools.partial(kernel, scale=scale, soft_cap=case.soft_cap, interpret=interpret, **kw),
+                           *args)
+    ref_out, ref_pool = run_jitted(functools.partial(ragged_paged_attention_reference, scale=scale,
+                                                     soft_cap=case.soft_cap), *args)
+    msg = f"{case}; T={args[0].shape[0]}, {num_valid} valid; {msg}"
+    assert out.shape == ref_out.shape and pool.shape == ref_pool.shape and pool.dtype == ref_pool.dtype
+    pool, ref_pool = np.asarray(pool.astype(jnp.float32)), np.asarray(ref_pool.astype(jnp.float32))
+    assert_matches(out, ref_out, args[0].dtype, msg, rows=slice(None if compare_padding else num_valid))
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all(), f"padding outputs not finite; {msg}"
+    if case.padding == "distinct":  # every slot of the pool is determined
+        np.testing.assert_array_equal(pool, ref_pool, err_msg=f"pool differs; {msg}")
+    else:  # padding tokens collide on null slot 0: that slot is unspecified
+        np.testing.assert_array_equal(pool[:, 1:], ref_pool[:, 1:], err_msg=f"pool differs; {msg}")
+        np.testing.assert_array_equal(pool[:, 0, :, :, 1:], ref_pool[:, 0, :, :, 1:], err_msg=f"null block; {msg}")
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=str)
+def test_tpu_ragged_matches_reference(case):
+    check_ragged(ragged_paged_attention_tpu, case, interpret=True)
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=str)
+def test_gpu_ragged_matches_reference(case):
+    check_ragged(ragged_paged_attention_gpu, case, interpret=True)
+
+
+SIM_RAGGED_CASES = [
+    (RaggedCase("float32", 16, 2, 64, 2, 2, kw=(("kv_heads_per_block", 1), ("queries_per_block", 8))), SIM_2_CORES),
+    (RaggedCase("bfloat16", 16, 4, 128, 1, 2, padding="engine", kw=(("pages_per_compute_block", 1),)), SIM),
+]
+
+
+@pytest.mark.parametrize("case,params", SIM_RAGGED_CASES, ids=[f"{c}-cores{p.num_cores_or_threads}" for c, p in SIM_RAGGED_CASES])
+def test_tpu_ragged_in_tpu_simulator(case, params):
+    check_ragged(ragged_paged_attention_tpu, case, interpret=params, tokens_multiple=8)
+    assert not races_found(), "the TPU simulator found a data race between cores"
+
+
+# ------------------------------------------------------------------------------------- semantics and plumbing
+
+def test_ragged_reference_is_the_engines_attention():
+    """The references (NaN-safe masking) equal jaxpage's own write_kv + paged_attention_xla on finite inputs."""
+    from jaxpage.attention import paged_attention_xla
+    from jaxpage.kv_cache import write_kv
+
+    rng, msg = fresh_rng()
+    case = RaggedCase("float32", 16, 4, 64, 2, 3)
+    args, num_valid = make_ragged_inputs(case, rng)
+    pool = jnp.nan_to_num(args[3])
+    ref_out, ref_pool = run_jitted(functools.partial(ragged_paged_attention_reference, scale=0.125), *args[:3], pool,
+                                   *args[4:])
+
+    def engine(q, k, v, pool, layer, token_seq, positions, slots, tables):
+        pool = write_kv(pool, layer, k, v, slots)
+        return paged_attention_xla(q, pool, layer, token_seq, positions, tables, scale=0.125), pool
+
+    engine_out, engine_pool = run_jitted(engine, *args[:3], pool, *args[4:])
+    np.testing.assert_array_equal(np.asarray(ref_pool), np.asarray(engine_pool), err_msg=msg)
+    np.testing.assert_allclose(np.asarray(ref_out), np.asarray(engine_out), rtol=1e-5, atol=1e-5, err_msg=msg)
+
+
+def test_kernels_take_a_traced_layer_inside_scan():
+    """As in the model: the pool is carried through lax.scan over layers, the layer index is traced."""
+    rng, msg = fresh_rng()
+    case = RaggedCase("float32", 16, 2, 64, 1, 2)
+    args, _ = make_ragged_inputs(case, rng)
+    q, k, v, pool, _, token_seq, positions, slots, tables = args
+    pool = jnp.nan_to_num(pool)
+    lens = jnp.asarray([1, 17, 0, 32], jnp.int32)
+    dec_tables = tables[:4]
+
+    def run(ragged, decode, pool):
+        def layer_fn(pool, layer):
+            out, pool = ragged(q, k, v, pool, layer, token_seq, positions, slots, tables, scale=0.125)
+            dec = decode(q[:4], pool, layer, dec_tables, lens, scale=0.125)
+            return pool, (out, dec)
+        return jax.lax.scan(layer_fn, pool, jnp.arange(NUM_LAYERS, dtype=jnp.int32))
+
+    kernels = functools.partial(run, functools.partial(ragged_paged_attention_tpu, interpret=True),
+                                functools.partial(paged_decode_attention_gpu, interpret=True))
+    pool_out, (out, dec) = run_jitted(kernels, pool)
+    ref_pool, (ref_out, ref_dec) = run_jitted(
+        functools.partial(run, ragged_paged_attention_reference, paged_decode_attention_reference), pool)
+    np.testing.assert_array_equal(np.asarray(pool_out), np.asarray(ref_pool), err_msg=msg)
+    assert_matches(out, ref_out, jnp.float32, msg)
+    assert_matches(dec, ref_dec, jnp.float32, msg)
+
+
+@pytest.mark.parametrize("interpret", [True, SIM], ids=["interpret", "tpu_simulator"])
+def test_interpreters_poison_outputs(interpret):
+    """The finiteness checks above prove every element is written only because fresh outputs start as NaN."""
+    def writes_nothing(x_ref, o_ref):
+        pass
+
+    out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                         interpret=interpret)(jnp.zeros((8, 128), jnp.float32))
+    assert np.isnan(np.asarray(out)).all()
+
+
+def test_bad_arguments_are_refused_at_the_call():
+    rng, _ = fresh_rng()
+    q, pool, layer, tables, lens = make_decode_inputs(DECODE_CASES[0], rng)
+    for kernel in (paged_decode_attention_gpu, paged_decode_attention_tpu, paged_decode_attention_reference):
+        with pytest.raises(ValueError, match="dtype"):
+            kernel(q.astype(jnp.bfloat16), pool, layer, tables, lens, scale=0.125)
+        with pytest.raises(ValueError, match="num_heads"):
+            kernel(jnp.concatenate([q, q[:, :1]], axis=1), pool, layer, tables, lens, scale=0.125)
+        with pytest.raises(ValueError, match="context_lens"):
+            kernel(q, pool, layer, tables, lens[:2], scale=0.125)
+        with pytest.raises(ValueError, match="pool"):
+            kernel(q, pool[LAYER], layer, tables, lens, scale=0.125)
+    args, _ = make_ragged_inputs(RAGGED_CASES[0], rng)
+    for kernel in (ragged_paged_attention_tpu, ragged_paged_attention_gpu, ragged_paged_attention_reference):
+        with pytest.raises(ValueError, match="slot_mapping"):
+            kernel(*args[:7], args[7][:-1], args[8], scale=0.125)
+        with pytest.raises(ValueError, match="k must be"):
+            kernel(args[0], args[1][:, :1], *args[2:], scale=0.125)
