@@ -6,17 +6,15 @@ import pytest
 from jaxpage import LLM, SamplingParams
 from tests.reference import assert_greedy_matches, hf_greedy
 
-NEW_TOKENS = 24
+NEW_TOKENS = 12  # interpreted kernels are slow on the CPU: a short, real check
 
 
 @pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
 def test_smollm2_greedy_tokens_equal_xla_and_transformers(backend, smollm2, hf_smollm2):
     model, tokenizer = hf_smollm2
-    prompts = ["The capital of France is",
-               tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
-                                             add_generation_prompt=True)]
+    prompts = ["The capital of France is", "Les couleurs de l'arc-en-ciel sont"]  # two sequences in one batch
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    llm = LLM(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+    llm = LLM(attention_backend=backend, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256,
               dtype="float32", kv_cache_memory=64 << 20, progress=False)
     assert llm.engine.config.attention_backend == backend
     ours = llm.generate(prompts, params)
