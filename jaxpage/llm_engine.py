@@ -163,8 +163,9 @@ class LLMEngine:
         """Schedules and runs one iteration; returns an output for every request that got a token."""
         out = self.scheduler.schedule()
         self.runner.apply(out.ops)
+        failed = [self._fail(group) for group in self.scheduler.take_failed()]
         if not out.scheduled:
-            return []
+            return failed
         sampled = self.runner.execute(out.scheduled)
         now = time.monotonic()
         touched: dict[str, Request] = {}
@@ -172,8 +173,8 @@ class LLMEngine:
             seq, group = s.seq, s.group
             if s.logits_of is None:
                 seq.num_computed_tokens += s.num_new_tokens
-            else:  # a fork: the rows before it have advanced its parent
-                seq.num_computed_tokens = s.logits_of.num_computed_tokens
+            else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
+                seq.num_computed_tokens = seq.num_tokens
             self.kv.cache_full_blocks(seq)
             if not s.samples or group.status == SequenceStatus.FINISHED:
                 continue
@@ -191,7 +192,13 @@ class LLMEngine:
                 self._advance_beams(request)
         self._track_peak_kv()
         outputs = [self._finish_if_done(r, now) for r in touched.values()]
-        return [o for o in outputs if o is not None]
+        return failed + [o for o in outputs if o is not None]
+
+    def _fail(self, group: SequenceGroup) -> RequestOutput:
+        """A request that cannot fit in the pool even alone: it ends with finish_reason 'abort'."""
+        log.warning("request %s needs more KV blocks than the pool has; aborted", group.request_id)
+        request = self.requests.pop(group.request_id)
+        return self._output(request, finished=True)
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top) -> None:
         p = request.group.params
@@ -250,7 +257,7 @@ class LLMEngine:
     def _output(self, request: Request, finished: bool) -> RequestOutput:
         group, p = request.group, request.group.params
         if p.use_beam_search:
-            seqs = final_beams(group) if finished else group.live_seqs
+            seqs = (final_beams(group) or group.seqs[:p.n]) if finished else group.live_seqs  # or aborted
         elif finished and p.best_of > p.n:
             seqs = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
         else:

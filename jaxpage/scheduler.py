@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from jaxpage.config import EngineConfig
 from jaxpage.kv_cache_manager import DeviceOps, KVCacheManager
@@ -37,6 +38,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # in admission order
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self._failed: list[SequenceGroup] = []  # requests that can never fit, to be reported by the engine
         self._next_seq_id = None  # set by the engine: a callable giving fresh sequence ids
 
     def add(self, group: SequenceGroup) -> None:
@@ -56,8 +58,11 @@ class Scheduler:
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            for seq in group.live_seqs:
+            live = group.live_seqs
+            for seq in live:
                 if not seq.block_table and seq.num_computed_tokens == 0:
+                    if seq is not live[0] and live[0].num_computed_tokens < live[0].num_prompt_tokens:
+                        continue  # a recomputing sibling waits until the first has cached the shared prompt
                     self.kv.match_prefix(seq)  # a sequence recomputing after preemption
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if num_new == 0:
@@ -96,11 +101,27 @@ class Scheduler:
             self.running.append(group)
             num_seqs += group.max_seqs
         scheduled.extend(self._forks(scheduled))
+        if not scheduled and not self.running and (self.waiting or self.swapped):
+            self._fail_head()
         return SchedulerOutput(scheduled, self.kv.take_ops())
 
+    def _fail_head(self) -> None:
+        """Nothing runs and the first queued request still cannot start: it can never fit in the pool."""
+        group = (self.swapped or self.waiting)[0]
+        self.finish_group(group, "abort")
+        self._failed.append(group)
+
+    def take_failed(self) -> list[SequenceGroup]:
+        failed, self._failed = self._failed, []
+        return failed
+
     def _admit_all(self, group: SequenceGroup) -> bool:
-        """Admits a resumed multi-sequence group without computing yet; its sequences run from the next step."""
-        needed = sum(-(-s.num_tokens // self.config.block_size) for s in group.live_seqs)
+        """Admits a resumed multi-sequence group without computing yet; its sequences run from the next step.
+        The first recomputes the shared prompt; the others then find its full blocks in the prefix cache."""
+        bs = self.config.block_size
+        live = group.live_seqs
+        shared = len(os.path.commonprefix([s.token_ids for s in live])) // bs if self.kv.pool.enable_prefix_caching else 0
+        needed = shared + sum(-(-s.num_tokens // bs) - shared for s in live)
         return needed <= self.kv.pool.num_free
 
     def _scheduled(self, seq: Sequence, num_new: int, group: SequenceGroup) -> ScheduledSeq:
