@@ -1,0 +1,344 @@
+"""Paged vs contiguous KV caches on the same memory: throughput, concurrency and KV waste, side by side.
+
+    python benchmarks/throughput.py [--json out.json] [--plot out.png]      # full run (about 10 minutes here)
+    python benchmarks/throughput.py --quick --json out.json                  # smoke run (CI)
+
+One process loads the model once and shares its weights (device arrays) between three systems, each holding the
+same KV memory budget of ``--slots`` max-length sequences (``slots * max_len / block_size`` blocks, plus the
+null block):
+
+- ``paged``: jaxpage's LLMEngine (prefix caching on, recompute preemption), stepped here so that concurrency
+  and KV occupancy are read after every step.
+- ``static_contiguous`` and ``slot_contiguous``: benchmarks/baselines.py, on the same jitted step.
+
+Every request arrives at t=0, is greedy, ignores EOS and generates exactly its workload's output length.
+Compilation happens before the clock starts. KV waste is 1 - (tokens whose K/V live sequences hold) /
+(token slots reserved for live sequences), summed over steps; ``kv_waste_at_peak`` is at the step that
+reserved the most memory. Wall time on this shared 2-core machine is noisy, so CPU seconds of the process are
+reported too, and the load average while each system ran.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxpage.model_runner as model_runner  # noqa: E402
+from benchmarks import workloads  # noqa: E402
+from benchmarks.baselines import ContiguousCache, RunStats, SlotBatching, StaticBatching  # noqa: E402
+from jaxpage.compile_cache import enable_compilation_cache  # noqa: E402
+from jaxpage.config import ModelConfig, build_engine_config  # noqa: E402
+from jaxpage.kv_cache import bytes_per_block  # noqa: E402
+from jaxpage.llm_engine import LLMEngine  # noqa: E402
+from jaxpage.model_loader import default_cache_dir, load_model  # noqa: E402
+from jaxpage.model_runner import ModelRunner  # noqa: E402
+from jaxpage.sampling_params import SamplingParams  # noqa: E402
+
+SYSTEMS = ("paged", "static_contiguous", "slot_contiguous")
+
+
+# --- the paged engine -------------------------------------------------------------------------------------
+def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: int, max_num_seqs: int,
+                 budget_bytes: int | None = None) -> ModelRunner:
+    """The engine's own runner over the shared weights, its pool sized from the byte budget when given."""
+    config = build_engine_config(
+        model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=budget_bytes,
+        num_kv_blocks=None if budget_bytes else num_kv_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_len, gpu_memory_utilization=0.9)
+    assert config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
+    runner = ModelRunner(config, params)
+    runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
+    runner.warm_up(progress=False)
+    return runner
+
+
+def paged_engine(loaded, runner: ModelRunner) -> LLMEngine:
+    """A fresh engine (queues, block pool, stats) on a compiled runner: as LLMEngine.from_args, minus the loading."""
+    return LLMEngine(runner.config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
+                     model_name=loaded.name, enable_prefix_caching=True, preemption_mode="recompute")
+
+
+@contextlib.contextmanager
+def timed_execute(runner: ModelRunner, timers: dict):
+    """Times runner.execute and, inside it, build_batch (the batch's host work) without changing either."""
+    execute, build = runner.execute, model_runner.build_batch
+
+    def timed_build(*a, **k):
+        t = time.perf_counter()
+        try:
+            return build(*a, **k)
+        finally:
+            timers["build_batch"] += time.perf_counter() - t
+
+    def timed_exec(scheduled):
+        t = time.perf_counter()
+        try:
+            return execute(scheduled)
+        finally:
+            timers["execute"] += time.perf_counter() - t
+
+    runner.execute, model_runner.build_batch = timed_exec, timed_build
+    try:
+        yield
+    finally:
+        del runner.execute
+        model_runner.build_batch = build
+
+
+def run_paged(engine: LLMEngine, workload: workloads.Workload, duration: float | None = None) -> tuple[RunStats, dict]:
+    stats = RunStats.for_workload(workload, duration)
+    timers = {"execute": 0.0, "build_batch": 0.0, "instrumentation": 0.0}
+    finished_tokens = 0
+    with timed_execute(engine.runner, timers):
+        stats.start()
+        for i, r in enumerate(workload.requests):
+            params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, seed=i,
+                                    output_kind="final_only")
+            engine.add_request(f"r{i}", {"prompt_token_ids": list(r.prompt_token_ids)}, params)
+        while engine.has_unfinished_requests() and not stats.expired():
+            for out in engine.step():
+                if out.finished:
+                    stats.completed_requests += 1
+                    finished_tokens += sum(len(c.token_ids) for c in out.outputs)
+            t = time.perf_counter()
+            stored, allocated = engine._kv_occupancy()
+            stats.record(engine.scheduler.num_running_seqs(), stored, allocated)
+            timers["instrumentation"] += time.perf_counter() - t
+        stats.stop()
+    in_flight = sum(s.num_output_tokens for r in engine.requests.values() for s in r.group.seqs)
+    stats.num_output_tokens = finished_tokens + in_flight
+    if not engine.has_unfinished_requests():
+        assert stats.num_output_tokens == workload.num_output_tokens, (stats.num_output_tokens,
+                                                                       workload.num_output_tokens)
+    stats.seconds -= timers["instrumentation"]  # reading occupancy every step is the benchmark's, not the engine's
+    stats.execute_seconds = timers["execute"]
+    stats.num_preemptions = engine.scheduler.num_preemptions
+    s = engine.stats()
+    engine_stats = {k: s[k] for k in ("num_blocks", "peak_blocks_used", "kv_waste_at_peak", "num_preemptions",
+                                      "prefix_cache_queries", "prefix_cache_hits")}
+    profile = {
+        "engine_step_seconds": stats.seconds,
+        "device_step_seconds": timers["execute"] - timers["build_batch"],  # jitted step + results to host
+        "build_batch_seconds": timers["build_batch"],
+        "schedule_update_seconds": stats.seconds - timers["execute"],  # scheduler, KV manager, detokenizer
+        "instrumentation_seconds": timers["instrumentation"],
+    }
+    profile["device_step_frac"] = profile["device_step_seconds"] / stats.seconds
+    return stats, {"engine_stats": engine_stats, "profile": profile}
+
+
+# --- one comparison ---------------------------------------------------------------------------------------
+def compare(loaded, model, params, args, workload, runner, caches, systems, duration=None) -> dict:
+    result = {"workload": workload.describe()}
+    for name in systems:
+        load_before = os.getloadavg()[0]
+        if name == "paged":
+            stats, extra = run_paged(paged_engine(loaded, runner), workload, duration)
+        else:
+            system = StaticBatching(caches) if name == "static_contiguous" else SlotBatching(caches)
+            stats, extra = system.run(workload, duration), {}
+        summary = stats.summary()
+        summary.update(extra)
+        summary["load_average"] = [load_before, os.getloadavg()[0]]
+        summary["trace"] = {"t": [round(t, 4) for t in stats.times], "running": stats.running,
+                            "stored": stats.stored, "allocated": stats.allocated}
+        result[name] = summary
+        print(f"  {name}: {summary['requests_per_s']:.3f} req/s, {summary['output_tokens_per_s']:.1f} out tok/s, "
+              f"peak {summary['peak_concurrency']} seqs, waste {summary['kv_waste_frac']:.1%}, "
+              f"{summary['seconds']:.1f} s, {summary['completed_requests']} requests done", flush=True)
+    baselines = [result[n] for n in ("static_contiguous", "slot_contiguous") if n in result]
+    if "paged" in result and baselines:
+        best = max(baselines, key=lambda b: b["requests_per_s"])
+        result["paged_speedup_vs_best_baseline"] = result["paged"]["requests_per_s"] / best["requests_per_s"]
+        result["paged_speedup_vs_best_baseline_cpu"] = (result["paged"]["output_tokens_per_cpu_s"]
+                                                         / max(b["output_tokens_per_cpu_s"] for b in baselines))
+    return result
+
+
+def print_table(title: str, result: dict) -> None:
+    w = result["workload"]
+    print(f"\n{title}: {w['name']}, {w['num_requests']} requests ({w['num_sequences']} sequences) at t=0, mean "
+          f"{w['mean_prompt_tokens']:.0f} in / {w['mean_output_tokens']:.0f} out, max_len {w['max_len']}")
+    head = (f"{'system':<18} {'req/s':>7} {'out tok/s':>9} {'tok/cpu-s':>9} {'peak seqs':>9} {'mean seqs':>9} "
+            f"{'KV waste':>8} {'@peak':>6} {'preempt':>7} {'done':>5} {'wall s':>7} {'load':>5}")
+    print(head)
+    for name in SYSTEMS:
+        if name not in result:
+            continue
+        r = result[name]
+        print(f"{name:<18} {r['requests_per_s']:>7.3f} {r['output_tokens_per_s']:>9.1f} "
+              f"{r['output_tokens_per_cpu_s']:>9.1f} {r['peak_concurrency']:>9d} {r['mean_concurrency']:>9.1f} "
+              f"{r['kv_waste_frac']:>8.1%} {r['kv_waste_at_peak']:>6.1%} {r['num_preemptions']:>7d} "
+              f"{r['completed_requests']:>5d} {r['seconds']:>7.1f} {np.mean(r['load_average']):>5.1f}")
+    if not all(result[n]["drained"] for n in SYSTEMS if n in result):
+        print("(a time window of a larger backlog: req/s = output tokens/s / mean output tokens per request)")
+    if "paged_speedup_vs_best_baseline" in result:
+        print(f"paged / best baseline: {result['paged_speedup_vs_best_baseline']:.2f}x requests/s "
+              f"({result['paged_speedup_vs_best_baseline_cpu']:.2f}x output tokens per CPU second)")
+    if "paged" in result and "profile" in result["paged"]:
+        p = result["paged"]["profile"]
+        print(f"paged time: device step {p['device_step_seconds']:.1f} s ({p['device_step_frac']:.0%}), "
+              f"build_batch {p['build_batch_seconds']:.2f} s, schedule+update {p['schedule_update_seconds']:.2f} s")
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: r for name, r in results["runs"].items() if all(s in r for s in SYSTEMS)}
+    colors = {"paged": "tab:green", "static_contiguous": "tab:red", "slot_contiguous": "tab:orange"}
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    x = np.arange(len(runs))
+    for i, name in enumerate(SYSTEMS):
+        axes[0, 0].bar(x + (i - 1) * 0.27, [r[name]["requests_per_s"] for r in runs.values()], 0.27,
+                       label=name, color=colors[name])
+        axes[0, 1].bar(x + (i - 1) * 0.27, [100 * r[name]["kv_waste_frac"] for r in runs.values()], 0.27,
+                       label=name, color=colors[name])
+    for ax, label in ((axes[0, 0], "requests / s"), (axes[0, 1], "KV waste (% of reserved slots)")):
+        ax.set_xticks(x, list(runs), fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    main = results["runs"][results["main"]]
+    for name in SYSTEMS:
+        if name in main:
+            tr = main[name]["trace"]
+            axes[1, 0].plot(tr["t"], tr["running"], label=name, color=colors[name], lw=1)
+            util = np.array(tr["stored"]) / results["budget_tokens"]
+            axes[1, 1].plot(tr["t"], 100 * util, label=name, color=colors[name], lw=1)
+    axes[1, 0].set(xlabel="seconds", ylabel="running sequences", title=f"{results['main']}: concurrency")
+    axes[1, 1].set(xlabel="seconds", ylabel="% of KV budget holding live tokens",
+                   title=f"{results['main']}: KV budget in use")
+    axes[1, 0].legend(fontsize=8)
+    axes[1, 1].legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M, {results['dtype']}, KV budget {results['slots']} x {results['max_len']} tokens "
+                 f"({results['budget_bytes'] / 2**20:.0f} MiB)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=5, help="KV budget, in max-length contiguous sequences")
+    parser.add_argument("--workload", default="sharegpt", choices=list(workloads.WORKLOADS))
+    parser.add_argument("--num-requests", type=int, default=64,
+                        help="requests in the main workload, all at t=0 (a backlog larger than --duration needs)")
+    parser.add_argument("--duration", type=float, default=140.0,
+                        help="seconds each system runs on the main workload (0: until it is drained)")
+    parser.add_argument("--extra-workloads", nargs="*", default=[], choices=list(workloads.WORKLOADS),
+                        help="also compare on these (each with --extra-requests requests)")
+    parser.add_argument("--extra-requests", type=int, default=16)
+    parser.add_argument("--extra-duration", type=float, default=60.0)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies the ShareGPT length means")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the paged engine's cap on running sequences")
+    parser.add_argument("--streams", type=int, default=32, help="the N-concurrent-streams run (0: skip)")
+    parser.add_argument("--stream-prompt", type=int, default=32)
+    parser.add_argument("--stream-output", type=int, default=64)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and workload: a smoke run")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_len, args.slots, args.num_requests, args.scale = 64, 3, 6, 0.08
+        args.max_num_batched_tokens, args.max_num_seqs, args.streams, args.extra_workloads = 32, 16, 0, []
+        args.duration = 0.0
+
+    cache_dir = default_cache_dir()
+    enable_compilation_cache(cache_dir)
+    started = time.perf_counter()
+    loaded = load_model(args.model, cache_dir)
+    model = ModelConfig.from_hf(loaded.hf_config)
+    params = jax.tree.map(lambda a: jnp.asarray(a, args.dtype), loaded.params)  # shared by all systems
+    blocks_per_seq = args.max_len // args.block_size
+    budget_blocks = args.slots * blocks_per_seq
+    budget_bytes = (budget_blocks + 1) * bytes_per_block(model, args.block_size, args.dtype)
+    results = {"machine": platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
+               "model": loaded.name, "dtype": args.dtype, "max_len": args.max_len, "block_size": args.block_size,
+               "slots": args.slots, "budget_blocks": budget_blocks, "budget_tokens": budget_blocks * args.block_size,
+               "budget_bytes": budget_bytes, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "paged_max_num_seqs": args.max_num_seqs, "quick": args.quick, "runs": {}}
+    print(f"model {loaded.name} ({args.dtype}); KV budget {budget_blocks} blocks = {args.slots} x {args.max_len} "
+          f"tokens = {budget_bytes / 2**20:.1f} MiB, the same for every system", flush=True)
+
+    t = time.perf_counter()
+    runner = paged_runner(loaded, model, params, args, budget_blocks + 1, args.max_num_seqs, budget_bytes)
+    caches = ContiguousCache(model, params, args.dtype, args.slots, args.max_len, args.block_size,
+                             args.max_num_batched_tokens, runner.config.attention_backend)
+    assert caches.reserved_blocks == budget_blocks  # slots = floor(budget_blocks / M): reserved == budget
+    caches.warm_up()
+    results["warmup_seconds"] = time.perf_counter() - t
+
+    def make(name, n):
+        if name == "sharegpt":
+            return workloads.sharegpt(n, args.max_len, model.vocab_size, args.seed, scale=args.scale)
+        return workloads.make(name, n, args.max_len, model.vocab_size, args.seed)
+
+    main_workload = make(args.workload, args.num_requests)
+    results["main"] = main_workload.name
+    print(f"{main_workload.name}: {main_workload.describe()}", flush=True)
+    results["runs"][main_workload.name] = compare(loaded, model, params, args, main_workload, runner, caches,
+                                                  args.systems, args.duration)
+    for name in args.extra_workloads:
+        w = make(name, args.extra_requests)
+        print(f"{w.name}: {w.describe()}", flush=True)
+        results["runs"][w.name] = compare(loaded, model, params, args, w, runner, caches, args.systems,
+                                          args.extra_duration)
+    del runner, caches
+
+    if args.streams:
+        n = args.streams
+        w = workloads.fixed(n, args.stream_prompt, args.stream_output, model.vocab_size, args.seed, args.max_len)
+        print(f"{n} concurrent streams: {w.describe()}", flush=True)
+        blocks = n * blocks_per_seq  # room for all of them at full length: nobody waits for memory
+        stream_runner = paged_runner(loaded, model, params, args, blocks + 1, n)
+        stream_caches = ContiguousCache(model, params, args.dtype, n, args.max_len, args.block_size,
+                                        args.max_num_batched_tokens, stream_runner.config.attention_backend)
+        stream_caches.warm_up()
+        results["streams"] = compare(loaded, model, params, args, w, stream_runner, stream_caches,
+                                     [s for s in ("paged", "slot_contiguous") if s in args.systems])
+        del stream_runner, stream_caches
+
+    main_result = results["runs"][main_workload.name]
+    for name in SYSTEMS:
+        if name in main_result:
+            results[name] = {k: v for k, v in main_result[name].items() if k != "trace"}
+    results["total_seconds"] = time.perf_counter() - started
+    for title, r in results["runs"].items():
+        print_table("Throughput", r)
+    if "streams" in results:
+        print_table(f"{args.streams} concurrent streams", results["streams"])
+    print(f"\ntotal {results['total_seconds']:.0f} s (warm-up {results['warmup_seconds']:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    plot_path = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot_path and all(s in main_result for s in SYSTEMS):
+        try:
+            plot(results, plot_path)
+            print(f"plot: {plot_path}")
+        except ImportError:
+            print("no plot: matplotlib is not installed")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Start a `jaxpage serve` subprocess and wait until its health says SERVING (for tests and benchmarks)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: list[str], log_path: str | os.PathLike, **popen) -> subprocess.Popen:
+    """Runs ``python ARGV...`` from the repository root with its output in log_path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    log = open(log_path, "wb")
+    try:
+        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                **popen)
+    finally:
+        log.close()
+
+
+def health_status(target: str, service: str = "", timeout: float = 2.0) -> int | None:
+    """The server's health status, or None when it does not answer."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                            timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180.0, log_path=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before SERVING" + _tail(log_path))
+        if health_status(target) == health_pb2.HealthCheckResponse.SERVING:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {target} not SERVING after {timeout:.0f} s" + _tail(log_path))
+
+
+def _tail(log_path) -> str:
+    if log_path is None or not Path(log_path).exists():
+        return ""
+    return "\n--- server log (tail) ---\n" + Path(log_path).read_text(errors="replace")[-4000:]

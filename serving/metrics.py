@@ -1,0 +1,104 @@
+"""Prometheus metrics with vLLM's names (prefix ``jaxpage:`` instead of ``vllm:``), in a registry of their own.
+
+Latencies and token counts are observed by the request handlers, as the client sees them from the server:
+time to first token counts from the moment the call reached the handler. Engine state (running, waiting,
+KV usage, preemptions, prefix cache) is read from ``AsyncEngine.stats()`` at scrape time.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               start_http_server)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+PREFIX = "jaxpage:"
+
+
+class EngineStatsCollector:
+    """Gauges and engine-side counters, read from the engine's stats at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str]):
+        self._stats = stats
+        self._model_name = model_name
+
+    def describe(self):
+        return []  # collected lazily: the engine may still be loading when the registry is built
+
+    def collect(self):
+        stats = self._stats()
+        if stats is None:
+            return
+        labels, values = ["model_name"], [self._model_name()]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        total = stats["num_blocks"]
+        yield gauge("num_requests_running", "Sequences being generated (in the batch).", stats["num_running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats["num_waiting"])
+        yield gauge("num_requests_swapped", "Requests swapped out to host memory.", stats["num_swapped"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                    1 - stats["num_free_blocks"] / total if total else 0.0)
+        yield gauge("kv_blocks_free", "KV blocks that can be handed out (cached, unreferenced ones included).",
+                    stats["num_free_blocks"])
+        yield gauge("kv_blocks_total", "KV blocks in the pool (the null block excluded).", total)
+        yield counter("num_preemptions", "Preemptions of running sequences.", stats["num_preemptions"])
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats["prefix_cache_queries"])
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_cache_hits"])
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], dict | None] = lambda: None, model_name: Callable[[], str] = lambda: ""):
+        disable_created_metrics()  # no *_created series (process-wide; they only add noise here)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._model_name = model_name
+        self._children: dict[tuple, object] = {}
+        r, labels = self.registry, ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token, at the server.",
+                              labels, registry=r, buckets=TTFT_BUCKETS)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two streamed outputs.",
+                             labels, registry=r, buckets=ITL_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             labels, registry=r, buckets=E2E_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens sent back.", labels,
+                                         registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+                                       labels + ["finished_reason"], registry=r)
+        self.request_errors = Counter(PREFIX + "request_errors", "Requests that ended with an error status.",
+                                      labels + ["code"], registry=r)
+        self.in_flight = Gauge(PREFIX + "num_requests_in_flight", "Generate calls being handled.", labels,
+                               registry=r)
+        r.register(EngineStatsCollector(stats, model_name))
+
+    def labels(self, metric, **extra):
+        """The metric's child for the served model (cached: this is on the per-token path)."""
+        key = (id(metric), *extra.values())
+        child = self._children.get(key)
+        if child is None:
+            model_name = self._model_name()
+            child = metric.labels(model_name=model_name, **extra)
+            if model_name:  # known for good once the engine is up
+                self._children[key] = child
+        return child
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Starts the HTTP exporter in a daemon thread; returns (server, thread)."""
+        return start_http_server(port, addr=addr, registry=self.registry)
