@@ -39,72 +39,89 @@ from benchmarks.workloads import Workload
 
 @dataclasses.dataclass
 class RunStats:
-    """What one system did on one workload (or in one time window of it); KV figures in token slots.
+    """What one system did on one workload, or in a measured window of it; KV figures in token slots.
 
-    Throughput counts every output token generated, finished request or not. ``requests_per_s`` is that token
-    throughput over the workload's mean output tokens per request: when a run drains the whole workload it is
-    exactly requests / seconds; when a time window cuts it short (a backlog larger than the window), it is the
-    long-run request rate at saturation, without the bias of counting only the requests that happened to finish.
+    Two ways to run: drain the workload (``duration`` None), or, with a backlog larger than the machine gets
+    through, run ``warmup`` seconds unmeasured (every system starts by admitting and prefilling as much as it
+    can hold: a transient that a short window would overweight) and then measure ``duration`` seconds of
+    saturated steady state. Throughput counts every output token generated in the window, finished request or
+    not. ``requests_per_s`` is that token throughput over the workload's mean output tokens per request: when a
+    run drains the workload it is exactly requests / seconds; in a window it is the long-run request rate at
+    saturation, without the bias of counting only the requests that happened to finish inside it.
     """
 
     tokens_per_request: float  # the workload's mean output tokens per request (n samples count n times)
+    progress: object = None  # () -> dict of monotone counters: "tokens", "completed", "execute" (seconds), ...
     num_requests: int = 0  # in the workload
-    completed_requests: int = 0
-    num_output_tokens: int = 0
-    seconds: float = 0.0
-    num_steps: int = 0
+    duration: float | None = None  # measured seconds after the warm-up (None: drain the workload)
+    warmup: float = 0.0
     num_preemptions: int = 0
     running: list[int] = dataclasses.field(default_factory=list)  # live sequences after each step
     stored: list[int] = dataclasses.field(default_factory=list)  # tokens whose K/V live sequences hold
     allocated: list[int] = dataclasses.field(default_factory=list)  # slots reserved for live sequences
     times: list[float] = dataclasses.field(default_factory=list)  # seconds since the start, after each step
-    execute_seconds: float = 0.0  # of which in the model step (batch building, device step, result back)
-    cpu_seconds: float = 0.0  # process CPU time (all threads): less sensitive than wall time to other load
-    started: float = 0.0
-    duration: float | None = None  # stop after this many seconds (None: drain the workload)
+    window: dict = dataclasses.field(default_factory=dict)  # counters, time, CPU time and step at the window start
+    totals: dict = dataclasses.field(default_factory=dict)  # counters over the window, set by stop()
+    drained: bool = False  # every request finished
 
     @classmethod
-    def for_workload(cls, workload: Workload, duration: float | None) -> "RunStats":
+    def for_workload(cls, workload: Workload, duration: float | None, warmup: float = 0.0) -> "RunStats":
         return cls(tokens_per_request=workload.num_output_tokens / len(workload.requests),
-                   num_requests=len(workload.requests), duration=duration or None)
+                   num_requests=len(workload.requests), duration=duration or None,
+                   warmup=warmup if duration else 0.0)
 
-    def start(self) -> None:
-        self.started, self._cpu = time.perf_counter(), time.process_time()
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
 
-    def stop(self) -> None:
-        self.seconds = time.perf_counter() - self.started
-        self.cpu_seconds = time.process_time() - self._cpu
+    def start(self, progress) -> None:
+        self.progress = progress
+        self._t0, self._cpu0 = time.perf_counter(), time.process_time()
+        if not self.warmup:
+            self._open_window()
+
+    def _open_window(self) -> None:
+        self.window = {"t": self._now(), "cpu": time.process_time(), "step": len(self.times), **self.progress()}
 
     def expired(self) -> bool:
-        return self.duration is not None and time.perf_counter() - self.started >= self.duration
+        return self.duration is not None and self._now() >= self.warmup + self.duration
 
     def record(self, running: int, stored: int, allocated: int) -> None:
-        self.times.append(time.perf_counter() - self.started)
-        self.num_steps += 1
+        self.times.append(self._now())
         self.running.append(running)
         self.stored.append(stored)
         self.allocated.append(allocated)
+        if not self.window and self.times[-1] >= self.warmup:
+            self._open_window()
+
+    def stop(self) -> None:
+        if not self.window:  # drained before the warm-up was over: measure the whole run
+            self.window = {"t": 0.0, "cpu": self._cpu0, "step": 0, **{k: 0 for k in self.progress()}}
+        end = {"t": self._now(), "cpu": time.process_time(), **self.progress()}
+        self.totals = {k: end[k] - self.window[k] for k in end}
+        self.drained = self.progress()["completed"] == self.num_requests
 
     def summary(self) -> dict:
-        stored, allocated = np.array(self.stored, float), np.array(self.allocated, float)
+        w = self.window["step"]
+        stored, allocated = np.array(self.stored[w:], float), np.array(self.allocated[w:], float)
+        running = np.array(self.running[w:])
         has = allocated > 0
         peak = int(np.lexsort((stored, allocated))[-1])  # most memory reserved; ties: most tokens stored
-        step_s = np.diff(self.times, prepend=0.0)
-        tokens_per_s = self.num_output_tokens / self.seconds
+        step_s = np.diff(np.array(self.times[w:]), prepend=self.window["t"])
+        seconds, tokens = self.totals["t"], self.totals["tokens"]
         return {
-            "requests_per_s": tokens_per_s / self.tokens_per_request,
-            "output_tokens_per_s": tokens_per_s,
-            "output_tokens_per_cpu_s": self.num_output_tokens / self.cpu_seconds,
-            "seconds": self.seconds,
-            "cpu_seconds": self.cpu_seconds,
-            "drained": self.completed_requests == self.num_requests,
-            "completed_requests": self.completed_requests,
-            "completed_requests_per_s": self.completed_requests / self.seconds,
-            "num_output_tokens": self.num_output_tokens,
+            "requests_per_s": tokens / seconds / self.tokens_per_request,
+            "output_tokens_per_s": tokens / seconds,
+            "output_tokens_per_cpu_s": tokens / self.totals["cpu"],
+            "seconds": seconds,
+            "cpu_seconds": self.totals["cpu"],
+            "warmup_seconds": self.window["t"],
+            "drained": self.drained,
+            "completed_requests": self.totals["completed"],
+            "num_output_tokens": tokens,
             "tokens_per_request": self.tokens_per_request,
-            "num_steps": self.num_steps,
-            "peak_concurrency": int(max(self.running)),
-            "mean_concurrency": float(np.mean(self.running)),
+            "num_steps": len(step_s),
+            "peak_concurrency": int(running.max()),
+            "mean_concurrency": float(running.mean()),
             # reserved-but-unused share of the KV memory held by live sequences, over all steps (slot-steps)
             "kv_waste_frac": float(1 - stored[has].sum() / allocated[has].sum()),
             "kv_waste_mean_of_steps": float(np.mean(1 - stored[has] / allocated[has])),
@@ -112,8 +129,8 @@ class RunStats:
             "peak_kv_slots_allocated": int(allocated[peak]),
             "peak_kv_tokens_stored": int(stored[peak]),
             "num_preemptions": self.num_preemptions,
-            "execute_seconds": self.execute_seconds,
-            "outside_execute_seconds": self.seconds - self.execute_seconds,
+            "execute_seconds": self.totals["execute"],
+            "outside_execute_seconds": seconds - self.totals["execute"],
             "median_step_ms": float(1e3 * np.median(step_s)),
         }
 
@@ -206,14 +223,15 @@ class SlotBatching:
     def __init__(self, cache: ContiguousCache):
         self.cache = cache
 
-    def run(self, workload: Workload, duration: float | None = None) -> RunStats:
+    def run(self, workload: Workload, duration: float | None = None, warmup: float = 0.0) -> RunStats:
         c = self.cache
         seqs = _sequences(workload)
         queue = seqs[::-1]
         slots: list[_Seq | None] = [None] * c.num_slots
-        stats = RunStats.for_workload(workload, duration)
+        stats = RunStats.for_workload(workload, duration, warmup)
         budget = c.config.max_num_batched_tokens
-        stats.start()
+        clock = {"execute": 0.0}
+        stats.start(lambda: {**_progress(seqs), **clock})
         while (queue or any(slots)) and not stats.expired():
             for i in range(c.num_slots):  # refill every free slot at once
                 if slots[i] is None and queue:
@@ -232,7 +250,7 @@ class SlotBatching:
                     room -= len(chunk)
             t = time.perf_counter()
             sampled = _run_pieces(c, pieces)
-            stats.execute_seconds += time.perf_counter() - t
+            clock["execute"] += time.perf_counter() - t
             for (i, chunk, first), token in zip(pieces, sampled):
                 s = slots[i]
                 s.computed = first + len(chunk)
@@ -244,15 +262,14 @@ class SlotBatching:
             live = [s for s in slots if s is not None]
             stats.record(len(live), sum(s.computed for s in live), len(live) * c.max_len)
         stats.stop()
-        _count(stats, seqs)
         return stats
 
 
-def _count(stats: RunStats, seqs: list[_Seq]) -> None:
-    """Output tokens generated (padding excluded) and requests whose every sequence is done."""
-    stats.num_output_tokens = sum(min(s.generated, s.max_tokens) for s in seqs)
+def _progress(seqs: list[_Seq]) -> dict:
+    """Output tokens generated so far (padding excluded), and requests whose every sequence is done."""
     pending = {s.request for s in seqs if s.generated < s.max_tokens}
-    stats.completed_requests = len({s.request for s in seqs} - pending)
+    return {"tokens": sum(min(s.generated, s.max_tokens) for s in seqs),
+            "completed": len({s.request for s in seqs} - pending)}
 
 
 class StaticBatching:
@@ -263,20 +280,20 @@ class StaticBatching:
     def __init__(self, cache: ContiguousCache):
         self.cache = cache
 
-    def run(self, workload: Workload, duration: float | None = None) -> RunStats:
+    def run(self, workload: Workload, duration: float | None = None, warmup: float = 0.0) -> RunStats:
         c = self.cache
         seqs = _sequences(workload)
-        stats = RunStats.for_workload(workload, duration)
-        stats.start()
+        stats = RunStats.for_workload(workload, duration, warmup)
+        clock = {"execute": 0.0}
+        stats.start(lambda: {**_progress(seqs), **clock})
         for first in range(0, len(seqs), c.num_slots):
             if stats.expired():
                 break
-            self._run_batch(seqs[first:first + c.num_slots], stats)
+            self._run_batch(seqs[first:first + c.num_slots], stats, clock)
         stats.stop()
-        _count(stats, seqs)
         return stats
 
-    def _run_batch(self, batch: list[_Seq], stats: RunStats) -> None:
+    def _run_batch(self, batch: list[_Seq], stats: RunStats, clock: dict) -> None:
         c = self.cache
         rows = np.arange(len(batch), dtype=np.int32)
         lens = np.array([len(s.prompt) for s in batch])
@@ -303,7 +320,7 @@ class StaticBatching:
             t = time.perf_counter()
             sampled = c.execute(present.astype(np.int32), flat_ids[lo:hi], flat_pos[lo:hi], local_row,
                                 flat_real[lo:hi], logits)
-            stats.execute_seconds += time.perf_counter() - t
+            clock["execute"] += time.perf_counter() - t
             for r, token, done in zip(present, sampled, samples):
                 s = batch[r]
                 s.computed = int(min(lens[r], hi - r * padded_len))
@@ -320,7 +337,7 @@ class StaticBatching:
             tokens = np.array([s.last for s in batch], np.int32)
             t = time.perf_counter()
             sampled = c.execute(rows, tokens, pos.astype(np.int32), rows, live, rows)
-            stats.execute_seconds += time.perf_counter() - t
+            clock["execute"] += time.perf_counter() - t
             for s, token, is_live in zip(batch, sampled, live):
                 s.last, s.generated = int(token), s.generated + 1  # padding rows too, as a [B] tensor would
                 if is_live:

@@ -96,12 +96,18 @@ def timed_execute(runner: ModelRunner, timers: dict):
         model_runner.build_batch = build
 
 
-def run_paged(engine: LLMEngine, workload: workloads.Workload, duration: float | None = None) -> tuple[RunStats, dict]:
-    stats = RunStats.for_workload(workload, duration)
-    timers = {"execute": 0.0, "build_batch": 0.0, "instrumentation": 0.0}
-    finished_tokens = 0
-    with timed_execute(engine.runner, timers):
-        stats.start()
+def run_paged(engine: LLMEngine, workload: workloads.Workload, duration: float | None = None,
+              warmup: float = 0.0) -> tuple[RunStats, dict]:
+    stats = RunStats.for_workload(workload, duration, warmup)
+    counters = {"completed": 0, "finished_tokens": 0, "execute": 0.0, "build_batch": 0.0, "instrumentation": 0.0}
+
+    def progress() -> dict:
+        in_flight = sum(s.num_output_tokens for r in engine.requests.values() for s in r.group.seqs)
+        return {**counters, "tokens": counters["finished_tokens"] + in_flight,
+                "preemptions": engine.scheduler.num_preemptions}
+
+    with timed_execute(engine.runner, counters):
+        stats.start(progress)
         for i, r in enumerate(workload.requests):
             params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, seed=i,
                                     output_kind="final_only")
@@ -109,49 +115,47 @@ def run_paged(engine: LLMEngine, workload: workloads.Workload, duration: float |
         while engine.has_unfinished_requests() and not stats.expired():
             for out in engine.step():
                 if out.finished:
-                    stats.completed_requests += 1
-                    finished_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    counters["completed"] += 1
+                    counters["finished_tokens"] += sum(len(c.token_ids) for c in out.outputs)
             t = time.perf_counter()
             stored, allocated = engine._kv_occupancy()
+            counters["instrumentation"] += time.perf_counter() - t
             stats.record(engine.scheduler.num_running_seqs(), stored, allocated)
-            timers["instrumentation"] += time.perf_counter() - t
         stats.stop()
-    in_flight = sum(s.num_output_tokens for r in engine.requests.values() for s in r.group.seqs)
-    stats.num_output_tokens = finished_tokens + in_flight
-    if not engine.has_unfinished_requests():
-        assert stats.num_output_tokens == workload.num_output_tokens, (stats.num_output_tokens,
-                                                                       workload.num_output_tokens)
-    stats.seconds -= timers["instrumentation"]  # reading occupancy every step is the benchmark's, not the engine's
-    stats.execute_seconds = timers["execute"]
-    stats.num_preemptions = engine.scheduler.num_preemptions
+    if stats.drained:
+        assert counters["finished_tokens"] == workload.num_output_tokens, (counters, workload.num_output_tokens)
+    w = stats.totals
+    # reading the occupancy every step is the benchmark's work, not the engine's
+    stats.totals["t"] -= w["instrumentation"]
+    stats.num_preemptions = w["preemptions"]
     s = engine.stats()
     engine_stats = {k: s[k] for k in ("num_blocks", "peak_blocks_used", "kv_waste_at_peak", "num_preemptions",
                                       "prefix_cache_queries", "prefix_cache_hits")}
     profile = {
-        "engine_step_seconds": stats.seconds,
-        "device_step_seconds": timers["execute"] - timers["build_batch"],  # jitted step + results to host
-        "build_batch_seconds": timers["build_batch"],
-        "schedule_update_seconds": stats.seconds - timers["execute"],  # scheduler, KV manager, detokenizer
-        "instrumentation_seconds": timers["instrumentation"],
+        "engine_step_seconds": w["t"],
+        "device_step_seconds": w["execute"] - w["build_batch"],  # jitted step + results back to the host
+        "build_batch_seconds": w["build_batch"],
+        "schedule_update_seconds": w["t"] - w["execute"],  # scheduler, KV manager, detokenizer, outputs
+        "instrumentation_seconds": w["instrumentation"],
     }
-    profile["device_step_frac"] = profile["device_step_seconds"] / stats.seconds
+    profile["device_step_frac"] = profile["device_step_seconds"] / w["t"]
     return stats, {"engine_stats": engine_stats, "profile": profile}
 
 
 # --- one comparison ---------------------------------------------------------------------------------------
-def compare(loaded, model, params, args, workload, runner, caches, systems, duration=None) -> dict:
+def compare(loaded, model, params, args, workload, runner, caches, systems, duration=None, warmup=0.0) -> dict:
     result = {"workload": workload.describe()}
     for name in systems:
         load_before = os.getloadavg()[0]
         if name == "paged":
-            stats, extra = run_paged(paged_engine(loaded, runner), workload, duration)
+            stats, extra = run_paged(paged_engine(loaded, runner), workload, duration, warmup)
         else:
             system = StaticBatching(caches) if name == "static_contiguous" else SlotBatching(caches)
-            stats, extra = system.run(workload, duration), {}
+            stats, extra = system.run(workload, duration, warmup), {}
         summary = stats.summary()
         summary.update(extra)
         summary["load_average"] = [load_before, os.getloadavg()[0]]
-        summary["trace"] = {"t": [round(t, 4) for t in stats.times], "running": stats.running,
+        summary["trace"] = {"t": [round(t, 3) for t in stats.times], "running": stats.running,
                             "stored": stats.stored, "allocated": stats.allocated}
         result[name] = summary
         print(f"  {name}: {summary['requests_per_s']:.3f} req/s, {summary['output_tokens_per_s']:.1f} out tok/s, "
@@ -218,7 +222,12 @@ def plot(results: dict, path: str) -> None:
             axes[1, 0].plot(tr["t"], tr["running"], label=name, color=colors[name], lw=1)
             util = np.array(tr["stored"]) / results["budget_tokens"]
             axes[1, 1].plot(tr["t"], 100 * util, label=name, color=colors[name], lw=1)
-    axes[1, 0].set(xlabel="seconds", ylabel="running sequences", title=f"{results['main']}: concurrency")
+    for ax in axes[1]:
+        for name in SYSTEMS:
+            if name in main and main[name]["warmup_seconds"]:
+                ax.axvline(main[name]["warmup_seconds"], color=colors[name], ls=":", lw=0.8)
+    axes[1, 0].set(xlabel="seconds (dotted: measured window starts)", ylabel="running sequences",
+                   title=f"{results['main']}: concurrency")
     axes[1, 1].set(xlabel="seconds", ylabel="% of KV budget holding live tokens",
                    title=f"{results['main']}: KV budget in use")
     axes[1, 0].legend(fontsize=8)
@@ -240,12 +249,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--workload", default="sharegpt", choices=list(workloads.WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=64,
                         help="requests in the main workload, all at t=0 (a backlog larger than --duration needs)")
-    parser.add_argument("--duration", type=float, default=140.0,
-                        help="seconds each system runs on the main workload (0: until it is drained)")
+    parser.add_argument("--duration", type=float, default=90.0,
+                        help="measured seconds of each system on the main workload (0: until it is drained)")
+    parser.add_argument("--warmup", type=float, default=50.0,
+                        help="unmeasured seconds before the window (the admission and prefill transient)")
     parser.add_argument("--extra-workloads", nargs="*", default=[], choices=list(workloads.WORKLOADS),
                         help="also compare on these (each with --extra-requests requests)")
     parser.add_argument("--extra-requests", type=int, default=16)
     parser.add_argument("--extra-duration", type=float, default=60.0)
+    parser.add_argument("--extra-warmup", type=float, default=20.0)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the ShareGPT length means")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the paged engine's cap on running sequences")
@@ -297,12 +309,12 @@ def main(argv=None) -> dict:
     results["main"] = main_workload.name
     print(f"{main_workload.name}: {main_workload.describe()}", flush=True)
     results["runs"][main_workload.name] = compare(loaded, model, params, args, main_workload, runner, caches,
-                                                  args.systems, args.duration)
+                                                  args.systems, args.duration, args.warmup)
     for name in args.extra_workloads:
         w = make(name, args.extra_requests)
         print(f"{w.name}: {w.describe()}", flush=True)
         results["runs"][w.name] = compare(loaded, model, params, args, w, runner, caches, args.systems,
-                                          args.extra_duration)
+                                          args.extra_duration, args.extra_warmup)
     del runner, caches
 
     if args.streams:

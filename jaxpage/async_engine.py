@@ -7,6 +7,7 @@ thread-safe: every call into it holds one lock, so an abort waits at most for th
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 from typing import AsyncIterator
@@ -28,6 +29,9 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # filled by coroutines, drained by the loop thread between steps: the event loop never waits for a step
+        self._inbox: collections.deque = collections.deque()  # (request_id, prompt, params, priority, loop, queue, admitted)
+        self._aborts: collections.deque[str] = collections.deque()
         self._stopping = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="jaxpage-engine", daemon=True)
@@ -43,14 +47,25 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Queues the request (bad input raises here) and returns the stream of its outputs."""
+        """Queues the request (bad input raises here) and returns the stream of its outputs.
+
+        The loop thread admits every request that arrived during a step before the next one, so the event loop
+        never waits for the step in flight, and a burst of arrivals joins the batch together."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        admitted = loop.create_future()
+        self._inbox.append((request_id, prompt, params, priority, loop, queue, admitted))
         self._work.set()
+        if not self.is_running:  # the loop died (or is stopping) meanwhile and may not see the inbox again
+            self._fail_inbox()
+        try:
+            await admitted  # ValueError for bad input, EngineDeadError if the loop died
+        except asyncio.CancelledError:  # the caller left while it waited: drop it once admitted
+            self._aborts.append(request_id)
+            self._work.set()
+            raise
         return self._stream(request_id, queue)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -71,6 +86,28 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self.engine.abort_request(request_id)
 
+    def _admit(self) -> None:
+        """Loop thread, holding the lock: admits the waiting requests, then applies the aborts."""
+        while self._inbox:
+            request_id, prompt, params, priority, loop, queue, admitted = self._inbox.popleft()
+            try:
+                self.engine.add_request(request_id, prompt, params, priority)
+            except Exception as e:  # noqa: BLE001 - bad input: raised by add_request in the caller
+                loop.call_soon_threadsafe(_settle, admitted, e)
+                continue
+            self._streams[request_id] = (loop, queue)
+            loop.call_soon_threadsafe(_settle, admitted, None)
+        while self._aborts:
+            self.engine.abort_request(self._aborts.popleft())
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                *_, loop, _queue, admitted = self._inbox.popleft()
+            except IndexError:
+                return
+            loop.call_soon_threadsafe(_settle, admitted, EngineDeadError(f"the engine is not running: {self.error!r}"))
+
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats()
@@ -83,6 +120,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stopping:
+                if self._inbox or self._aborts:
+                    with self._lock:
+                        self._admit()
                 if not self.engine.has_unfinished_requests():
                     self._work.wait(0.1)
                     self._work.clear()
@@ -103,3 +143,13 @@ class AsyncEngine:
                 streams, self._streams = list(self._streams.values()), {}
             for loop, queue in streams:
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            self._fail_inbox()
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
