@@ -78,5 +78,12 @@ def beam_score(seq: Sequence, length_penalty: float) -> float:
 
 
 def final_beams(group: SequenceGroup) -> list[Sequence]:
+    """The n best ended hypotheses. A search cut short (aborted: the group can never fit in the pool) may have
+    ended fewer than n: its best unfinished beams make up the rest, so the request still gets n completions."""
     p = group.params
-    return sorted(group.finished_seqs, key=lambda s: -beam_score(s, p.length_penalty))[:p.n]
+    best = sorted(group.finished_seqs, key=lambda s: -beam_score(s, p.length_penalty))[:p.n]
+    if len(best) < p.n:
+        ended = {id(s) for s in group.finished_seqs}
+        rest = [s for s in group.seqs if id(s) not in ended]  # the beams of one step: all of the same length,
+        best += sorted(rest, key=lambda s: -s.cumulative_logprob)[:p.n - len(best)]  # so ranked by cum_logprob
+    return best

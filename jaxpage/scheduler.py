@@ -55,6 +55,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        pool, bs = self.kv.pool, self.config.block_size
+        preemptions = self.num_preemptions
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -64,19 +66,23 @@ class Scheduler:
                     if seq is not live[0] and live[0].num_computed_tokens < live[0].num_prompt_tokens:
                         continue  # a recomputing sibling waits until the first has cached the shared prompt
                     self.kv.match_prefix(seq)  # a sequence recomputing after preemption
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
+                num_new = min(num_tokens - computed, budget)
                 if num_new == 0:
                     continue  # waiting for its beam siblings, or out of budget
-                if not self._make_room(seq, num_new, group):
-                    preempted = True
-                    break
-                preempted |= group.status != SequenceStatus.RUNNING
-                scheduled.append(self._scheduled(seq, num_new, group))
+                # fast path, the common decode step: room in its blocks and no shared block to copy on write
+                if pool.num_shared or computed + num_new > len(seq.block_table) * bs:
+                    if not self._make_room(seq, num_new, group):
+                        preempted = True
+                        break
+                    preempted |= group.status != SequenceStatus.RUNNING
+                scheduled.append(ScheduledSeq(seq, num_new, group, computed + num_new == num_tokens))
                 budget -= num_new
-        scheduled = [s for s in scheduled if s.group.status == SequenceStatus.RUNNING]
+        if self.num_preemptions != preemptions:  # drop what was scheduled of groups preempted later on
+            scheduled = [s for s in scheduled if s.group.status == SequenceStatus.RUNNING]
+            budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         if not preempted:
             self._swap_in_what_fits()
-        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         num_seqs = sum(g.max_seqs for g in self.running) if self.waiting else 0  # as reserved at admission
         while self.waiting and budget > 0 and not self.swapped:
             group = self.waiting[0]
@@ -109,6 +115,10 @@ class Scheduler:
         """Nothing runs and the first queued request still cannot start: it can never fit in the pool."""
         group = (self.swapped or self.waiting)[0]
         self.finish_group(group, "abort")
+        if not group.forked and group.width > 1:  # ended before its prompt forked: its n samples end empty too
+            parent = group.seqs[0]  # no blocks left: the forks share nothing
+            group.seqs += [parent.fork(self._next_seq_id(), seed=_child_seed(parent.seed, i))
+                           for i in range(1, group.width)]
         self._failed.append(group)
 
     def take_failed(self) -> list[SequenceGroup]:
