@@ -2,8 +2,9 @@
 
     python benchmarks/host_overhead.py [--seqs 256] [--steps 200] [--json out.json]
 
-A stand-in runner builds the real flat batch (jaxpage.model_runner.build_batch) and returns a token per row,
-so everything the host does per step is timed, and nothing of the device.
+A stand-in runner builds the real flat batch (jaxpage.model_runner.build_batch, over a persistent InputBatch as
+ModelRunner keeps one) and returns a token per row, so everything the host does per step is timed, and nothing
+of the device.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from transformers import LlamaConfig
 
 from jaxpage.config import ModelConfig, build_engine_config
 from jaxpage.llm_engine import LLMEngine
-from jaxpage.model_runner import build_batch
+from jaxpage.model_runner import InputBatch, build_batch
 from jaxpage.sampler import SamplerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -30,6 +31,7 @@ class BatchOnlyRunner:
 
     def __init__(self, config):
         self.config = config
+        self.input_batch = InputBatch(config)  # as ModelRunner keeps it between steps
         self.build_seconds: list[float] = []
 
     def warm_up(self, progress: bool = True) -> None:
@@ -40,7 +42,7 @@ class BatchOnlyRunner:
 
     def execute(self, scheduled):
         t = time.perf_counter()
-        build_batch(self.config, scheduled)
+        build_batch(self.config, scheduled, (), self.input_batch)
         self.build_seconds.append(time.perf_counter() - t)
         n = len(scheduled)
         return SamplerOutput(np.full(n, 7), np.zeros(n), np.zeros((n, MAX_LOGPROBS), int),

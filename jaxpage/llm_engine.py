@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from jaxpage.beam_search import beam_search_step, final_beams
 from jaxpage.block_pool import BlockPool
 from jaxpage.compile_cache import enable_compilation_cache
@@ -53,6 +55,8 @@ class Request:
     prompt: str | None
     detokenizers: dict[int, IncrementalDetokenizer]  # by seq_id
     metrics: RequestMetrics
+    prompt_token_ids: list[int]  # every output's prompt_token_ids (one list, made once, as in vLLM)
+    plain: bool = False  # one sequence, no beams, no top log-probabilities: the step's lean common case
     stop_reasons: dict[int, str | int] = dataclasses.field(default_factory=dict)
     sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # delta mode: tokens, chars sent
 
@@ -131,7 +135,8 @@ class LLMEngine:
         seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
                        max_len=max_len, seed=seed)
         group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority)
-        self.requests[request_id] = Request(group, text, {}, RequestMetrics(time.monotonic()))
+        plain = params.best_of == 1 and not params.use_beam_search and params.logprobs is None
+        self.requests[request_id] = Request(group, text, {}, RequestMetrics(time.monotonic()), list(token_ids), plain)
         self.scheduler.add(group)
 
     def _prompt_tokens(self, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -163,36 +168,60 @@ class LLMEngine:
         """Schedules and runs one iteration; returns an output for every request that got a token."""
         out = self.scheduler.schedule()
         self.runner.apply(out.ops)
-        failed = [self._fail(group) for group in self.scheduler.take_failed()]
+        outputs = [self._fail(group) for group in self.scheduler.take_failed()]
         if not out.scheduled:
-            return failed
+            return outputs
         sampled = self.runner.execute(out.scheduled)
         now = time.monotonic()
+        tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
+        bs, requests, finished = self.config.block_size, self.requests, SequenceStatus.FINISHED
         touched: dict[str, Request] = {}
+        deferred: list[int] = []  # places in outputs held by requests whose output waits for the whole step
+        beams = False
         for row, s in enumerate(out.scheduled):
             seq, group = s.seq, s.group
             if s.logits_of is None:
                 seq.num_computed_tokens += s.num_new_tokens
             else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
                 seq.num_computed_tokens = seq.num_tokens
-            self.kv.cache_full_blocks(seq)
-            if not s.samples or group.status == SequenceStatus.FINISHED:
+            if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block was filled: cache it
+                self.kv.cache_full_blocks(seq)
+            if not s.samples or group.status == finished:
                 continue
-            request = self.requests[group.request_id]
-            touched[group.request_id] = request
-            top = (sampled.top_ids[row], sampled.top_logprobs[row])
-            if group.params.use_beam_search:
-                seq.pending_top = top
-            else:
-                self._append_token(request, seq, int(sampled.tokens[row]), float(sampled.logprobs[row]), top)
+            request_id, p = group.request_id, group.params
+            request = requests[request_id]
+            if request.plain:  # its only sequence: no other row and no beam step changes its output
+                self._append_token(request, seq, tokens[row], logprobs[row], None)
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                if seq.finish_reason is not None:  # done: finished once the step is through
+                    deferred.append(len(outputs))
+                    outputs.append(request)
+                elif p.output_kind != "final_only":  # as _output(request, False), made now
+                    outputs.append(RequestOutput(request_id, request.prompt, request.prompt_token_ids,
+                                                 [self._completion(request, seq, 0, False)], False, request.metrics))
+                continue
+            if p.use_beam_search:
+                seq.pending_top = (sampled.top_ids[row], sampled.top_logprobs[row])
+                beams = True
+            else:  # the top log-probabilities are read only when the request asked for them
+                top = (sampled.top_ids[row], sampled.top_logprobs[row]) if p.logprobs is not None else None
+                self._append_token(request, seq, tokens[row], logprobs[row], top)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-        for request in touched.values():
-            if request.group.params.use_beam_search:
-                self._advance_beams(request)
+            if request_id in touched:
+                continue
+            touched[request_id] = request  # outputs come in the order of the requests' first rows
+            deferred.append(len(outputs))  # made once every row and beam step is in
+            outputs.append(request)
+        if beams:
+            for request in touched.values():
+                if request.group.params.use_beam_search:
+                    self._advance_beams(request)
         self._track_peak_kv()
-        outputs = [self._finish_if_done(r, now) for r in touched.values()]
-        return failed + [o for o in outputs if o is not None]
+        for i in deferred:
+            outputs[i] = self._finish_if_done(outputs[i], now)
+        return [o for o in outputs if o is not None] if deferred else outputs
 
     def _fail(self, group: SequenceGroup) -> RequestOutput:
         """A request that cannot fit in the pool even alone: it ends with finish_reason 'abort'."""
@@ -214,23 +243,26 @@ class LLMEngine:
             detok = request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
         detok.add(token)
-        reason = self._finish_reason(request, seq, token, detok)
-        if reason is not None:
-            self.scheduler.finish_seq(request.group, seq, reason)
+        if (p.stop or p.stop_token_ids or len(seq.token_ids) >= seq.max_len
+                or (token in self.eos_token_ids and not p.ignore_eos)):  # else it cannot have finished
+            reason = self._finish_reason(request, seq, token, detok)
+            if reason is not None:
+                self.scheduler.finish_seq(request.group, seq, reason)
 
     def _finish_reason(self, request: Request, seq: Sequence, token: int, detok) -> str | None:
         p = request.group.params
-        if seq.num_output_tokens >= p.min_tokens:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= p.min_tokens:
             if token in p.stop_token_ids:
                 request.stop_reasons[seq.seq_id] = token
                 return "stop"
             if token in self.eos_token_ids and not p.ignore_eos:
                 return "stop"
-            stop = detok.find_stop(p.stop, p.include_stop_str_in_output)
+            stop = detok.find_stop(p.stop, p.include_stop_str_in_output) if p.stop else None
             if stop is not None:
                 request.stop_reasons[seq.seq_id] = stop
                 return "stop"
-        if seq.num_tokens >= seq.max_len:
+        if num_tokens >= seq.max_len:
             return "length"
         return None
 
@@ -262,34 +294,38 @@ class LLMEngine:
             seqs = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
         else:
             seqs = group.seqs[:p.n] if finished else group.seqs
-        completions = []
-        delta = p.output_kind == "delta"
-        for index, seq in enumerate(seqs):
-            detok = request.detokenizers.get(seq.seq_id)
-            text = detok.output_text(final=finished or seq.is_finished) if detok else ""
-            if p.use_beam_search and self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-            tokens_from, text_from = request.sent.get(seq.seq_id, (0, 0)) if delta else (0, 0)
+        completions = ([self._completion(request, seqs[0], 0, finished)] if len(seqs) == 1 else
+                       [self._completion(request, seq, index, finished) for index, seq in enumerate(seqs)])
+        return RequestOutput(group.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+                             request.metrics)
+
+    def _completion(self, request: Request, seq: Sequence, index: int, finished: bool) -> CompletionOutput:
+        p, seq_id = request.group.params, seq.seq_id
+        done = finished or seq.finish_reason is not None
+        detok = request.detokenizers.get(seq_id)
+        text = detok.output_text(done) if detok else ""
+        if p.use_beam_search and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        tokens_from = 0
+        if p.output_kind == "delta":  # what is new since the last output
+            tokens_from, text_from = request.sent.get(seq_id, (0, 0))
             token_ids = seq.token_ids[seq.num_prompt_tokens + tokens_from:]
-            logprobs = seq.output_logprobs[tokens_from:] if p.logprobs is not None else None
-            if delta:
-                request.sent[seq.seq_id] = (tokens_from + len(token_ids), len(text))
-            completions.append(CompletionOutput(
-                index=index, text=text[text_from:], token_ids=token_ids,
-                cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
-                finish_reason=seq.finish_reason if finished or seq.is_finished else None,
-                stop_reason=request.stop_reasons.get(seq.seq_id)))
-        first = group.seqs[0]
-        return RequestOutput(request_id=group.request_id, prompt=request.prompt,
-                             prompt_token_ids=first.token_ids[:first.num_prompt_tokens], outputs=completions,
-                             finished=finished, metrics=request.metrics)
+            request.sent[seq_id] = (tokens_from + len(token_ids), len(text))
+            if text_from:
+                text = text[text_from:]
+        else:
+            token_ids = seq.token_ids[seq.num_prompt_tokens:]
+        logprobs = seq.output_logprobs[tokens_from:] if p.logprobs is not None else None
+        return CompletionOutput(index, text, token_ids, seq.cumulative_logprob, logprobs,
+                                seq.finish_reason if done else None, request.stop_reasons.get(seq_id))
 
     # --- stats ----------------------------------------------------------------------------------------
     def _kv_occupancy(self) -> tuple[int, int]:
         """(tokens stored, slots allocated) over the blocks that sequences hold, each block counted once."""
         bs = self.config.block_size
         if not self.block_pool.num_shared:  # every block has one holder: no block can be counted twice
-            stored = sum(s.num_computed_tokens for g in self.scheduler.running for s in g.live_seqs)
+            stored = sum([s.num_computed_tokens for g in self.scheduler.running for s in g.seqs
+                          if s.finish_reason is None])  # the live sequences
             return stored, self.block_pool.num_used * bs
         filled: dict[int, int] = {}
         for group in self.scheduler.running:

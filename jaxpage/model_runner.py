@@ -15,6 +15,7 @@ from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.model import TokenBatch, compute_logits, forward_hidden
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
+from jaxpage.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self._gather = jax.jit(_gather_blocks)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
         self.eos_token_ids: tuple[int, ...] = ()
+        self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
 
     def warm_up(self, progress: bool = True) -> None:
         """Compiles every token bucket and the block-move functions ahead of time; serving never compiles."""
@@ -93,7 +95,7 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq]) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for each scheduled sequence, in order."""
-        batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids)
+        batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch)
         compiled = self._executables.get(batch.token_ids.shape[0])
         if compiled is None:
             raise RuntimeError(f"no compiled step for {batch.token_ids.shape[0]} tokens; call warm_up() first")
@@ -126,71 +128,138 @@ def _plain_rows(num_seqs: int, max_model_len: int) -> tuple[np.ndarray, ...]:
     return arrays
 
 
-def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
-                eos_token_ids: tuple[int, ...] = ()) -> tuple[TokenBatch, SamplingBatch]:
+class InputBatch:
+    """What build_batch keeps between steps, as vLLM's InputBatch: each sequence's block-table row and sampling
+    settings in persistent numpy arrays, indexed by a row the sequence keeps while it runs.
+
+    A row is (re)written only when its sequence's block table differs from the copy kept here (a new block,
+    copy-on-write, swap, preemption) or the sequence is new to it; a step then gathers its rows in one go instead
+    of rebuilding every table from Python lists. Entries are keyed by the Sequence object itself (not its id,
+    which engines sharing a runner reuse), whose seed and sampling parameters are fixed for its life. Rows of
+    sequences gone are taken back when the rows run out. Row 0 stays the padding row (null blocks, neutral
+    sampling settings).
+    """
+
+    _FIELDS = {"tables": (np.int32, 0), "temperature": (np.float32, 0), "top_k": (np.int32, 0),
+               "top_p": (np.float32, 1), "min_p": (np.float32, 0), "seeds": (np.uint32, 0), "want_top": (bool, 0),
+               "special_below": (np.int64, 0)}  # special_below: the row needs special inputs while steps < this
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
+        self._allocate(config.max_num_seqs * 2 + 1)
+
+    def _allocate(self, capacity: int) -> None:
+        """Makes room for ``capacity`` rows, keeping the rows written so far."""
+        old = len(self.tables) if hasattr(self, "tables") else 1
+        for name, (dtype, fill) in self._FIELDS.items():
+            shape = (capacity, self.config.max_blocks_per_seq) if name == "tables" else (capacity,)
+            array = np.full(shape, fill, dtype)
+            if hasattr(self, name):
+                array[:old] = getattr(self, name)
+            setattr(self, name, array)
+        self._free_rows = getattr(self, "_free_rows", []) + list(range(capacity - 1, old - 1, -1))
+
+    def rows(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """The persistent row of each scheduled sequence, brought up to date."""
+        get = self._entries.get
+        rows = []
+        for s in scheduled:
+            seq = s.seq
+            entry = get(seq)
+            if entry is None or entry[0] != seq.block_table:
+                entry = self._write(seq, s.group.params, entry, scheduled)
+            rows.append(entry[1])
+        return rows
+
+    def _write(self, seq, p, entry, scheduled: list[ScheduledSeq]) -> list:
+        table = seq.block_table
+        if entry is None:
+            if not self._free_rows:  # drop the rows of sequences that are not in this step (finished, or idle)
+                keep = {s.seq for s in scheduled}
+                for gone in [q for q in self._entries if q not in keep]:
+                    self._free_rows.append(self._entries.pop(gone)[1])
+                if not self._free_rows:
+                    self._allocate(2 * len(self.tables))
+            row, old_len = self._free_rows.pop(), self.tables.shape[1]
+        else:
+            row, old_len = entry[1], len(entry[0])
+        self.tables[row, :len(table)] = table
+        if old_len > len(table):
+            self.tables[row, len(table):old_len] = 0
+        self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (p.temperature, p.top_k,
+                                                                                    p.top_p, p.min_p)
+        self.seeds[row] = seq.seed
+        self.want_top[row] = p.logprobs is not None or p.use_beam_search
+        self.special_below[row] = np.iinfo(np.int64).max if p.has_penalties else p.min_tokens
+        entry = self._entries[seq] = [list(table), row]
+        return entry
+
+
+def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_ids: tuple[int, ...] = (),
+                state: InputBatch | None = None) -> tuple[TokenBatch, SamplingBatch]:
     """The flat batch in numpy, padded to its buckets. Padding tokens write to the null block.
 
-    Built in Python lists and converted once per field: this runs every step for every sequence.
+    This runs every step for every sequence: the per-sequence block tables and sampling settings come from the
+    persistent ``state`` (the runner's InputBatch; a fresh one if none is given), only the token ids and positions
+    are gathered in Python, and everything else is computed on whole arrays.
     """
+    state = state if state is not None else InputBatch(config)
     bs = config.block_size
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    token_seq: list[int] = []
-    table_entries: list[int] = []
-    table_rows: list[int] = []
-    table_cols: list[int] = []
-    logits_indices: list[int] = []
-    rows = {name: [] for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
-    special_rows = []  # rows with penalties or banned tokens: rare, filled one by one below
-    want_top = False
-    last_index: dict[int, int] = {}
-    for row, s in enumerate(scheduled):
-        seq, n, p = s.seq, s.num_new_tokens, s.group.params
-        if n:
-            first, table = seq.num_computed_tokens, seq.block_table
-            if n == 1:
-                token_ids.append(seq.token_ids[first])
-                positions.append(first)
-                slots.append(table[first // bs] * bs + first % bs)
-                token_seq.append(row)
+    num_rows = len(scheduled)
+    rows = state.rows(scheduled)
+    seqs = [s.seq for s in scheduled]
+    firsts = [q.num_computed_tokens for q in seqs]
+    forks: list[int] = []  # rows that compute no token (a fork sampling its parent's logits): no block table
+    if all(s.num_new_tokens == 1 and s.logits_of is None for s in scheduled):  # decode: a token per row
+        token_ids = [q.token_ids[f] for q, f in zip(seqs, firsts)]
+        positions = firsts
+        token_seq = logits_indices = np.arange(num_rows)
+    else:
+        token_ids, positions, token_seq, logits_indices = [], [], [], []
+        last_index: dict[int, int] = {}
+        for row, s in enumerate(scheduled):
+            seq, n = s.seq, s.num_new_tokens
+            if n:
+                first = firsts[row]
+                if n == 1:
+                    token_ids.append(seq.token_ids[first])
+                    positions.append(first)
+                    token_seq.append(row)
+                else:
+                    token_ids.extend(seq.token_ids[first:first + n])
+                    positions.extend(range(first, first + n))
+                    token_seq.extend([row] * n)
+                last_index[seq.seq_id] = len(token_ids) - 1
             else:
-                token_ids.extend(seq.token_ids[first:first + n])
-                positions.extend(range(first, first + n))
-                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(first, first + n))
-                token_seq.extend([row] * n)
-            table_entries.extend(table)
-            table_rows.extend([row] * len(table))
-            table_cols.extend(range(len(table)))
-            last_index[seq.seq_id] = len(token_ids) - 1
-        logits_indices.append(last_index[(s.logits_of or seq).seq_id])
-        rows["temperature"].append(p.temperature)
-        rows["top_k"].append(p.top_k)
-        rows["top_p"].append(p.top_p)
-        rows["min_p"].append(p.min_p)
-        rows["seeds"].append(seq.seed)
-        rows["steps"].append(seq.num_output_tokens)
-        want_top |= p.logprobs is not None or p.use_beam_search
-        if p.has_penalties or seq.num_output_tokens < p.min_tokens:
-            special_rows.append((row, seq, p))
-    num_tokens = pick_bucket(config.token_buckets(), max(len(token_ids), len(scheduled), 1))  # forks add rows
+                forks.append(row)
+            logits_indices.append(last_index[(s.logits_of or seq).seq_id])
+    count = len(token_ids)
+    num_tokens = pick_bucket(config.token_buckets(), max(count, num_rows, 1))  # forks add rows
     num_seqs = config.num_seqs_for(num_tokens)
-
-    def padded(values, size, dtype, fill=0):
-        out = np.full(size, fill, dtype)
-        out[:len(values)] = values
-        return out
-
-    tables = np.zeros((num_seqs, config.max_blocks_per_seq), np.int32)
-    tables[table_rows, table_cols] = table_entries
-    batch = TokenBatch(padded(token_ids, num_tokens, np.int32), padded(positions, num_tokens, np.int32),
-                       padded(slots, num_tokens, np.int32), padded(token_seq, num_tokens, np.int32), tables,
-                       padded(logits_indices, num_seqs, np.int32))
+    index = np.zeros(num_seqs, np.intp)  # padding rows read row 0
+    index[:num_rows] = rows
+    tables = state.tables[index]
+    if forks:
+        tables[forks] = 0
+    ids, pos, tok_seq, slots = (np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32),
+                                np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32))
+    ids[:count], pos[:count], tok_seq[:count] = token_ids, positions, token_seq
+    if count:  # each token's slot, through its row's block table
+        at = pos[:count].astype(np.int64)
+        slots[:count] = tables[tok_seq[:count], at // bs].astype(np.int64) * bs + at % bs
+    logits = np.zeros(num_seqs, np.int32)
+    logits[:num_rows] = logits_indices
+    batch = TokenBatch(ids, pos, slots, tok_seq, tables, logits)
+    steps = np.zeros(num_seqs, np.int32)
+    steps[:num_rows] = [len(q.token_ids) - q.num_prompt_tokens for q in seqs]
     presence, frequency, repetition, history, num_prompt, banned = _plain_rows(num_seqs, config.max_model_len)
-    if special_rows:  # copies: the plain arrays are shared between steps and must stay as they are
-        presence, frequency, repetition, history, num_prompt, banned = (
+    special_rows = np.flatnonzero(steps[:num_rows] < state.special_below[index[:num_rows]]).tolist()
+    if special_rows:  # rows with penalties or banned tokens: rare, filled one by one; copies, as the plain
+        presence, frequency, repetition, history, num_prompt, banned = (  # arrays are shared between steps
             a.copy() for a in (presence, frequency, repetition, history, num_prompt, banned))
-    for row, seq, p in special_rows:
+    for row in special_rows:
+        seq, p = seqs[row], scheduled[row].group.params
         if p.has_penalties:
             presence[row], frequency[row], repetition[row] = (p.presence_penalty, p.frequency_penalty,
                                                               p.repetition_penalty)
@@ -200,8 +269,6 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
             ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             banned[row, :len(ban)] = ban[:MAX_BANNED]
     sampling = SamplingBatch(
-        padded(rows["temperature"], num_seqs, np.float32), padded(rows["top_k"], num_seqs, np.int32),
-        padded(rows["top_p"], num_seqs, np.float32, 1.0), padded(rows["min_p"], num_seqs, np.float32),
-        padded(rows["seeds"], num_seqs, np.uint32), padded(rows["steps"], num_seqs, np.int32),
-        presence, frequency, repetition, history, num_prompt, banned, np.bool_(want_top))
+        state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
+        steps, presence, frequency, repetition, history, num_prompt, banned, np.bool_(state.want_top[index].any()))
     return batch, sampling
