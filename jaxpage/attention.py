@@ -38,50 +38,63 @@ def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, poo
                   block_tables, scale=scale, interpret=interpret)
 
 _MASKED = -1e30
-PAGES_PER_CHUNK = 8  # pages each query token reads per loop iteration
+PAIRS_PER_CHUNK = 64  # (token, page) pairs read per loop iteration: 1.5 MiB of float32 K/V for SmolLM2
 
 
 def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_seq: jax.Array,
                         positions: jax.Array, block_tables: jax.Array, scale: float) -> jax.Array:
-    """Causal attention of each query token over its own sequence's pages, with an online softmax.
+    """Causal attention of each query token over its own sequence's pages (split-K over pages, XLA ops only).
 
     q: ``[T, num_heads, head_dim]``; pool: the whole KV pool (see jaxpage.kv_cache), already holding this step's
-    K/V, read at ``layer`` page by page (never sliced whole, which would copy a layer per call); token_seq: ``[T]``, the row of ``block_tables`` ``[S, W]`` that
-    each token belongs to; positions: ``[T]``. Token t attends to key positions ``<= positions[t]``.
-    The loop runs over chunks of pages up to the longest context in the batch (a dynamic trip count), so the
-    cost follows the actual lengths while the block-table width stays static.
-    Returns ``[T, num_heads, head_dim]`` in q's dtype.
+    K/V, read at ``layer`` page by page (never sliced whole, which would copy a layer per call); token_seq: ``[T]``,
+    the row of ``block_tables`` ``[S, W]`` that each token belongs to; positions: ``[T]``. Token t attends to key
+    positions ``<= positions[t]``. Returns ``[T, num_heads, head_dim]`` in q's dtype.
+
+    The work is the ragged list of (token, page) pairs, token t owning ``positions[t] // block_size + 1`` pages,
+    walked in chunks up to its real length (a dynamic trip count): the cost is the sum of the tokens' contexts,
+    not the number of tokens times the longest context, which on a heavy-tailed batch is several times less.
+    Each chunk gathers its pages as rows of the flat pool, computes per-pair softmax partials and merges them
+    into the tokens' running (max, sum, output) with segment reductions (pairs of one token are contiguous).
     """
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads, block_size = pool.shape[3], pool.shape[4]
+    num_layers, num_blocks, _, kv_heads, block_size, _ = pool.shape
     group = num_heads // kv_heads
-    chunk_tokens = PAGES_PER_CHUNK * block_size
-    tables = block_tables[token_seq]  # [T, W]
-    pad = -tables.shape[1] % PAGES_PER_CHUNK
-    tables = jnp.pad(tables, ((0, 0), (0, pad)))  # padded entries point at the null block and are masked
+    width = block_tables.shape[1]
+    chunk = PAIRS_PER_CHUNK
+    token_seq, positions, block_tables = (jnp.asarray(a) for a in (token_seq, positions, block_tables))
+    num_pages = positions // block_size + 1
+    ends = jnp.cumsum(num_pages)
+    pair = jnp.arange(num_tokens * width + chunk)  # static bound on the pairs, plus a chunk of slack
+    pair_token = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_tokens - 1).astype(jnp.int32)
+    pair_page = jnp.clip(pair - (ends - num_pages)[pair_token], 0, width - 1)
+    pair_valid = pair < ends[-1]
+    pair_row = jnp.where(pair_valid, block_tables[token_seq[pair_token], pair_page], 0) + layer * num_blocks
+    pages = pool.reshape(num_layers * num_blocks, 2, kv_heads, block_size, head_dim)
     q_g = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * scale
 
-    def body(chunk, carry):
+    def body(c, carry):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables, chunk * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
-        kv = pool[layer, pages]  # [T, P, 2, kvh, bs, hd]
-        kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_tokens, 2, kv_heads, chunk_tokens, head_dim)
-        kv = kv.astype(jnp.float32)
-        scores = jnp.einsum("tkgd,tkld->tkgl", q_g, kv[:, 0])
-        key_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens)
-        visible = (key_pos[None, :] <= positions[:, None])[:, None, None, :]
+        rows, tok, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
+                                  for a in (pair_row, pair_token, pair_page, pair_valid))
+        kv = jnp.take(pages, rows, axis=0, mode="clip").astype(jnp.float32)  # [C, 2, kvh, bs, hd]
+        scores = jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0])
+        key_pos = page[:, None] * block_size + jnp.arange(block_size)
+        visible = ((key_pos <= positions[tok][:, None]) & valid[:, None])[:, None, None, :]
         scores = jnp.where(visible, scores, _MASKED)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        m_pair = scores.max(axis=-1)
+        p = jnp.where(visible, jnp.exp(scores - m_pair[..., None]), 0.0)
+        segment = dict(segment_ids=tok, num_segments=num_tokens, indices_are_sorted=True)
+        m_new = jnp.maximum(m, jax.ops.segment_max(m_pair, **segment))
+        weight = jnp.exp(m_pair - m_new[tok])
         correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgl,tkld->tkgd", p, kv[:, 1])
+        l = l * correction + jax.ops.segment_sum(p.sum(axis=-1) * weight, **segment)
+        pv = jnp.einsum("ckgb,ckbd->ckgd", p, kv[:, 1]) * weight[..., None]
+        acc = acc * correction[..., None] + jax.ops.segment_sum(pv, **segment)
         return m_new, l, acc
 
-    num_chunks = jnp.max(positions) // chunk_tokens + 1
     init = (jnp.full((num_tokens, kv_heads, group), _MASKED, jnp.float32),
             jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
             jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
