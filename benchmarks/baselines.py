@@ -41,6 +41,9 @@ from benchmarks.workloads import Workload
 class RunStats:
     """What one system did on one workload, or in a measured window of it; KV figures in token slots.
 
+    Time is the system's own: the clock runs only while one of its steps runs (``resume``/``pause``), so that
+    systems can be interleaved step by step (``interleave``) and see the same machine load, however it drifts.
+
     Two ways to run: drain the workload (``duration`` None), or, with a backlog larger than the machine gets
     through, run ``warmup`` seconds unmeasured (every system starts by admitting and prefilling as much as it
     can hold: a transient that a short window would overweight) and then measure ``duration`` seconds of
@@ -51,18 +54,21 @@ class RunStats:
     """
 
     tokens_per_request: float  # the workload's mean output tokens per request (n samples count n times)
-    progress: object = None  # () -> dict of monotone counters: "tokens", "completed", "execute" (seconds), ...
     num_requests: int = 0  # in the workload
     duration: float | None = None  # measured seconds after the warm-up (None: drain the workload)
     warmup: float = 0.0
+    progress: object = None  # () -> dict of monotone counters: "tokens", "completed", "execute" (seconds), ...
     num_preemptions: int = 0
     running: list[int] = dataclasses.field(default_factory=list)  # live sequences after each step
     stored: list[int] = dataclasses.field(default_factory=list)  # tokens whose K/V live sequences hold
     allocated: list[int] = dataclasses.field(default_factory=list)  # slots reserved for live sequences
-    times: list[float] = dataclasses.field(default_factory=list)  # seconds since the start, after each step
+    times: list[float] = dataclasses.field(default_factory=list)  # own seconds since the start, after each step
     window: dict = dataclasses.field(default_factory=dict)  # counters, time, CPU time and step at the window start
     totals: dict = dataclasses.field(default_factory=dict)  # counters over the window, set by stop()
     drained: bool = False  # every request finished
+    own: float = 0.0  # seconds of this system's steps so far
+    own_cpu: float = 0.0  # process CPU seconds (all threads) during them
+    _mark: tuple | None = None
 
     @classmethod
     def for_workload(cls, workload: Workload, duration: float | None, warmup: float = 0.0) -> "RunStats":
@@ -70,23 +76,35 @@ class RunStats:
                    num_requests=len(workload.requests), duration=duration or None,
                    warmup=warmup if duration else 0.0)
 
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
+    def resume(self) -> None:
+        self._mark = (time.perf_counter(), time.process_time())
+
+    def pause(self) -> None:
+        t, c = self._mark
+        self.own += time.perf_counter() - t
+        self.own_cpu += time.process_time() - c
+        self._mark = None
+
+    def _now(self) -> tuple[float, float]:
+        if self._mark is None:
+            return self.own, self.own_cpu
+        t, c = self._mark
+        return self.own + time.perf_counter() - t, self.own_cpu + time.process_time() - c
 
     def start(self, progress) -> None:
         self.progress = progress
-        self._t0, self._cpu0 = time.perf_counter(), time.process_time()
         if not self.warmup:
             self._open_window()
 
     def _open_window(self) -> None:
-        self.window = {"t": self._now(), "cpu": time.process_time(), "step": len(self.times), **self.progress()}
+        t, cpu = self._now()
+        self.window = {"t": t, "cpu": cpu, "step": len(self.times), **self.progress()}
 
     def expired(self) -> bool:
-        return self.duration is not None and self._now() >= self.warmup + self.duration
+        return self.duration is not None and self._now()[0] >= self.warmup + self.duration
 
     def record(self, running: int, stored: int, allocated: int) -> None:
-        self.times.append(self._now())
+        self.times.append(self._now()[0])
         self.running.append(running)
         self.stored.append(stored)
         self.allocated.append(allocated)
@@ -95,8 +113,9 @@ class RunStats:
 
     def stop(self) -> None:
         if not self.window:  # drained before the warm-up was over: measure the whole run
-            self.window = {"t": 0.0, "cpu": self._cpu0, "step": 0, **{k: 0 for k in self.progress()}}
-        end = {"t": self._now(), "cpu": time.process_time(), **self.progress()}
+            self.window = {"t": 0.0, "cpu": 0.0, "step": 0, **{k: 0 for k in self.progress()}}
+        t, cpu = self._now()
+        end = {"t": t, "cpu": cpu, **self.progress()}
         self.totals = {k: end[k] - self.window[k] for k in end}
         self.drained = self.progress()["completed"] == self.num_requests
 
@@ -135,6 +154,30 @@ class RunStats:
         }
 
 
+def interleave(runs: dict) -> None:
+    """Runs ``{name: (steps generator, RunStats)}`` one step of each in turn, each on its own clock, until each
+    has drained its workload or used its time; every system thus runs under the same machine load."""
+    active = dict(runs)
+    while active:
+        for name, (steps, stats) in list(active.items()):
+            stats.resume()
+            try:
+                next(steps)
+                done = stats.expired()
+            except StopIteration:
+                done = True
+            stats.pause()
+            if done:
+                steps.close()
+                stats.stop()
+                del active[name]
+
+
+def run_alone(steps, stats: RunStats) -> RunStats:
+    interleave({"": (steps, stats)})
+    return stats
+
+
 class ContiguousCache:
     """B slots of max_len tokens each, expressed as fixed block tables over jaxpage's pool; runs jaxpage's step."""
 
@@ -153,7 +196,7 @@ class ContiguousCache:
             num_slots, self.blocks_per_slot)
         self.params = params
         self.pool = allocate_kv_pool(model, self.config.num_kv_blocks, block_size, jnp.dtype(dtype))
-        self._step = jax.jit(functools.partial(step, self.config), donate_argnums=(1,))
+        self._step = _jitted_step(self.config)
         self._greedy = {}
 
     @property
@@ -193,6 +236,12 @@ class ContiguousCache:
         return np.asarray(out.tokens)[:rows]
 
 
+@functools.lru_cache(maxsize=8)
+def _jitted_step(config) -> object:
+    """One jitted step per configuration, shared by the caches that have it (compiled once)."""
+    return jax.jit(functools.partial(step, config), donate_argnums=(1,))
+
+
 def _pad(values: np.ndarray, size: int) -> np.ndarray:
     out = np.zeros(size, np.int32)
     out[:len(values)] = values
@@ -224,15 +273,19 @@ class SlotBatching:
         self.cache = cache
 
     def run(self, workload: Workload, duration: float | None = None, warmup: float = 0.0) -> RunStats:
+        stats = RunStats.for_workload(workload, duration, warmup)
+        return run_alone(self.steps(workload, stats), stats)
+
+    def steps(self, workload: Workload, stats: RunStats):
+        """Yields after every step."""
         c = self.cache
         seqs = _sequences(workload)
         queue = seqs[::-1]
         slots: list[_Seq | None] = [None] * c.num_slots
-        stats = RunStats.for_workload(workload, duration, warmup)
         budget = c.config.max_num_batched_tokens
         clock = {"execute": 0.0}
         stats.start(lambda: {**_progress(seqs), **clock})
-        while (queue or any(slots)) and not stats.expired():
+        while queue or any(slots):
             for i in range(c.num_slots):  # refill every free slot at once
                 if slots[i] is None and queue:
                     slots[i] = queue.pop()
@@ -261,8 +314,7 @@ class SlotBatching:
                     slots[i] = None
             live = [s for s in slots if s is not None]
             stats.record(len(live), sum(s.computed for s in live), len(live) * c.max_len)
-        stats.stop()
-        return stats
+            yield
 
 
 def _progress(seqs: list[_Seq]) -> dict:
@@ -281,19 +333,18 @@ class StaticBatching:
         self.cache = cache
 
     def run(self, workload: Workload, duration: float | None = None, warmup: float = 0.0) -> RunStats:
-        c = self.cache
-        seqs = _sequences(workload)
         stats = RunStats.for_workload(workload, duration, warmup)
+        return run_alone(self.steps(workload, stats), stats)
+
+    def steps(self, workload: Workload, stats: RunStats):
+        """Yields after every step."""
+        seqs = _sequences(workload)
         clock = {"execute": 0.0}
         stats.start(lambda: {**_progress(seqs), **clock})
-        for first in range(0, len(seqs), c.num_slots):
-            if stats.expired():
-                break
-            self._run_batch(seqs[first:first + c.num_slots], stats, clock)
-        stats.stop()
-        return stats
+        for first in range(0, len(seqs), self.cache.num_slots):
+            yield from self._batch_steps(seqs[first:first + self.cache.num_slots], stats, clock)
 
-    def _run_batch(self, batch: list[_Seq], stats: RunStats, clock: dict) -> None:
+    def _batch_steps(self, batch: list[_Seq], stats: RunStats, clock: dict):
         c = self.cache
         rows = np.arange(len(batch), dtype=np.int32)
         lens = np.array([len(s.prompt) for s in batch])
@@ -309,8 +360,6 @@ class StaticBatching:
         flat_real = flat_pos < lens[flat_row]
         budget = c.config.max_num_batched_tokens
         for lo in range(0, len(flat_ids), budget):
-            if stats.expired():
-                return
             hi = min(lo + budget, len(flat_ids))
             present = np.unique(flat_row[lo:hi])  # rows with tokens in this chunk, in order
             local_row = np.searchsorted(present, flat_row[lo:hi]).astype(np.int32)
@@ -328,10 +377,9 @@ class StaticBatching:
                     s.last, s.generated = int(token), 1
             live = [s for s in batch if s.generated < s.max_tokens]
             stats.record(len(live), sum(s.computed for s in live), reserved)
+            yield
         # Decode until the longest output is done; finished rows generate padding into the null block.
         for _ in range(max(s.max_tokens for s in batch) - 1):
-            if stats.expired():
-                return
             live = np.array([s.generated < s.max_tokens for s in batch])
             pos = np.minimum(np.array([len(s.prompt) + s.generated - 1 for s in batch]), c.max_len - 1)
             tokens = np.array([s.last for s in batch], np.int32)
@@ -344,6 +392,7 @@ class StaticBatching:
                     s.computed += 1
             live = [s for s in batch if s.generated < s.max_tokens]
             stats.record(len(live), sum(s.computed for s in live), reserved)
+            yield
 
 
 def _run_pieces(c: ContiguousCache, pieces: list[tuple[int, np.ndarray, int]]) -> np.ndarray:

@@ -1,21 +1,28 @@
 """Paged vs contiguous KV caches on the same memory: throughput, concurrency and KV waste, side by side.
 
-    python benchmarks/throughput.py [--json out.json] [--plot out.png]      # full run (about 10 minutes here)
-    python benchmarks/throughput.py --quick --json out.json                  # smoke run (CI)
+    python benchmarks/throughput.py [--json out.json] [--plot out.png]     # full run: about 9 minutes here
+    python benchmarks/throughput.py --quick --json out.json                 # smoke run (CI): about 30-80 s
+    python benchmarks/throughput.py --workload alpaca --num-requests 200 --duration 40 --warmup 15 \
+        --extra-workloads shared_prefix parallel_sampling --extra-requests 64 --extra-duration 40 \
+        --extra-warmup 15 --streams 0 --json extras.json                   # the other workloads: about 9 minutes
 
 One process loads the model once and shares its weights (device arrays) between three systems, each holding the
 same KV memory budget of ``--slots`` max-length sequences (``slots * max_len / block_size`` blocks, plus the
 null block):
 
-- ``paged``: jaxpage's LLMEngine (prefix caching on, recompute preemption), stepped here so that concurrency
-  and KV occupancy are read after every step.
+- ``paged``: jaxpage's LLMEngine (prefix caching on, recompute preemption) on the engine's own ModelRunner,
+  stepped here so that concurrency and KV occupancy are read after every step.
 - ``static_contiguous`` and ``slot_contiguous``: benchmarks/baselines.py, on the same jitted step.
 
-Every request arrives at t=0, is greedy, ignores EOS and generates exactly its workload's output length.
-Compilation happens before the clock starts. KV waste is 1 - (tokens whose K/V live sequences hold) /
-(token slots reserved for live sequences), summed over steps; ``kv_waste_at_peak`` is at the step that
-reserved the most memory. Wall time on this shared 2-core machine is noisy, so CPU seconds of the process are
-reported too, and the load average while each system ran.
+The systems are interleaved step by step, each on its own clock (only its own steps count), so they see the
+same machine load however it drifts on this shared 2-core machine (``--sequential`` runs them one after the
+other instead). Every request arrives at t=0, is greedy, ignores EOS and generates exactly its workload's output
+length. The main run is a backlog larger than the machine gets through: each system runs ``--warmup`` seconds
+unmeasured (the admission and prefill transient), then ``--duration`` measured seconds of saturated steady state;
+``--duration 0`` drains the workload instead (as --quick does). See baselines.RunStats for the metrics: KV waste
+is 1 - (tokens whose K/V live sequences hold) / (token slots reserved for live sequences), summed over the
+window's steps; ``kv_waste_at_peak`` is at the step that reserved the most memory. CPU seconds are reported
+beside wall seconds. Compilation happens before any clock starts.
 """
 from __future__ import annotations
 
@@ -36,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxpage.model_runner as model_runner  # noqa: E402
 from benchmarks import workloads  # noqa: E402
-from benchmarks.baselines import ContiguousCache, RunStats, SlotBatching, StaticBatching  # noqa: E402
+from benchmarks.baselines import (ContiguousCache, RunStats, SlotBatching, StaticBatching,  # noqa: E402
+                                  interleave, run_alone)
 from jaxpage.compile_cache import enable_compilation_cache  # noqa: E402
 from jaxpage.config import ModelConfig, build_engine_config  # noqa: E402
 from jaxpage.kv_cache import bytes_per_block  # noqa: E402
@@ -96,10 +104,8 @@ def timed_execute(runner: ModelRunner, timers: dict):
         model_runner.build_batch = build
 
 
-def run_paged(engine: LLMEngine, workload: workloads.Workload, duration: float | None = None,
-              warmup: float = 0.0) -> tuple[RunStats, dict]:
-    stats = RunStats.for_workload(workload, duration, warmup)
-    counters = {"completed": 0, "finished_tokens": 0, "execute": 0.0, "build_batch": 0.0, "instrumentation": 0.0}
+def paged_steps(engine: LLMEngine, workload: workloads.Workload, stats: RunStats, counters: dict):
+    """The engine on the workload, all requests at t=0, one engine.step() per iteration (yields after each)."""
 
     def progress() -> dict:
         in_flight = sum(s.num_output_tokens for r in engine.requests.values() for s in r.group.seqs)
@@ -112,49 +118,78 @@ def run_paged(engine: LLMEngine, workload: workloads.Workload, duration: float |
             params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, seed=i,
                                     output_kind="final_only")
             engine.add_request(f"r{i}", {"prompt_token_ids": list(r.prompt_token_ids)}, params)
-        while engine.has_unfinished_requests() and not stats.expired():
+        while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     counters["completed"] += 1
                     counters["finished_tokens"] += sum(len(c.token_ids) for c in out.outputs)
-            t = time.perf_counter()
+            stats.pause()  # reading the occupancy every step is the benchmark's work, not the engine's
             stored, allocated = engine._kv_occupancy()
-            counters["instrumentation"] += time.perf_counter() - t
             stats.record(engine.scheduler.num_running_seqs(), stored, allocated)
-        stats.stop()
+            stats.resume()
+            yield
+
+
+def paged_summary(engine: LLMEngine, workload: workloads.Workload, stats: RunStats, counters: dict) -> dict:
     if stats.drained:
         assert counters["finished_tokens"] == workload.num_output_tokens, (counters, workload.num_output_tokens)
     w = stats.totals
-    # reading the occupancy every step is the benchmark's work, not the engine's
-    stats.totals["t"] -= w["instrumentation"]
     stats.num_preemptions = w["preemptions"]
+    summary = stats.summary()
     s = engine.stats()
-    engine_stats = {k: s[k] for k in ("num_blocks", "peak_blocks_used", "kv_waste_at_peak", "num_preemptions",
-                                      "prefix_cache_queries", "prefix_cache_hits")}
+    summary["engine_stats"] = {k: s[k] for k in ("num_blocks", "peak_blocks_used", "kv_waste_at_peak",
+                                                 "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")}
     profile = {
         "engine_step_seconds": w["t"],
         "device_step_seconds": w["execute"] - w["build_batch"],  # jitted step + results back to the host
         "build_batch_seconds": w["build_batch"],
         "schedule_update_seconds": w["t"] - w["execute"],  # scheduler, KV manager, detokenizer, outputs
-        "instrumentation_seconds": w["instrumentation"],
     }
     profile["device_step_frac"] = profile["device_step_seconds"] / w["t"]
-    return stats, {"engine_stats": engine_stats, "profile": profile}
+    summary["profile"] = profile
+    return summary
+
+
+def contiguous_caches(model, params, args, slots: int, attention_backend: str, systems=None) -> dict:
+    """One compiled contiguous cache per baseline: interleaved, they must not write each other's slots."""
+    caches = {}
+    for name in systems or args.systems:
+        if name != "paged":
+            caches[name] = ContiguousCache(model, params, args.dtype, slots, args.max_len, args.block_size,
+                                           args.max_num_batched_tokens, attention_backend)
+            caches[name].warm_up()
+    return caches
 
 
 # --- one comparison ---------------------------------------------------------------------------------------
-def compare(loaded, model, params, args, workload, runner, caches, systems, duration=None, warmup=0.0) -> dict:
-    result = {"workload": workload.describe()}
+def compare(loaded, args, workload, runner, caches: dict, systems, duration=None, warmup=0.0) -> dict:
+    """All systems on one workload, interleaved step by step (each on its own clock) unless --sequential."""
+    runs, engines = {}, {}
     for name in systems:
-        load_before = os.getloadavg()[0]
+        stats = RunStats.for_workload(workload, duration, warmup)
         if name == "paged":
-            stats, extra = run_paged(paged_engine(loaded, runner), workload, duration, warmup)
+            engine, counters = paged_engine(loaded, runner), {"completed": 0, "finished_tokens": 0, "execute": 0.0,
+                                                              "build_batch": 0.0}
+            engines[name] = (engine, counters)
+            runs[name] = (paged_steps(engine, workload, stats, counters), stats)
         else:
-            system = StaticBatching(caches) if name == "static_contiguous" else SlotBatching(caches)
-            stats, extra = system.run(workload, duration, warmup), {}
-        summary = stats.summary()
-        summary.update(extra)
-        summary["load_average"] = [load_before, os.getloadavg()[0]]
+            system = (StaticBatching if name == "static_contiguous" else SlotBatching)(caches[name])
+            runs[name] = (system.steps(workload, stats), stats)
+    load = {}
+    if args.sequential:
+        for name, run in runs.items():
+            load[name] = [os.getloadavg()[0]]
+            run_alone(*run)
+            load[name].append(os.getloadavg()[0])
+    else:
+        before = os.getloadavg()[0]
+        interleave(runs)
+        load = {name: [before, os.getloadavg()[0]] for name in runs}
+    result = {"workload": workload.describe(), "interleaved": not args.sequential}
+    for name, (_, stats) in runs.items():
+        summary = paged_summary(*engines[name][:1], workload, stats, engines[name][1]) if name in engines \
+            else stats.summary()
+        summary["load_average"] = load[name]
         summary["trace"] = {"t": [round(t, 3) for t in stats.times], "running": stats.running,
                             "stored": stats.stored, "allocated": stats.allocated}
         result[name] = summary
@@ -266,6 +301,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--stream-output", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the systems one after the other instead of interleaving their steps")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and workload: a smoke run")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
@@ -294,10 +331,8 @@ def main(argv=None) -> dict:
 
     t = time.perf_counter()
     runner = paged_runner(loaded, model, params, args, budget_blocks + 1, args.max_num_seqs, budget_bytes)
-    caches = ContiguousCache(model, params, args.dtype, args.slots, args.max_len, args.block_size,
-                             args.max_num_batched_tokens, runner.config.attention_backend)
-    assert caches.reserved_blocks == budget_blocks  # slots = floor(budget_blocks / M): reserved == budget
-    caches.warm_up()
+    caches = contiguous_caches(model, params, args, args.slots, runner.config.attention_backend)
+    assert all(c.reserved_blocks == budget_blocks for c in caches.values())  # floor(budget / M) slots: = budget
     results["warmup_seconds"] = time.perf_counter() - t
 
     def make(name, n):
@@ -308,13 +343,13 @@ def main(argv=None) -> dict:
     main_workload = make(args.workload, args.num_requests)
     results["main"] = main_workload.name
     print(f"{main_workload.name}: {main_workload.describe()}", flush=True)
-    results["runs"][main_workload.name] = compare(loaded, model, params, args, main_workload, runner, caches,
-                                                  args.systems, args.duration, args.warmup)
+    results["runs"][main_workload.name] = compare(loaded, args, main_workload, runner, caches, args.systems,
+                                                  args.duration, args.warmup)
     for name in args.extra_workloads:
         w = make(name, args.extra_requests)
         print(f"{w.name}: {w.describe()}", flush=True)
-        results["runs"][w.name] = compare(loaded, model, params, args, w, runner, caches, args.systems,
-                                          args.extra_duration, args.extra_warmup)
+        results["runs"][w.name] = compare(loaded, args, w, runner, caches, args.systems, args.extra_duration,
+                                          args.extra_warmup)
     del runner, caches
 
     if args.streams:
@@ -323,11 +358,10 @@ def main(argv=None) -> dict:
         print(f"{n} concurrent streams: {w.describe()}", flush=True)
         blocks = n * blocks_per_seq  # room for all of them at full length: nobody waits for memory
         stream_runner = paged_runner(loaded, model, params, args, blocks + 1, n)
-        stream_caches = ContiguousCache(model, params, args.dtype, n, args.max_len, args.block_size,
-                                        args.max_num_batched_tokens, stream_runner.config.attention_backend)
-        stream_caches.warm_up()
-        results["streams"] = compare(loaded, model, params, args, w, stream_runner, stream_caches,
-                                     [s for s in ("paged", "slot_contiguous") if s in args.systems])
+        stream_systems = [s for s in ("paged", "slot_contiguous") if s in args.systems]
+        stream_caches = contiguous_caches(model, params, args, n, stream_runner.config.attention_backend,
+                                          stream_systems)
+        results["streams"] = compare(loaded, args, w, stream_runner, stream_caches, stream_systems)
         del stream_runner, stream_caches
 
     main_result = results["runs"][main_workload.name]
