@@ -10,8 +10,8 @@ One process loads the model once and shares its weights (device arrays) between 
 same KV memory budget of ``--slots`` max-length sequences (``slots * max_len / block_size`` blocks, plus the
 null block):
 
-- ``paged``: jaxpage's LLMEngine (prefix caching on, recompute preemption) on the engine's own ModelRunner,
-  stepped here so that concurrency and KV occupancy are read after every step.
+- ``paged``: jaxpage's LLMEngine (prefix caching on, ``--preemption-mode`` recompute or swap) on the engine's
+  own ModelRunner, stepped here so that concurrency and KV occupancy are read after every step.
 - ``static_contiguous`` and ``slot_contiguous``: benchmarks/baselines.py, on the same jitted step.
 
 The systems are interleaved step by step, each on its own clock (only its own steps count), so they see the
@@ -65,16 +65,20 @@ def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: 
         num_kv_blocks=None if budget_bytes else num_kv_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_len, gpu_memory_utilization=0.9)
     assert config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
-    runner = ModelRunner(config, params)
+    runner = ModelRunner(config, params, num_host_blocks=num_kv_blocks if args.preemption_mode == "swap" else 0)
     runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
     runner.warm_up(progress=False)
     return runner
 
 
-def paged_engine(loaded, runner: ModelRunner) -> LLMEngine:
-    """A fresh engine (queues, block pool, stats) on a compiled runner: as LLMEngine.from_args, minus the loading."""
+def paged_engine(loaded, runner: ModelRunner, preemption_mode: str) -> LLMEngine:
+    """A fresh engine (queues, block pool, stats) on a compiled runner: as LLMEngine.from_args, minus the loading.
+
+    With swap, the host pool has as many blocks as the device pool (host memory, outside the KV budget)."""
+    num_host_blocks = runner.host_pool.shape[1] if runner.host_pool is not None else 0
     return LLMEngine(runner.config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                     model_name=loaded.name, enable_prefix_caching=True, preemption_mode="recompute")
+                     model_name=loaded.name, enable_prefix_caching=True, preemption_mode=preemption_mode,
+                     num_host_blocks=num_host_blocks)
 
 
 @contextlib.contextmanager
@@ -168,8 +172,8 @@ def compare(loaded, args, workload, runner, caches: dict, systems, duration=None
     for name in systems:
         stats = RunStats.for_workload(workload, duration, warmup)
         if name == "paged":
-            engine, counters = paged_engine(loaded, runner), {"completed": 0, "finished_tokens": 0, "execute": 0.0,
-                                                              "build_batch": 0.0}
+            engine = paged_engine(loaded, runner, args.preemption_mode)
+            counters = {"completed": 0, "finished_tokens": 0, "execute": 0.0, "build_batch": 0.0}
             engines[name] = (engine, counters)
             runs[name] = (paged_steps(engine, workload, stats, counters), stats)
         else:
@@ -300,6 +304,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--stream-prompt", type=int, default=32)
     parser.add_argument("--stream-output", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                        help="the paged engine's; swap gets a host pool as large as the KV budget")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sequential", action="store_true",
                         help="run the systems one after the other instead of interleaving their steps")

@@ -335,6 +335,36 @@ def test_ragged_reference_is_the_engines_attention():
     np.testing.assert_allclose(np.asarray(ref_out), np.asarray(engine_out), rtol=1e-5, atol=1e-5, err_msg=msg)
 
 
+@pytest.mark.parametrize("pairs_per_chunk", [None, 7])
+def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, monkeypatch):
+    """Decodes of very different lengths plus prompt chunks: the (token, page) pairs span many loop chunks,
+    and (7 pairs per chunk) a token's pages are split across chunk boundaries; equal to the reference."""
+    import jaxpage.attention as attention
+
+    if pairs_per_chunk:
+        monkeypatch.setattr(attention, "PAIRS_PER_CHUNK", pairs_per_chunk)
+    rng, msg = fresh_rng()
+    bs, width, kv_heads, ratio, head_dim = 16, 40, 2, 3, 64
+    decodes = [(int(n), 1) for n in np.minimum(rng.lognormal(4.5, 1.0, 12).astype(int), width * bs - 1)]
+    chunks = [(int(rng.integers(0, 300)), int(rng.integers(20, 60))), (0, int(rng.integers(1, 17)))]
+    seqs = decodes + chunks
+    tables, _, num_blocks = assign_pages(rng, [c + n for c, n in seqs], bs, width)
+    token_seq = np.concatenate([np.full(n, row) for row, (_, n) in enumerate(seqs)]).astype(np.int32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in seqs]).astype(np.int32)
+    pool = rng.standard_normal((NUM_LAYERS, num_blocks, 2, kv_heads, bs, head_dim)).astype(np.float32)
+    q = rng.standard_normal((len(token_seq), kv_heads * ratio, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((len(token_seq), kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    slots = tables[token_seq, positions // bs] * bs + positions % bs
+    args = tuple(jnp.asarray(a) for a in (q, k, v, pool)) + (jnp.int32(LAYER),) + tuple(
+        jnp.asarray(a) for a in (token_seq, positions, slots, tables))
+    ref_out, _ = run_jitted(functools.partial(ragged_paged_attention_reference, scale=0.125), *args)
+    pool_written = jax.jit(attention.write_kv)(args[3], args[4], args[1], args[2], args[7])
+    out = jax.jit(functools.partial(attention.paged_attention_xla, scale=0.125))(
+        args[0], pool_written, args[4], args[5], args[6], args[8])
+    assert sum(p // bs + 1 for p in positions) > 8 * (pairs_per_chunk or attention.PAIRS_PER_CHUNK), msg
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5, err_msg=msg)
+
+
 def test_kernels_take_a_traced_layer_inside_scan():
     """As in the model: the pool is carried through lax.scan over layers, the layer index is traced."""
     rng, msg = fresh_rng()
