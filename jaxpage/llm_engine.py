@@ -58,7 +58,8 @@ class Request:
     prompt_token_ids: list[int]  # every output's prompt_token_ids (one list, made once, as in vLLM)
     plain: bool = False  # one sequence, no beams, no top log-probabilities: the step's lean common case
     stop_reasons: dict[int, str | int] = dataclasses.field(default_factory=dict)
-    sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # delta mode: tokens, chars sent
+    sent: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # delta mode: [tokens, chars] sent
+    detok: IncrementalDetokenizer | None = None  # the lean case's one detokenizer, once made
 
 
 class LLMEngine:
@@ -174,7 +175,7 @@ class LLMEngine:
         sampled = self.runner.execute(out.scheduled)
         now = time.monotonic()
         tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
-        bs, requests, finished = self.config.block_size, self.requests, SequenceStatus.FINISHED
+        bs, requests, finished, eos = self.config.block_size, self.requests, SequenceStatus.FINISHED, self.eos_token_ids
         touched: dict[str, Request] = {}
         deferred: list[int] = []  # places in outputs held by requests whose output waits for the whole step
         beams = False
@@ -186,20 +187,52 @@ class LLMEngine:
                 seq.num_computed_tokens = seq.num_tokens
             if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block was filled: cache it
                 self.kv.cache_full_blocks(seq)
-            if not s.samples or group.status == finished:
+            if not s.samples or group.status is finished:
                 continue
             request_id, p = group.request_id, group.params
             request = requests[request_id]
             if request.plain:  # its only sequence: no other row and no beam step changes its output
-                self._append_token(request, seq, tokens[row], logprobs[row], None)
+                # _append_token, inlined: this runs for every sequence at every step
+                token, token_ids, seq_id = tokens[row], seq.token_ids, seq.seq_id
+                token_ids.append(token)
+                seq.cumulative_logprob += logprobs[row]
+                detok = request.detok
+                if detok is None:
+                    detok = request.detok = request.detokenizers.get(seq_id)
+                    if detok is None:
+                        detok = request.detok = request.detokenizers[seq_id] = IncrementalDetokenizer(
+                            self.tokenizer, token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
+                detok.add(token)
+                if (p.stop or p.stop_token_ids or len(token_ids) >= seq.max_len
+                        or (token in eos and not p.ignore_eos)):  # else it cannot have finished
+                    reason = self._finish_reason(request, seq, token, detok)
+                    if reason is not None:
+                        self.scheduler.finish_seq(group, seq, reason)
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if seq.finish_reason is not None:  # done: finished once the step is through
                     deferred.append(len(outputs))
                     outputs.append(request)
-                elif p.output_kind != "final_only":  # as _output(request, False), made now
-                    outputs.append(RequestOutput(request_id, request.prompt, request.prompt_token_ids,
-                                                 [self._completion(request, seq, 0, False)], False, request.metrics))
+                    continue
+                kind = p.output_kind
+                if kind == "final_only":
+                    continue
+                # as _output(request, False), made now: _completion(request, seq, 0, False), inlined
+                text = detok.output_text(False)
+                if kind == "delta":  # what is new since the last output
+                    sent = request.sent.get(seq_id)
+                    if sent is None:  # [tokens, chars] sent, updated in place (_completion reads it as a pair)
+                        sent = request.sent[seq_id] = [0, 0]
+                    tokens_from, text_from = sent
+                    new_ids = token_ids[seq.num_prompt_tokens + tokens_from:]
+                    sent[0], sent[1] = tokens_from + len(new_ids), len(text)
+                    if text_from:
+                        text = text[text_from:]
+                else:
+                    new_ids = token_ids[seq.num_prompt_tokens:]
+                outputs.append(RequestOutput(request_id, request.prompt, request.prompt_token_ids, [CompletionOutput(
+                    0, text, new_ids, seq.cumulative_logprob, None, None, request.stop_reasons.get(seq_id))], False,
+                    request.metrics))
                 continue
             if p.use_beam_search:
                 seq.pending_top = (sampled.top_ids[row], sampled.top_logprobs[row])
@@ -310,7 +343,7 @@ class LLMEngine:
         if p.output_kind == "delta":  # what is new since the last output
             tokens_from, text_from = request.sent.get(seq_id, (0, 0))
             token_ids = seq.token_ids[seq.num_prompt_tokens + tokens_from:]
-            request.sent[seq_id] = (tokens_from + len(token_ids), len(text))
+            request.sent[seq_id] = [tokens_from + len(token_ids), len(text)]
             if text_from:
                 text = text[text_from:]
         else:

@@ -128,6 +128,15 @@ def _plain_rows(num_seqs: int, max_model_len: int) -> tuple[np.ndarray, ...]:
     return arrays
 
 
+@functools.lru_cache(maxsize=64)
+def _decode_rows(count: int, size: int) -> np.ndarray:
+    """0, 1, ..., count - 1, then zeros up to size (int32, read-only): a decode step's token rows and logits."""
+    rows = np.zeros(size, np.int32)
+    rows[:count] = np.arange(count)
+    rows.flags.writeable = False
+    return rows
+
+
 class InputBatch:
     """What build_batch keeps between steps, as vLLM's InputBatch: each sequence's block-table row and sampling
     settings in persistent numpy arrays, indexed by a row the sequence keeps while it runs.
@@ -142,7 +151,8 @@ class InputBatch:
 
     _FIELDS = {"tables": (np.int32, 0), "temperature": (np.float32, 0), "top_k": (np.int32, 0),
                "top_p": (np.float32, 1), "min_p": (np.float32, 0), "seeds": (np.uint32, 0), "want_top": (bool, 0),
-               "special_below": (np.int64, 0)}  # special_below: the row needs special inputs while steps < this
+               "special_below": (np.int64, 0),  # special_below: the row needs special inputs while steps < this
+               "num_prompt": (np.int64, 0)}
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -190,6 +200,7 @@ class InputBatch:
         self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (p.temperature, p.top_k,
                                                                                     p.top_p, p.min_p)
         self.seeds[row] = seq.seed
+        self.num_prompt[row] = seq.num_prompt_tokens
         self.want_top[row] = p.logprobs is not None or p.use_beam_search
         self.special_below[row] = np.iinfo(np.int64).max if p.has_penalties else p.min_tokens
         entry = self._entries[seq] = [list(table), row]
@@ -207,15 +218,30 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
     state = state if state is not None else InputBatch(config)
     bs = config.block_size
     num_rows = len(scheduled)
-    rows = state.rows(scheduled)
-    seqs = [s.seq for s in scheduled]
-    firsts = [q.num_computed_tokens for q in seqs]
+    # One pass over the rows: each sequence's persistent row and, while every row is a decode row (one token,
+    # sampled), its token and position
+    entries, write = state._entries, state._write
+    rows, token_ids, positions = [], [], []
+    decode = True
+    for s in scheduled:
+        seq = s.seq
+        entry = entries.get(seq)
+        if entry is None or entry[0] != seq.block_table:
+            entry = write(seq, s.group.params, entry, scheduled)
+        rows.append(entry[1])
+        if decode:
+            if s.num_new_tokens == 1 and s.samples and s.logits_of is None:
+                first = seq.num_computed_tokens
+                positions.append(first)
+                token_ids.append(seq.token_ids[first])
+            else:
+                decode = False
     forks: list[int] = []  # rows that compute no token (a fork sampling its parent's logits): no block table
-    if all(s.num_new_tokens == 1 and s.logits_of is None for s in scheduled):  # decode: a token per row
-        token_ids = [q.token_ids[f] for q, f in zip(seqs, firsts)]
-        positions = firsts
-        token_seq = logits_indices = np.arange(num_rows)
+    if decode:  # a token per row, its sequence's last (so steps are positions + 1 - prompt lengths, below)
+        count = num_rows
     else:
+        seqs = [s.seq for s in scheduled]
+        firsts = [q.num_computed_tokens for q in seqs]
         token_ids, positions, token_seq, logits_indices = [], [], [], []
         last_index: dict[int, int] = {}
         for row, s in enumerate(scheduled):
@@ -234,7 +260,7 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
             else:
                 forks.append(row)
             logits_indices.append(last_index[(s.logits_of or seq).seq_id])
-    count = len(token_ids)
+        count = len(token_ids)
     num_tokens = pick_bucket(config.token_buckets(), max(count, num_rows, 1))  # forks add rows
     num_seqs = config.num_seqs_for(num_tokens)
     index = np.zeros(num_seqs, np.intp)  # padding rows read row 0
@@ -242,24 +268,31 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
     tables = state.tables[index]
     if forks:
         tables[forks] = 0
-    ids, pos, tok_seq, slots = (np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32),
-                                np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32))
-    ids[:count], pos[:count], tok_seq[:count] = token_ids, positions, token_seq
+    ids, pos, slots = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+    ids[:count], pos[:count] = token_ids, positions
+    if decode:  # row i's token is token i: shared, read-only arrays
+        tok_seq, logits = _decode_rows(count, num_tokens), _decode_rows(count, num_seqs)
+        token_rows = tok_seq[:count]
+    else:
+        tok_seq, logits = np.zeros(num_tokens, np.int32), np.zeros(num_seqs, np.int32)
+        tok_seq[:count], logits[:num_rows] = token_seq, logits_indices
+        token_rows = tok_seq[:count]
     if count:  # each token's slot, through its row's block table
         at = pos[:count].astype(np.int64)
-        slots[:count] = tables[tok_seq[:count], at // bs].astype(np.int64) * bs + at % bs
-    logits = np.zeros(num_seqs, np.int32)
-    logits[:num_rows] = logits_indices
+        slots[:count] = tables[token_rows, at // bs].astype(np.int64) * bs + at % bs
     batch = TokenBatch(ids, pos, slots, tok_seq, tables, logits)
     steps = np.zeros(num_seqs, np.int32)
-    steps[:num_rows] = [len(q.token_ids) - q.num_prompt_tokens for q in seqs]
+    if decode and count:  # len(token_ids) - num_prompt_tokens, the token computed being the sequence's last
+        steps[:num_rows] = at + 1 - state.num_prompt[index[:num_rows]]
+    elif not decode:
+        steps[:num_rows] = [len(q.token_ids) - q.num_prompt_tokens for q in seqs]
     presence, frequency, repetition, history, num_prompt, banned = _plain_rows(num_seqs, config.max_model_len)
     special_rows = np.flatnonzero(steps[:num_rows] < state.special_below[index[:num_rows]]).tolist()
     if special_rows:  # rows with penalties or banned tokens: rare, filled one by one; copies, as the plain
         presence, frequency, repetition, history, num_prompt, banned = (  # arrays are shared between steps
             a.copy() for a in (presence, frequency, repetition, history, num_prompt, banned))
     for row in special_rows:
-        seq, p = seqs[row], scheduled[row].group.params
+        seq, p = scheduled[row].seq, scheduled[row].group.params
         if p.has_penalties:
             presence[row], frequency[row], repetition[row] = (p.presence_penalty, p.frequency_penalty,
                                                               p.repetition_penalty)

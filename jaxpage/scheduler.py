@@ -12,7 +12,7 @@ from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, starting at seq.num_computed_tokens
@@ -21,7 +21,7 @@ class ScheduledSeq:
     logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     ops: DeviceOps
@@ -40,8 +40,12 @@ class Scheduler:
         self.num_preemptions = 0
         self._failed: list[SequenceGroup] = []  # requests that can never fit, to be reported by the engine
         self._next_seq_id = None  # set by the engine: a callable giving fresh sequence ids
+        # The last schedule, when it was a plain decode step of every running sequence (see _decode_again); None
+        # once anything it depends on may have changed (a group preempted, finished, queued, or beams reordered)
+        self._decode: list[ScheduledSeq] | None = None
 
     def add(self, group: SequenceGroup) -> None:
+        self._decode = None
         self.waiting.append(group)
         self.waiting.sort(key=lambda g: (g.priority, g.arrival))
 
@@ -52,6 +56,11 @@ class Scheduler:
         return sum(len(g.live_seqs) for g in self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self._decode is not None:
+            again = self._decode_again(self._decode)
+            if again is not None:
+                return again
+        self._decode = None
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
@@ -109,7 +118,50 @@ class Scheduler:
         scheduled.extend(self._forks(scheduled))
         if not scheduled and not self.running and (self.waiting or self.swapped):
             self._fail_head()
+        elif not self.waiting and not self.swapped and not self._failed:
+            self._decode = self._decode_rows(scheduled)
         return SchedulerOutput(scheduled, self.kv.take_ops())
+
+    def _decode_rows(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
+        """``scheduled`` if it is one decode row (a token, sampled) of every live sequence of every running group
+        in order, none of them a beam (beam steps reorder and replace sequences outside the scheduler): the next
+        step can then reuse it. None otherwise."""
+        i, n = 0, len(scheduled)
+        for group in self.running:
+            if group.params.use_beam_search or (group.width > 1 and not group.forked):
+                return None
+            for seq in group.live_seqs:
+                if i == n:
+                    return None
+                s = scheduled[i]
+                if s.seq is not seq or s.num_new_tokens != 1 or not s.samples or s.logits_of is not None:
+                    return None
+                i += 1
+        return scheduled if i == n and n else None
+
+    def _decode_again(self, rows: list[ScheduledSeq]) -> SchedulerOutput | None:
+        """The decode fast path: when nothing has changed since the last step but a token sampled for each row
+        (no request queued, finished or preempted since), that step's rows are this step's too, as the full
+        scheduling pass would rebuild them, the blocks a row now needs allocated in the same order. None (and
+        nothing changed) when anything differs, or when a row cannot get its block without a preemption."""
+        bs, pool = self.config.block_size, self.kv.pool
+        if self.waiting or self.swapped or self._failed or pool.num_shared:
+            return None  # admission, swap-in or copy-on-write: the full pass
+        if len(rows) > self.config.max_num_batched_tokens:
+            return None
+        grow = []
+        for s in rows:
+            seq = s.seq
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) != computed + 1:
+                return None  # not exactly one new token (an engine step did not run; or it finished)
+            if computed >= len(seq.block_table) * bs:
+                grow.append(seq)
+        if grow and sum(self.kv.blocks_needed(seq, 1) for seq in grow) > pool.num_free:
+            return None  # the full pass preempts
+        for seq in grow:
+            self.kv.reserve(seq, 1)
+        return SchedulerOutput(rows, self.kv.take_ops())
 
     def _fail_head(self) -> None:
         """Nothing runs and the first queued request still cannot start: it can never fit in the pool."""
@@ -167,6 +219,7 @@ class Scheduler:
         return True
 
     def preempt(self, group: SequenceGroup) -> None:
+        self._decode = None
         self.running.remove(group)
         self.num_preemptions += 1
         live = group.live_seqs
@@ -193,11 +246,13 @@ class Scheduler:
             self.running.append(group)
 
     def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
+        self._decode = None
         seq.finish_reason = reason
         self.kv.free(seq) if group.status != SequenceStatus.SWAPPED else self._drop_host_slots([seq])
 
     def finish_group(self, group: SequenceGroup, reason: str = "abort") -> None:
         """Ends every live sequence of the group and forgets the group (finish or abort)."""
+        self._decode = None
         for seq in group.live_seqs:
             self.finish_seq(group, seq, reason)
         for queue in (self.running, self.waiting, self.swapped):
