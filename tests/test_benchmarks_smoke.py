@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/throughput.py --quick: it runs, and its JSON has the figures the report is built on."""
+"""Smoke tests of benchmarks/throughput.py --quick and benchmarks/serving.py --quick: they run, and their JSON
+has the figures the reports are built on."""
 from __future__ import annotations
 
 import json
@@ -56,4 +57,56 @@ def test_quick_writes_a_plot(quick_result):
     pytest.importorskip("matplotlib")
     _, out = quick_result
     png = out.with_suffix(".png")
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- benchmarks/serving.py --quick: Poisson arrivals against a `jaxpage serve` subprocess -------------------
+LATENCY_KEYS = ("ttft", "tpot", "itl", "e2e", "normalized_latency")
+
+
+@pytest.fixture(scope="module")
+def serving_quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serving") / "quick.json"
+    png = out.with_suffix(".png")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "benchmarks/serving.py", "--quick", "--rates", "2", "--num-requests", "4",
+                           "--max-tokens", "6", "--json", str(out), "--plot", str(png)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), png
+
+
+def test_serving_quick_json_shape(serving_quick):
+    result, _ = serving_quick
+    for key in ("machine", "date", "command", "rates"):
+        assert key in result, key
+    assert [r["rate"] for r in result["rates"]] == [2.0]
+    rate = result["rates"][0]
+    for key in LATENCY_KEYS:
+        for stat in ("mean", "p50", "p99"):
+            assert rate[key][stat] is not None and rate[key][stat] >= 0, (key, stat)
+        assert rate[key]["p50"] <= rate[key]["p99"] + 1e-9
+    assert rate["throughput_requests_per_s"] > 0 and rate["throughput_output_tokens_per_s"] > 0
+    assert rate["server"]["preemptions"] >= 0 and 0 < rate["server"]["peak_kv_cache_usage"] <= 1
+
+
+def test_serving_quick_every_request_finished_with_its_tokens(serving_quick):
+    result, _ = serving_quick
+    rate = result["rates"][0]
+    assert rate["num_requests"] == 4 and rate["num_finished"] == 4 and rate["num_errors"] == 0
+    assert rate["total_output_tokens"] == rate["total_requested_tokens"]
+    for r in rate["requests"]:
+        assert r["finished"] and r["error"] is None and r["finish_reason"] == "length"
+        assert 1 <= r["requested_tokens"] <= 6
+        assert r["output_tokens"] == r["requested_tokens"] == r["usage_completion_tokens"] == sum(r["chunk_tokens"])
+        assert 0 < r["ttft"] <= r["e2e"]
+        assert len(r["itl"]) == len(r["chunk_tokens"]) - 1 and all(g >= 0 for g in r["itl"])
+        if r["output_tokens"] > 1:
+            assert abs(r["tpot"] * (r["output_tokens"] - 1) + r["ttft"] - r["e2e"]) < 1e-3  # JSON rounds to 10 us
+        assert abs(r["normalized_latency"] - r["e2e"] / r["output_tokens"]) < 1e-4
+
+
+def test_serving_quick_writes_a_plot(serving_quick):
+    pytest.importorskip("matplotlib")
+    _, png = serving_quick
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
