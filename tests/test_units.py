@@ -43,6 +43,20 @@ def test_pool_is_sized_from_the_byte_budget():
     assert _engine(model, kv_cache_memory=1000 * per_block + 5).num_kv_blocks == 1000
 
 
+@pytest.mark.parametrize("budget", [8, 24, 64, 100, 256, 512])
+def test_token_buckets_leave_at_most_a_third_of_a_step_as_padding(budget):
+    from jaxpage.config import pick_bucket
+
+    config = _engine(_smollm2_shape(), num_kv_blocks=600, max_num_batched_tokens=budget, max_num_seqs=8)
+    buckets = config.token_buckets()
+    assert buckets == sorted(set(buckets)) and buckets[-1] == budget and all(b % 8 == 0 for b in buckets[:-1])
+    for n in range(1, budget + 1):
+        bucket = pick_bucket(buckets, n)
+        assert n <= bucket and (bucket <= 16 or bucket - n <= bucket // 3), (n, bucket)
+    with pytest.raises(ValueError):
+        pick_bucket(buckets, budget + 1)
+
+
 def test_budget_too_small_for_one_sequence_says_how_much_is_needed():
     model = _smollm2_shape()
     per_block = bytes_per_block(model, 16, "float32")
