@@ -1,6 +1,7 @@
 """Paged vs contiguous KV caches on the same memory: throughput, concurrency and KV waste, side by side.
 
-    python benchmarks/throughput.py [--json out.json] [--plot out.png]     # full run: about 9 minutes here
+    python benchmarks/throughput.py [--json out.json] [--plot out.png]     # main run: about 8 minutes here
+    python benchmarks/throughput.py --max-len 1024 --json out.json          # 1024-token reservations (half the KV)
     python benchmarks/throughput.py --quick --json out.json                 # smoke run (CI): about 30-80 s
     python benchmarks/throughput.py --workload alpaca --num-requests 200 --duration 40 --warmup 15 \
         --extra-workloads shared_prefix parallel_sampling --extra-requests 64 --extra-duration 40 \
@@ -282,7 +283,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-len", type=int, default=2048,
+                        help="the contiguous baselines reserve this per sequence (the paper's OPT: 2048)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--slots", type=int, default=5, help="KV budget, in max-length contiguous sequences")
     parser.add_argument("--workload", default="sharegpt", choices=list(workloads.WORKLOADS))
@@ -304,8 +306,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--stream-prompt", type=int, default=32)
     parser.add_argument("--stream-output", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                        help="the paged engine's; swap gets a host pool as large as the KV budget")
+    parser.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap"],
+                        help="the paged engine's; swap gets a host pool as large as the KV budget (on a CPU a "
+                             "swap is a copy within the same RAM, cheaper than recomputing)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sequential", action="store_true",
                         help="run the systems one after the other instead of interleaving their steps")
