@@ -170,18 +170,6 @@ class InputBatch:
             setattr(self, name, array)
         self._free_rows = getattr(self, "_free_rows", []) + list(range(capacity - 1, old - 1, -1))
 
-    def rows(self, scheduled: list[ScheduledSeq]) -> list[int]:
-        """The persistent row of each scheduled sequence, brought up to date."""
-        get = self._entries.get
-        rows = []
-        for s in scheduled:
-            seq = s.seq
-            entry = get(seq)
-            if entry is None or entry[0] != seq.block_table:
-                entry = self._write(seq, s.group.params, entry, scheduled)
-            rows.append(entry[1])
-        return rows
-
     def _write(self, seq, p, entry, scheduled: list[ScheduledSeq]) -> list:
         table = seq.block_table
         if entry is None:
