@@ -1,6 +1,8 @@
 """Paged attention over the flat batch, through block tables: the backend choice and the XLA reference path."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -20,15 +22,16 @@ def resolve_backend(name: str) -> str:
 
 def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer: jax.Array,
                      token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array, block_tables: jax.Array,
-                     scale: float) -> tuple[jax.Array, jax.Array]:
+                     scale: float, pairs: "PagePairs | None" = None) -> tuple[jax.Array, jax.Array]:
     """Writes this step's K/V into the pool and attends through the block tables; returns (out, pool).
 
     Every backend has these semantics (pallas_kernels.reference.ragged_paged_attention_reference). On a CPU the
-    Pallas backends run through the Pallas interpreter, so the whole engine can be exercised here.
+    Pallas backends run through the Pallas interpreter, so the whole engine can be exercised here. ``pairs``:
+    the XLA path's per-step plan (``page_pairs``), made once per step rather than once per layer.
     """
     if backend == "xla":
         pool = write_kv(pool, layer, k, v, slot_mapping)
-        return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale), pool
+        return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale, pairs), pool
     import pallas_kernels
 
     kernel = {"pallas_gpu": pallas_kernels.ragged_paged_attention_gpu,
@@ -37,12 +40,48 @@ def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, poo
     return kernel(q, k.astype(q.dtype), v.astype(q.dtype), pool, layer, token_seq, positions, slot_mapping,
                   block_tables, scale=scale, interpret=interpret)
 
+
 _MASKED = -1e30
 PAIRS_PER_CHUNK = 64  # (token, page) pairs read per loop iteration: 1.5 MiB of float32 K/V for SmolLM2
 
 
+@dataclasses.dataclass(frozen=True)
+class PagePairs:
+    """The ragged list of (token, page) pairs the XLA attention walks, token t owning ``positions[t] //
+    block_size + 1`` pages, in token order; padded to a static ``T * W + PAIRS_PER_CHUNK`` entries.
+
+    token: the query token of each pair; page: its index in the token's block-table row; block: the physical
+    block (0 past the end); valid: inside the real list; num_chunks: chunks of PAIRS_PER_CHUNK to walk.
+    """
+
+    token: jax.Array
+    page: jax.Array
+    block: jax.Array
+    valid: jax.Array
+    num_chunks: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    PagePairs, data_fields=[f.name for f in dataclasses.fields(PagePairs)], meta_fields=[])
+
+
+def page_pairs(token_seq: jax.Array, positions: jax.Array, block_tables: jax.Array, block_size: int) -> PagePairs:
+    """The step's attention plan for the XLA path: the same for every layer, so the model makes it once."""
+    token_seq, positions, block_tables = (jnp.asarray(a) for a in (token_seq, positions, block_tables))
+    num_tokens, width = positions.shape[0], block_tables.shape[1]
+    num_pages = positions // block_size + 1
+    ends = jnp.cumsum(num_pages)
+    pair = jnp.arange(num_tokens * width + PAIRS_PER_CHUNK)  # static bound on the pairs, plus a chunk of slack
+    token = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_tokens - 1).astype(jnp.int32)
+    page = jnp.clip(pair - (ends - num_pages)[token], 0, width - 1)
+    valid = pair < ends[-1]
+    block = jnp.where(valid, block_tables[token_seq[token], page], 0)
+    return PagePairs(token, page, block, valid, (ends[-1] + PAIRS_PER_CHUNK - 1) // PAIRS_PER_CHUNK)
+
+
 def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_seq: jax.Array,
-                        positions: jax.Array, block_tables: jax.Array, scale: float) -> jax.Array:
+                        positions: jax.Array, block_tables: jax.Array, scale: float,
+                        pairs: PagePairs | None = None) -> jax.Array:
     """Causal attention of each query token over its own sequence's pages (split-K over pages, XLA ops only).
 
     q: ``[T, num_heads, head_dim]``; pool: the whole KV pool (see jaxpage.kv_cache), already holding this step's
@@ -50,7 +89,7 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     the row of ``block_tables`` ``[S, W]`` that each token belongs to; positions: ``[T]``. Token t attends to key
     positions ``<= positions[t]``. Returns ``[T, num_heads, head_dim]`` in q's dtype.
 
-    The work is the ragged list of (token, page) pairs, token t owning ``positions[t] // block_size + 1`` pages,
+    The work is the ragged list of (token, page) pairs (``page_pairs``; pass it to share it between layers),
     walked in chunks up to its real length (a dynamic trip count): the cost is the sum of the tokens' contexts,
     not the number of tokens times the longest context, which on a heavy-tailed batch is several times less.
     Each chunk gathers its pages as rows of the flat pool, computes per-pair softmax partials and merges them
@@ -59,23 +98,18 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_blocks, _, kv_heads, block_size, _ = pool.shape
     group = num_heads // kv_heads
-    width = block_tables.shape[1]
     chunk = PAIRS_PER_CHUNK
-    token_seq, positions, block_tables = (jnp.asarray(a) for a in (token_seq, positions, block_tables))
-    num_pages = positions // block_size + 1
-    ends = jnp.cumsum(num_pages)
-    pair = jnp.arange(num_tokens * width + chunk)  # static bound on the pairs, plus a chunk of slack
-    pair_token = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_tokens - 1).astype(jnp.int32)
-    pair_page = jnp.clip(pair - (ends - num_pages)[pair_token], 0, width - 1)
-    pair_valid = pair < ends[-1]
-    pair_row = jnp.where(pair_valid, block_tables[token_seq[pair_token], pair_page], 0) + layer * num_blocks
+    positions = jnp.asarray(positions)
+    if pairs is None:
+        pairs = page_pairs(token_seq, positions, block_tables, block_size)
+    pair_row = pairs.block + layer * num_blocks
     pages = pool.reshape(num_layers * num_blocks, 2, kv_heads, block_size, head_dim)
     q_g = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * scale
 
     def body(c, carry):
         m, l, acc = carry
         rows, tok, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
-                                  for a in (pair_row, pair_token, pair_page, pair_valid))
+                                  for a in (pair_row, pairs.token, pairs.page, pairs.valid))
         kv = jnp.take(pages, rows, axis=0, mode="clip").astype(jnp.float32)  # [C, 2, kvh, bs, hd]
         scores = jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0])
         key_pos = page[:, None] * block_size + jnp.arange(block_size)
@@ -95,6 +129,6 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     init = (jnp.full((num_tokens, kv_heads, group), _MASKED, jnp.float32),
             jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
             jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, body, init)
+    _, l, acc = jax.lax.fori_loop(0, pairs.num_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpage.attention import write_and_attend
+from jaxpage.attention import page_pairs, write_and_attend
 from jaxpage.config import ModelConfig
 
 
@@ -52,7 +52,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def _attention_block(cfg: ModelConfig, lp: dict, x: jax.Array, pool: jax.Array, layer: jax.Array,
-                     batch: TokenBatch, inv_freq: jax.Array, backend: str):
+                     batch: TokenBatch, inv_freq: jax.Array, backend: str, pairs):
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("td,dhk->thk", h, lp["wq"])
     k = jnp.einsum("td,dhk->thk", h, lp["wk"])
@@ -62,7 +62,7 @@ def _attention_block(cfg: ModelConfig, lp: dict, x: jax.Array, pool: jax.Array, 
     q = apply_rope(q, batch.positions, inv_freq)
     k = apply_rope(k, batch.positions, inv_freq)
     attn, pool = write_and_attend(backend, q, k, v, pool, layer, batch.token_seq, batch.positions,
-                                  batch.slot_mapping, batch.block_tables, scale=cfg.head_dim ** -0.5)
+                                  batch.slot_mapping, batch.block_tables, scale=cfg.head_dim ** -0.5, pairs=pairs)
     out = jnp.einsum("thk,hkd->td", attn, lp["wo"])
     if cfg.o_bias:
         out = out + lp["bo"]
@@ -81,11 +81,13 @@ def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: Token
     backend: the attention backend (jaxpage.attention.BACKENDS, resolved), static under jit."""
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     x = params["embed"][batch.token_ids]
+    block_size = pool.shape[4]  # the XLA attention's plan is the same in every layer: made once per step
+    pairs = page_pairs(batch.token_seq, batch.positions, batch.block_tables, block_size) if backend == "xla" else None
 
     def layer_fn(carry, xs):
         x, pool = carry
         lp, layer = xs
-        x, pool = _attention_block(cfg, lp, x, pool, layer, batch, inv_freq, backend)
+        x, pool = _attention_block(cfg, lp, x, pool, layer, batch, inv_freq, backend, pairs)
         return (_mlp_block(cfg, lp, x), pool), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

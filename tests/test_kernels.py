@@ -346,7 +346,7 @@ def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, monkeypatch):
     rng, msg = fresh_rng()
     bs, width, kv_heads, ratio, head_dim = 16, 40, 2, 3, 64
     decodes = [(int(n), 1) for n in np.minimum(rng.lognormal(4.5, 1.0, 12).astype(int), width * bs - 1)]
-    chunks = [(int(rng.integers(0, 300)), int(rng.integers(20, 60))), (0, int(rng.integers(1, 17)))]
+    chunks = [(int(rng.integers(200, 300)), int(rng.integers(40, 60))), (0, int(rng.integers(1, 17)))]
     seqs = decodes + chunks
     tables, _, num_blocks = assign_pages(rng, [c + n for c, n in seqs], bs, width)
     token_seq = np.concatenate([np.full(n, row) for row, (_, n) in enumerate(seqs)]).astype(np.int32)
