@@ -264,10 +264,8 @@ def _sequences(workload: Workload) -> list[_Seq]:
             for i, r in enumerate(workload.requests) for _ in range(r.n)]
 
 
-class SlotBatching:
-    """Continuous batching over B contiguous slots, refilled as soon as they free up."""
-
-    name = "slot_contiguous"
+class _ContiguousSystem:
+    """A batching policy over a ContiguousCache; ``steps`` yields after every step (so systems can interleave)."""
 
     def __init__(self, cache: ContiguousCache):
         self.cache = cache
@@ -275,6 +273,15 @@ class SlotBatching:
     def run(self, workload: Workload, duration: float | None = None, warmup: float = 0.0) -> RunStats:
         stats = RunStats.for_workload(workload, duration, warmup)
         return run_alone(self.steps(workload, stats), stats)
+
+    def steps(self, workload: Workload, stats: RunStats):
+        raise NotImplementedError
+
+
+class SlotBatching(_ContiguousSystem):
+    """Continuous batching over B contiguous slots, refilled as soon as they free up."""
+
+    name = "slot_contiguous"
 
     def steps(self, workload: Workload, stats: RunStats):
         """Yields after every step."""
@@ -324,17 +331,10 @@ def _progress(seqs: list[_Seq]) -> dict:
             "completed": len({s.request for s in seqs} - pending)}
 
 
-class StaticBatching:
+class StaticBatching(_ContiguousSystem):
     """FCFS static batches of B requests, padded prompts, each batch run until its longest output is done."""
 
     name = "static_contiguous"
-
-    def __init__(self, cache: ContiguousCache):
-        self.cache = cache
-
-    def run(self, workload: Workload, duration: float | None = None, warmup: float = 0.0) -> RunStats:
-        stats = RunStats.for_workload(workload, duration, warmup)
-        return run_alone(self.steps(workload, stats), stats)
 
     def steps(self, workload: Workload, stats: RunStats):
         """Yields after every step."""
