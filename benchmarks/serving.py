@@ -63,7 +63,7 @@ QUICK = dict(rates=[2.0], num_requests=4, max_tokens=8, max_model_len=256, max_n
 def server_flags(args) -> list[str]:
     flags = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--dtype", args.dtype,
-             "--block-size", str(args.block_size)]
+             "--block-size", str(args.block_size)] + ([] if args.scan_layers else ["--no-scan-layers"])
     for name in ("model", "kv_cache_memory", "num_kv_blocks"):
         value = getattr(args, name)
         if value is not None:
@@ -346,6 +346,8 @@ def parse_args(argv=None):
     g.add_argument("--dtype", default="float32")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool budget, bytes")
     g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's scan_layers option")
     args = parser.parse_args(argv)
     if args.quick:
         defaults = {a.dest: a.default for a in parser._actions}

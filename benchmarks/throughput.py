@@ -50,6 +50,7 @@ from jaxpage.compile_cache import enable_compilation_cache  # noqa: E402
 from jaxpage.config import ModelConfig, build_engine_config  # noqa: E402
 from jaxpage.kv_cache import bytes_per_block  # noqa: E402
 from jaxpage.llm_engine import LLMEngine  # noqa: E402
+from jaxpage.model import unstack_layers  # noqa: E402
 from jaxpage.model_loader import default_cache_dir, load_model  # noqa: E402
 from jaxpage.model_runner import ModelRunner  # noqa: E402
 from jaxpage.sampling_params import SamplingParams  # noqa: E402
@@ -64,7 +65,8 @@ def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: 
     config = build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=budget_bytes,
         num_kv_blocks=None if budget_bytes else num_kv_blocks, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_len, gpu_memory_utilization=0.9)
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_len, gpu_memory_utilization=0.9,
+        scan_layers=args.scan_layers)
     assert config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
     runner = ModelRunner(config, params, num_host_blocks=num_kv_blocks if args.preemption_mode == "swap" else 0)
     runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
@@ -312,6 +314,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sequential", action="store_true",
                         help="run the systems one after the other instead of interleaving their steps")
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                        help="the layer layout of every system (the engine's scan_layers option)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and workload: a smoke run")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
@@ -326,7 +330,9 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     loaded = load_model(args.model, cache_dir)
     model = ModelConfig.from_hf(loaded.hf_config)
-    params = jax.tree.map(lambda a: jnp.asarray(a, args.dtype), loaded.params)  # shared by all systems
+    # shared by all systems, in the layout the engine runs
+    layout = (lambda p: p) if args.scan_layers else unstack_layers
+    params = jax.tree.map(lambda a: jnp.asarray(a, args.dtype), layout(loaded.params))
     blocks_per_seq = args.max_len // args.block_size
     budget_blocks = args.slots * blocks_per_seq
     budget_bytes = (budget_blocks + 1) * bytes_per_block(model, args.block_size, args.dtype)

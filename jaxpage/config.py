@@ -124,6 +124,7 @@ class EngineConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
+    scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -176,7 +177,7 @@ def resolve_dtype(dtype: str) -> str:
 def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_cache_memory: int | None,
                         num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
                         max_model_len: int | None, gpu_memory_utilization: float,
-                        attention_backend: str = "auto") -> EngineConfig:
+                        attention_backend: str = "auto", scan_layers: bool = True) -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     from jaxpage import kv_cache
     from jaxpage.attention import resolve_backend
@@ -202,7 +203,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
-                        attention_backend=resolve_backend(attention_backend))
+                        attention_backend=resolve_backend(attention_backend), scan_layers=scan_layers)
 
 
 def _require(ok: bool, field: str, value, rule: str) -> None:

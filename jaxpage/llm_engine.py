@@ -43,6 +43,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
+    scan_layers: bool = True  # False unrolls the layers: ~4x the compile time, faster CPU steps (model.unstack_layers)
     preemption_mode: str = "recompute"
     swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
     cache_dir: str | None = None
@@ -96,7 +97,7 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend)
+            attention_backend=args.attention_backend, scan_layers=args.scan_layers)
         per_block = bytes_per_block(config.model, config.block_size, config.dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)

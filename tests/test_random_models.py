@@ -29,7 +29,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, MistralConfig, Qwen2Config
 
 from jaxpage import LLM, SamplingParams
-from jaxpage.model import TokenBatch, compute_logits, forward_hidden
+from jaxpage.model import TokenBatch, compute_logits, forward_hidden, unstack_layers
 from tests.reference import first_near_tie, hf_greedy, save_random_model
 
 SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
@@ -130,7 +130,9 @@ def built(request, cache_dir, tmp_path_factory):
     hf_config = case.config_cls(**case.kwargs)
     hf_dir = tmp_path_factory.mktemp(case.id)
     model = save_random_model(hf_config, hf_dir, seed)
-    llm = LLM(model=str(hf_dir), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
+    # every other case unrolls its layers, so both layouts run every engine test below
+    llm = LLM(model=str(hf_dir), cache_dir=str(cache_dir), scan_layers=CASES.index(case) % 2 == 0,
+              **ENGINE_OPTIONS)
     rng = np.random.default_rng(seed)
     vocab = hf_config.vocab_size
     prompts = {}
@@ -169,6 +171,21 @@ def _paged_logits(model_cfg, params, pool, batch):
 @pytest.mark.parametrize("prompt_len", PROMPT_LENS, ids=[f"len{n}" for n in PROMPT_LENS])
 def test_teacher_forced_logits(built, prompt_len):
     """Prompt plus the reference continuation, all in one prefill through a shuffled block table."""
+    check_teacher_forced_logits(built, prompt_len, built.llm.engine.runner.params)
+
+
+def test_teacher_forced_logits_other_layer_layout(built):
+    """The same weights in the other layout than the engine's (stacked and scanned, or unrolled) agree too."""
+    params = built.llm.engine.runner.params
+    assert isinstance(params["layers"], list) == (not built.llm.engine.config.scan_layers)
+    if built.llm.engine.config.scan_layers:
+        other = unstack_layers(params)
+    else:
+        other = {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])}
+    check_teacher_forced_logits(built, PROMPT_LENS[-1], other)
+
+
+def check_teacher_forced_logits(built, prompt_len, params):
     name = f"a{prompt_len}"
     seq = built.prompts[name] + built.ref(name)[0]
     with torch.no_grad():
@@ -191,7 +208,7 @@ def test_teacher_forced_logits(built, prompt_len):
         token_seq=np.concatenate([np.zeros(t, np.int32), np.ones(pad, np.int32)]),
         block_tables=block_tables, logits_indices=np.zeros(2, np.int32))
     pool = jnp.zeros_like(built.llm.engine.runner.kv_pool)
-    got = np.asarray(_paged_logits(cfg.model, built.llm.engine.runner.params, pool, batch))[:t]
+    got = np.asarray(_paged_logits(cfg.model, params, pool, batch))[:t]
 
     assert got.shape == expected.shape
     assert np.isfinite(got).all(), built.where(name)
