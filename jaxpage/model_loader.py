@@ -13,6 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import ModelConfig
+from jaxpage.gguf_metadata import gguf_config, use_without_torch
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path) -> None:
 
     kw = {"gguf_file": path.name} if is_gguf else {}
     src = path.parent if is_gguf else path
-    hf_config = AutoConfig.from_pretrained(src, **kw)
+    if is_gguf:
+        use_without_torch()  # for the tokenizer
+    hf_config = gguf_config(str(path)) if is_gguf else AutoConfig.from_pretrained(src)
     cfg = ModelConfig.from_hf(hf_config)  # refuses unsupported architectures before any heavy work
     state = _read_gguf(path, cfg) if is_gguf else _read_safetensors(path)
     params = params_from_hf_state(cfg, state)
@@ -113,10 +116,13 @@ def _to_numpy(tree):
 
 
 def _load_tokenizer(src: Path, kw: dict):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    has_files = kw or any((src / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return AutoTokenizer.from_pretrained(src, **kw) if has_files else None
+    if kw.get("gguf_file"):
+        # the class AutoTokenizer picks for a GGUF file, which it can only pick with torch installed
+        return PreTrainedTokenizerFast.from_pretrained(src, **kw)
+    has_files = any((src / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return AutoTokenizer.from_pretrained(src) if has_files else None
 
 
 def _eos_token_ids(hf_dir: Path, hf_config, tokenizer) -> tuple[int, ...]:

@@ -300,7 +300,8 @@ async def _in_thread(fn: Callable):
         try:
             result = fn()
         except BaseException as e:  # noqa: BLE001
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
+            # bound now: Python unbinds ``e`` when the except block ends, before the loop runs the callback
+            loop.call_soon_threadsafe(lambda error=e: future.done() or future.set_exception(error))
         else:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 

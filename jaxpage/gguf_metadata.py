@@ -1,0 +1,80 @@
+"""A GGUF file's transformers config and tokenizer, without PyTorch.
+
+transformers reads both from a GGUF file's metadata, but only with torch installed: its metadata reader's module
+(``transformers.integrations.gguf.reader``) imports torch at the top, and for Llama-family files
+``AutoConfig.from_pretrained(..., gguf_file=...)`` goes through ``load_gguf_checkpoint``, which refuses to run
+without torch. jaxpage runs without torch (a test dependency only), so:
+
+- ``gguf_config`` builds the config from the metadata with transformers' own GGUF key mapping
+  (``GGUF_CONFIG_MAPPING``) and config classes, for the architectures jaxpage runs;
+- ``use_without_torch`` puts ``read_gguf_metadata`` (the same results, read with the ``gguf`` package) in the
+  reader module's place where torch is missing, so ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` works;
+  the rest of transformers' tokenizer path needs no torch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from collections.abc import Container
+
+READER_MODULE = "transformers.integrations.gguf.reader"
+
+
+def read_gguf_metadata(gguf_path: str, string_arrays: Container[str] = ()) -> tuple[dict, tuple[str, ...]]:
+    """``(metadata, tensor names)`` as transformers' reader gives them: scalars and numeric arrays as Python
+    values; arrays of strings as their length, except the keys in ``string_arrays``, given whole."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    metadata = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):  # the header (version, counts): the gguf package lists it as fields
+            continue
+        is_string_array = field.types[:2] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+        metadata[name] = field.contents() if not is_string_array or name in string_arrays else len(field.data)
+    if "general.architecture" not in metadata:
+        raise ValueError(f"{gguf_path} has no `general.architecture` in its metadata.")
+    return metadata, tuple(t.name for t in reader.tensors)
+
+
+_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
+              "padding_token_id": "pad_token_id"}
+
+
+def gguf_config(gguf_path: str):
+    """The transformers config of a Llama-family GGUF file (GGUF architectures llama, mistral, qwen2), as
+    ``AutoConfig.from_pretrained(..., gguf_file=...)`` makes it where torch is installed."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    metadata, tensor_names = read_gguf_metadata(gguf_path)
+    arch = metadata["general.architecture"]
+    model_type = "mistral" if arch == "llama" and "mistral" in metadata.get("general.name", "").lower() else arch
+    if model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported model architecture {arch!r} in {gguf_path}; jaxpage reads GGUF files of "
+                         "the llama, mistral and qwen2 architectures")
+    kwargs = {"tie_word_embeddings": "output.weight" not in tensor_names,
+              "vocab_size": metadata.get(f"{arch}.vocab_size", metadata.get("tokenizer.ggml.tokens"))}
+    for key, name in GGUF_CONFIG_MAPPING[model_type].items():
+        if name is not None and f"{arch}.{key}" in metadata:
+            kwargs[name] = metadata[f"{arch}.{key}"]
+    for key, name in _TOKEN_IDS.items():
+        if f"tokenizer.ggml.{key}" in metadata:
+            kwargs[name] = metadata[f"tokenizer.ggml.{key}"]
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _torch_importable() -> bool:
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None  # None: imports of torch are blocked
+    return importlib.util.find_spec("torch") is not None
+
+
+def use_without_torch() -> None:
+    """Where torch cannot be imported, lets transformers read GGUF metadata with ``read_gguf_metadata``."""
+    if READER_MODULE in sys.modules or _torch_importable():
+        return
+    module = types.ModuleType(READER_MODULE, __doc__)
+    module.read_gguf_metadata = read_gguf_metadata
+    sys.modules[READER_MODULE] = module
