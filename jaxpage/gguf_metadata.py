@@ -8,8 +8,8 @@ without torch. jaxpage runs without torch (a test dependency only), so:
 - ``gguf_config`` builds the config from the metadata with transformers' own GGUF key mapping
   (``GGUF_CONFIG_MAPPING``) and config classes, for the architectures jaxpage runs;
 - ``use_without_torch`` puts ``read_gguf_metadata`` (the same results, read with the ``gguf`` package) in the
-  reader module's place where torch is missing, so ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` works;
-  the rest of transformers' tokenizer path needs no torch.
+  reader module's place where torch is missing, so that a tokenizer class's ``from_pretrained(...,
+  gguf_file=...)`` works (the rest of that path needs no torch; AutoTokenizer's does, to pick the class).
 """
 from __future__ import annotations
 
@@ -43,26 +43,25 @@ _TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "u
 
 
 def gguf_config(gguf_path: str):
-    """The transformers config of a Llama-family GGUF file (GGUF architectures llama, mistral, qwen2), as
-    ``AutoConfig.from_pretrained(..., gguf_file=...)`` makes it where torch is installed."""
+    """The transformers config of a Llama-family GGUF file (GGUF architectures llama, which llama.cpp also writes
+    for Mistral models, and qwen2), as ``AutoConfig.from_pretrained(..., gguf_file=...)`` makes it with torch."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     metadata, tensor_names = read_gguf_metadata(gguf_path)
     arch = metadata["general.architecture"]
-    model_type = "mistral" if arch == "llama" and "mistral" in metadata.get("general.name", "").lower() else arch
-    if model_type not in ("llama", "mistral", "qwen2"):
+    if arch not in ("llama", "qwen2"):
         raise ValueError(f"unsupported model architecture {arch!r} in {gguf_path}; jaxpage reads GGUF files of "
-                         "the llama, mistral and qwen2 architectures")
+                         "the llama and qwen2 architectures")
     kwargs = {"tie_word_embeddings": "output.weight" not in tensor_names,
               "vocab_size": metadata.get(f"{arch}.vocab_size", metadata.get("tokenizer.ggml.tokens"))}
-    for key, name in GGUF_CONFIG_MAPPING[model_type].items():
+    for key, name in GGUF_CONFIG_MAPPING[arch].items():
         if name is not None and f"{arch}.{key}" in metadata:
             kwargs[name] = metadata[f"{arch}.{key}"]
     for key, name in _TOKEN_IDS.items():
         if f"tokenizer.ggml.{key}" in metadata:
             kwargs[name] = metadata[f"tokenizer.ggml.{key}"]
-    return AutoConfig.for_model(model_type, **kwargs)
+    return AutoConfig.for_model(arch, **kwargs)
 
 
 def _torch_importable() -> bool:

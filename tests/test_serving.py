@@ -423,3 +423,18 @@ def test_the_committed_stubs_are_fresh(tmp_path):
     for name in GENERATED:
         fresh, committed = (VERSION_LINES.sub("", p.read_text()) for p in (tmp_path / name, ROOT / name))
         assert fresh == committed, f"{name} is stale: run `python -m serving.codegen`"
+
+
+def test_an_engine_that_fails_to_load_reports_its_error():
+    """The server loads the engine in a thread; the thread's error must reach the server (it used to be lost to a
+    NameError in the callback, leaving the server NOT_SERVING for ever)."""
+    from serving.server import _in_thread
+
+    def fail():
+        raise FileNotFoundError("no such model")
+
+    async def load():
+        return await asyncio.wait_for(_in_thread(fail), timeout=30)
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        asyncio.run(load())
