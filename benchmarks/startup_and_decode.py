@@ -39,8 +39,8 @@ def main() -> None:
               scan_layers=args.scan_layers,
               max_num_seqs=max(args.streams), max_num_batched_tokens=max(64, max(args.streams)))
     engine = llm.engine
-    result = {"machine": platform.machine(), "dtype": engine.config.dtype, "scan_layers": args.scan_layers, "start_s": time.perf_counter() - started,
-              "load_s": engine.load_seconds, "warmup_s": engine.warmup_seconds, "decode": {}}
+    result = {"machine": platform.machine(), "dtype": engine.config.dtype, "scan_layers": args.scan_layers,
+              "start_s": time.perf_counter() - started, "load_s": engine.load_seconds, "warmup_s": engine.warmup_seconds, "decode": {}}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(["Warm the caches"], SamplingParams(temperature=0, max_tokens=2))
     for n in args.streams:
@@ -118,7 +118,7 @@ def print_profile(p: dict) -> None:
           f"which the compiled step {p['compiled_step_ms']:.1f} ms and host work {p['host_ms']:.1f} ms")
     ops = p["xla_thread_ms_per_step"]
     total = sum(ops.values())
-    print(f"XLA operations, thread ms per step (2 threads can overlap; total {total:.1f}):")
+    print(f"XLA operations, thread ms per step (the worker threads overlap; total {total:.1f}):")
     for name, ms in list(ops.items())[:10]:
         print(f"  {name:40s} {ms:7.1f}  {100 * ms / total:5.1f} %")
 
