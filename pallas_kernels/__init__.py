@@ -7,7 +7,8 @@ All take the engine's one KV layout, the whole pool plus a layer index (see jaxp
 The engine's own XLA path lives in jaxpage.attention.
 """
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
-from pallas_kernels.ragged import ragged_paged_attention_gpu, ragged_paged_attention_tpu
+from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
+from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.reference import paged_decode_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.tpu_decode import paged_decode_attention_tpu
 
