@@ -31,7 +31,7 @@ import numpy as np
 from jaxpage.config import ModelConfig, build_engine_config, pick_bucket
 from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool
 from jaxpage.model import TokenBatch
-from jaxpage.model_runner import step
+from jaxpage.model_runner import jit_step
 from jaxpage.sampler import MAX_BANNED, SamplingBatch
 
 from benchmarks.workloads import Workload
@@ -239,7 +239,7 @@ class ContiguousCache:
 @functools.lru_cache(maxsize=8)
 def _jitted_step(config) -> object:
     """One jitted step per configuration, shared by the caches that have it (compiled once)."""
-    return jax.jit(functools.partial(step, config), donate_argnums=(1,))
+    return jit_step(config)
 
 
 def _pad(values: np.ndarray, size: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,20 +26,30 @@ def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, poo
                      scale: float, pairs: "PagePairs | None" = None) -> tuple[jax.Array, jax.Array]:
     """Writes this step's K/V into the pool and attends through the block tables; returns (out, pool).
 
-    Every backend has these semantics (pallas_kernels.reference.ragged_paged_attention_reference). On a CPU the
-    Pallas backends run through the Pallas interpreter, so the whole engine can be exercised here. ``pairs``:
+    Every backend has these semantics (pallas_kernels.reference.ragged_paged_attention_reference). A step
+    lowered for the CPU runs the Pallas backends through the Pallas interpreter (so the whole engine can be
+    exercised here); lowered for a TPU or GPU, even ahead of time from a CPU, it runs them compiled. ``pairs``:
     the XLA path's per-step plan (``page_pairs``), made once per step rather than once per layer.
     """
     if backend == "xla":
-        pool = write_kv(pool, layer, k, v, slot_mapping)
+        pool = _write_kv_for_platform(pool, layer, k, v, slot_mapping)
         return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale, pairs), pool
     import pallas_kernels
 
     kernel = {"pallas_gpu": pallas_kernels.ragged_paged_attention_gpu,
               "pallas_tpu": pallas_kernels.ragged_paged_attention_tpu}[backend]
-    interpret = jax.default_backend() == "cpu"
-    return kernel(q, k.astype(q.dtype), v.astype(q.dtype), pool, layer, token_seq, positions, slot_mapping,
-                  block_tables, scale=scale, interpret=interpret)
+    kernel = functools.partial(kernel, scale=scale)
+    return jax.lax.platform_dependent(  # the kernel mode follows the platform the step is lowered for
+        q, k.astype(q.dtype), v.astype(q.dtype), pool, layer, token_seq, positions, slot_mapping, block_tables,
+        cpu=functools.partial(kernel, interpret=True), default=functools.partial(kernel, interpret=False))
+
+
+def _write_kv_for_platform(pool, layer, k, v, slot_mapping):
+    """XLA's scatter, but on a TPU the K/V write kernel: XLA:TPU relayouts the whole pool around a scatter."""
+    from pallas_kernels import write_kv_tpu
+
+    return jax.lax.platform_dependent(pool, layer, k.astype(pool.dtype), v.astype(pool.dtype), slot_mapping,
+                                      tpu=write_kv_tpu, default=write_kv)
 
 
 _MASKED = -1e30

@@ -182,8 +182,17 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     from jaxpage import kv_cache
     from jaxpage.attention import resolve_backend
 
+    import jax
+
+    from pallas_kernels.kv_write_tpu import tile_rows
+
     dtype = resolve_dtype(dtype)
     _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
+    backend = resolve_backend(attention_backend)
+    if backend == "pallas_tpu" or jax.default_backend() == "tpu":
+        _require(block_size % tile_rows(dtype) == 0, "block_size", block_size,
+                 f"must be a multiple of {tile_rows(dtype)} for a {dtype} KV cache on TPU (its K/V write moves "
+                 f"whole ({tile_rows(dtype)}, 128) tiles of a page)")
     _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
     _require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
              f"must be >= max_num_seqs={max_num_seqs}")
@@ -203,7 +212,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
-                        attention_backend=resolve_backend(attention_backend), scan_layers=scan_layers)
+                        attention_backend=backend, scan_layers=scan_layers)
 
 
 def _require(ok: bool, field: str, value, rule: str) -> None:

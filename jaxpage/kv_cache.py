@@ -13,8 +13,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
+from jax.sharding import SingleDeviceSharding
 
 from jaxpage.config import ModelConfig
+from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
 
 NULL_BLOCK = 0
 
@@ -23,14 +26,21 @@ def kv_pool_shape(model: ModelConfig, num_blocks: int, block_size: int) -> tuple
     return (model.num_layers, num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
-    return int(np.prod(kv_pool_shape(model, 1, block_size))) * jnp.dtype(dtype).itemsize
+def bytes_per_block(model: ModelConfig, block_size: int, dtype, lanes: int = 1) -> int:
+    """A block's bytes in memory, each row of head_dim values padded to a multiple of ``lanes`` (on a TPU, 128:
+    the pool's row-major layout tiles [block_size, head_dim] by (8, 128), so head_dim 64 takes 128 lanes)."""
+    padded = model.num_layers * 2 * model.num_kv_heads * block_size * (-(-model.head_dim // lanes) * lanes)
+    return padded * jnp.dtype(dtype).itemsize
+
+
+def memory_lanes() -> int:
+    return 128 if jax.default_backend() == "tpu" else 1
 
 
 def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype, budget_bytes: int,
                           max_model_len: int) -> int:
     """How many blocks (null block included) a byte budget holds; refuses one too small for a full sequence."""
-    per_block = bytes_per_block(model, block_size, dtype)
+    per_block = bytes_per_block(model, block_size, dtype, memory_lanes())
     needed_blocks = -(-max_model_len // block_size) + 1
     num_blocks = int(budget_bytes // per_block)
     if num_blocks < needed_blocks:
@@ -51,17 +61,27 @@ def device_kv_budget(memory_fraction: float) -> int | None:
     return int(free * memory_fraction)
 
 
-def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype) -> jax.Array:
-    return jnp.zeros(kv_pool_shape(model, num_blocks, block_size), dtype)
+def pool_format(device=None) -> Format:
+    """Where the pool lives and its layout in memory: row-major, which the TPU kernels' DMAs address. Every
+    function that takes the pool is compiled with this format (``jit_on_pool``): left to choose, XLA:TPU picks
+    another layout for a small head_dim and relayouts the whole pool around each kernel call."""
+    return Format(Layout(major_to_minor=tuple(range(6))), SingleDeviceSharding(device or jax.devices()[0]))
 
 
-def write_kv(pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
-    """Scatters new K/V ``[T, kv_heads, head_dim]`` into their slots (block * block_size + offset)."""
-    block_size = pool.shape[4]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv = jnp.stack([k, v], axis=1).astype(pool.dtype)  # [T, 2, kv_heads, head_dim]
-    return pool.at[layer, blocks, :, :, offsets, :].set(kv)
+def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype, device=None) -> jax.Array:
+    shape = kv_pool_shape(model, num_blocks, block_size)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_format(device))()
+
+
+def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, device=None):
+    """``jax.jit(fn)`` with argument ``pool_arg`` (of ``num_args``) the pool in ``pool_format``. returns:
+    "pool" (fn returns the updated pool), "pair" (returns ``(result, pool)``), both with the pool donated, or
+    "result" (fn only reads the pool)."""
+    on_device, pool = SingleDeviceSharding(device or jax.devices()[0]), pool_format(device)
+    in_shardings = tuple(pool if i == pool_arg else on_device for i in range(num_args))
+    out_shardings = {"pool": pool, "pair": (on_device, pool), "result": on_device}[returns]
+    donate = () if returns == "result" else (pool_arg,)
+    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
 
 
 def copy_blocks(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:

@@ -123,3 +123,20 @@ def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Arr
     else:
         logits = hidden @ params["lm_head"]
     return logits.astype(jnp.float32)
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> dict:
+    """The stacked weights pytree as shapes only (``jax.ShapeDtypeStruct``), for ahead-of-time compilation."""
+    d, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {"attn_norm": (n, d), "mlp_norm": (n, d), "wq": (n, d, h, hd), "wk": (n, d, kvh, hd),
+              "wv": (n, d, kvh, hd), "wo": (n, h, hd, d), "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d)}
+    if cfg.qkv_bias:
+        shapes.update(bq=(n, h, hd), bk=(n, kvh, hd), bv=(n, kvh, hd))
+    if cfg.o_bias:
+        shapes["bo"] = (n, d)
+    params = {"embed": (v, d), "final_norm": (d,), "layers": shapes}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = (d, v)
+    return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), params,
+                        is_leaf=lambda x: isinstance(x, tuple))

@@ -1,6 +1,7 @@
 """ModelRunner: turns scheduled sequences into one padded flat batch and runs the precompiled step on it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -10,7 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import EngineConfig, pick_bucket
-from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, kv_pool_shape
+from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, jit_on_pool, kv_pool_shape
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.model import TokenBatch, compute_logits, forward_hidden, unstack_layers
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
@@ -28,6 +29,12 @@ def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
     return sample(logits, sampling), pool
 
 
+def jit_step(config: EngineConfig, device=None):
+    """``step`` jitted for one device with the pool donated and in its one format: the engine's step, and what
+    the compile lane compiles ahead of time for other targets."""
+    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", device)
+
+
 def _copy_blocks(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     return pool.at[:, dst].set(pool[:, src])
 
@@ -40,6 +47,21 @@ def _scatter_blocks(pool: jax.Array, blocks: jax.Array, data: jax.Array) -> jax.
     return pool.at[:, blocks].set(data)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockMoves:
+    """Whole-block moves on the pool, jitted with the pool in its format: copy-on-write copies, swap-out gathers
+    and swap-in scatters."""
+
+    copy: object
+    gather: object
+    scatter: object
+
+    @classmethod
+    def jit(cls, device=None) -> "BlockMoves":
+        return cls(jit_on_pool(_copy_blocks, 3, 0, "pool", device), jit_on_pool(_gather_blocks, 2, 0, "result", device),
+                   jit_on_pool(_scatter_blocks, 3, 0, "pool", device))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, params: dict, num_host_blocks: int = 0):
         self.config = config
@@ -50,12 +72,11 @@ class ModelRunner:
         self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, dtype)
         shape = kv_pool_shape(config.model, num_host_blocks, config.block_size)
         self.host_pool = np.zeros(shape, dtype) if num_host_blocks else None
-        self._step = jax.jit(functools.partial(step, config), donate_argnums=(1,))
+        self._step = jit_step(config)
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        self._gather = jax.jit(_gather_blocks)
-        self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
+        moves = BlockMoves.jit()
+        self._copy, self._gather, self._scatter = moves.copy, moves.gather, moves.scatter
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
 
@@ -66,7 +87,7 @@ class ModelRunner:
         with tqdm(total=len(buckets) + 1, desc="compiling", disable=not progress, leave=False) as bar:
             for num_tokens in buckets:
                 if num_tokens not in self._executables:
-                    batch, sampling = _abstract_inputs(self.config, num_tokens)
+                    batch, sampling = abstract_step_inputs(self.config, num_tokens)
                     compiled = self._step.lower(self.params, self.kv_pool, batch, sampling).compile()
                     # The first run of an executable costs 0.3-0.7 s more on a CPU (one-time set-up in the
                     # runtime): take it here, on an all-padding batch (writes only the null block).
@@ -112,7 +133,8 @@ class ModelRunner:
         return jax.tree.map(lambda a: np.asarray(a)[:n], out)
 
 
-def _abstract_inputs(config: EngineConfig, num_tokens: int):
+def abstract_step_inputs(config: EngineConfig, num_tokens: int):
+    """The shapes of one bucket's (batch, sampling) inputs, for compiling ahead of time."""
     num_seqs = config.num_seqs_for(num_tokens)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731

@@ -4,13 +4,15 @@ All take the engine's one KV layout, the whole pool plus a layer index (see jaxp
 - paged_decode_attention_gpu: one query token per sequence, Triton lowering, split-K over pages.
 - paged_decode_attention_tpu: the same on TPU (Mosaic): scalar-prefetched tables, one DMA per page.
 - ragged_paged_attention_tpu: one call for a flat mixed batch that also writes the batch's K/V into the pool.
+- write_kv_tpu: that write alone (XLA:TPU's scatter would relayout the pool), also used by the XLA path on TPU.
 The engine's own XLA path lives in jaxpage.attention.
 """
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
+from pallas_kernels.kv_write_tpu import write_kv_tpu
 from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.reference import paged_decode_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.tpu_decode import paged_decode_attention_tpu
 
 __all__ = ["paged_decode_attention_gpu", "paged_decode_attention_reference", "paged_decode_attention_tpu",
-           "ragged_paged_attention_gpu", "ragged_paged_attention_reference", "ragged_paged_attention_tpu"]
+           "ragged_paged_attention_gpu", "ragged_paged_attention_reference", "ragged_paged_attention_tpu", "write_kv_tpu"]

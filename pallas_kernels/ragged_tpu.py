@@ -1,21 +1,19 @@
-"""Ragged paged attention for TPU: one kernel call writes a flat mixed batch's K/V into the pool and attends.
+"""Ragged paged attention for TPU: one call writes a flat mixed batch's K/V into the pool and attends.
 
 The batch is the engine's (jaxpage.model.TokenBatch): T tokens, each with its block-table row (token_seq), its
 position and its slot; a sequence's tokens are contiguous, decodes usually first. The kernel:
 
-- grid ``(KV-head blocks, query blocks of TQ tokens)``; the head-block axis is ``parallel`` (megacore), the
-  query-block axis ``arbitrary`` (in order on one core);
-- step (hb, qb) first copies the K/V of its TQ tokens, heads of block hb, from HBM into their slots of the
-  pool (two small DMAs per token into the output pool, which aliases the input pool, so the pool is updated in
-  place; no separate scatter), and waits for them. Every key a token may see was written by itself, an
-  earlier token of the same step, or an earlier step on the same core: the reference's write-then-read order;
-- then it walks the runs of equal ``token_seq`` inside its query block; for each run it streams the
+- the batch's K/V go into their slots first (``kv_write_tpu``; in place when the pool is donated), so every
+  key a token may see is in the pool before the attention kernel starts, and that kernel only reads it;
+- grid ``(KV-head blocks, query blocks of TQ tokens)``, both ``parallel`` (megacore: nothing is written to the
+  pool, so grid steps have no order);
+- step (hb, qb) walks the runs of equal ``token_seq`` inside its query block; for each run it streams the
   sequence's pages up to the run's last position in chunks of P pages (one async copy per page of heads hb,
   double buffered) through an online softmax over all TQ x G query rows (rows outside the run are masked),
   and stores the run's rows of the output.
 
 Tokens in the null block (padding) get finite but unspecified outputs: they may read null-block slots that
-later padding tokens overwrite. Loaded values are reshaped, refs never are; every copy has a static shape.
+other padding tokens overwrote. Loaded values are reshaped, refs never are; every copy has a static shape.
 The wrapper lays q out as [KVH, T * G, D] (and the output back), so a KV head's query rows are one 2-D tile.
 
 Not tuned yet: a run's first chunk is not prefetched during the previous run (JAX's kernel does that across
@@ -33,15 +31,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kv_write_tpu import write_kv_tpu
 from pallas_kernels.reference import check_ragged_args
 from pallas_kernels.tpu_decode import (ANY, ARBITRARY, PARALLEL, PageCopies, _CompilerParams, attend_chunk,
                                        finish_state, init_state)
 
 
-def _ragged_kernel(layer_ref, tseq_ref, pos_ref, slot_ref, tables_ref,  # scalar prefetch (SMEM)
-                   q_ref, row_pos_ref, k_hbm, v_hbm, _pool_in,  # inputs
-                   o_ref, pool_hbm,  # outputs; pool_hbm aliases _pool_in
-                   kv_buf, sems, write_sem,  # scratch
+def _ragged_kernel(layer_ref, tseq_ref, pos_ref, tables_ref,  # scalar prefetch (SMEM)
+                   q_ref, row_pos_ref, pool_hbm,  # inputs
+                   o_ref,  # output
+                   kv_buf, sems,  # scratch
                    *, scale, soft_cap, width, num_tokens, tokens_per_block, pages_per_block, precision):
     head_block, q_block = pl.program_id(0), pl.program_id(1)
     _, _, _, kv_heads, block_size, head_dim = kv_buf.shape  # kv heads of this head block
@@ -52,25 +51,7 @@ def _ragged_kernel(layer_ref, tseq_ref, pos_ref, slot_ref, tables_ref,  # scalar
     t_end = t0 + tokens_per_block
     heads = pl.ds(first_head, kv_heads)
 
-    # 1. This block's new K/V into their slots (heads of this head block), before anything reads the pool.
-    def write_copies(i):
-        slot = slot_ref[t0 + i]
-        block, offset = slot // block_size, slot % block_size
-        return [pltpu.make_async_copy(src.at[t0 + i, heads], pool_hbm.at[layer, block, kv, heads, offset], write_sem)
-                for kv, src in ((0, k_hbm), (1, v_hbm))]
-
-    def start_writes(i, _):
-        for copy in write_copies(i):
-            copy.start()
-
-    def wait_writes(i, _):
-        for copy in write_copies(i):
-            copy.wait()
-
-    jax.lax.fori_loop(0, tokens_per_block, start_writes, None)
-    jax.lax.fori_loop(0, tokens_per_block, wait_writes, None)
-
-    # 2. Attention, one run of equal token_seq at a time. A KV head's query rows are [TQ * G, D], row r being
+    # Attention, one run of equal token_seq at a time. A KV head's query rows are [TQ * G, D], row r being
     # token t0 + r // G (the wrapper lays q out as [KVH, T * G, D]); row_pos_ref holds each row's position.
     row_pos = row_pos_ref[...]  # [rows, 1]
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
@@ -139,12 +120,12 @@ def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
 
     q: [T, H, D]; k, v: [T, KVH, D]; pool: [L, N, 2, KVH, block_size, D], whole, written and read at ``layer``;
     token_seq, positions, slot_mapping: int32 [T]; block_tables: int32 [S, W] (see check_ragged_args for the
-    batch invariants). Returns (out [T, H, D], pool); the pool is aliased to the output, so under ``jit``
-    with the pool donated it is updated in place.
+    batch invariants). Returns (out [T, H, D], pool). The K/V go in first (``write_kv_tpu``, in place under
+    ``jit`` with the pool donated); the attention kernel then only reads the pool.
     queries_per_block (TQ): tokens per grid step, reduced to gcd(T, TQ); pages_per_compute_block (P,
     default ``max(1, 128 // block_size)`` capped at W); kv_heads_per_block: KV heads per step (divides KVH;
-    default all), giving ``KVH / kv_heads_per_block`` parallel (megacore) blocks. For real Mosaic, TQ a multiple
-    of 8, block_size of the sublane tiling, D a multiple of 128, and a head block a whole tile of heads.
+    default all). Both grid axes are ``parallel`` (megacore). For real Mosaic: TQ * G a multiple of 8 and
+    block_size a multiple of the sublane tiling (8 for 32-bit, 16 for bf16).
     q and the output pass through XLA as [KVH, T * G, D] (one small transpose each way).
     interpret: False, True or ``pltpu.InterpretParams(...)`` as for the decode kernel.
     """
@@ -155,6 +136,7 @@ def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     kv_heads_per_block = kv_heads_per_block or kv_heads
     if kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block={kv_heads_per_block} must divide kv_heads={kv_heads}")
+    pool = write_kv_tpu(pool, layer, k, v, slot_mapping, interpret=interpret)
     group = num_heads // kv_heads
     rows = tokens_per_block * group
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -166,27 +148,23 @@ def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     q_rows = q_rows.reshape(kv_heads, num_tokens * group, head_dim)
     row_positions = jnp.repeat(positions, group).reshape(num_tokens * group, 1)
     q_spec = pl.BlockSpec((kv_heads_per_block, rows, head_dim), lambda hb, qb, *_: (hb, qb, 0))
-    hbm = pl.BlockSpec(memory_space=ANY)
-    scalars = (jnp.asarray(layer, jnp.int32).reshape(1), token_seq, positions, slot_mapping,
-               block_tables.reshape(-1))
-    out, pool = pl.pallas_call(
+    scalars = (jnp.asarray(layer, jnp.int32).reshape(1), token_seq, positions, block_tables.reshape(-1))
+    out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(kv_heads // kv_heads_per_block, num_tokens // tokens_per_block),
-            in_specs=[q_spec, pl.BlockSpec((rows, 1), lambda hb, qb, *_: (qb, 0)), hbm, hbm, hbm],
-            out_specs=[q_spec, hbm],
+            in_specs=[q_spec, pl.BlockSpec((rows, 1), lambda hb, qb, *_: (qb, 0)), pl.BlockSpec(memory_space=ANY)],
+            out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_block, 2, kv_heads_per_block, block_size, head_dim), pool.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SemaphoreType.DMA(()),
             ],
         ),
-        out_shape=[jax.ShapeDtypeStruct(q_rows.shape, q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-        input_output_aliases={len(scalars) + 4: 1},
-        compiler_params=_CompilerParams(dimension_semantics=(PARALLEL, ARBITRARY)),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=_CompilerParams(dimension_semantics=(PARALLEL, PARALLEL)),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*scalars, q_rows, row_positions, k, v, pool)
+    )(*scalars, q_rows, row_positions, pool)
     out = out.reshape(kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(num_tokens, num_heads, head_dim), pool

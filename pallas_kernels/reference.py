@@ -117,8 +117,9 @@ def paged_decode_attention_reference(q: jax.Array, pool: jax.Array, layer, block
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
-def write_kv_reference(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatters new K/V [T, KVH, D] into their slots (block * block_size + offset) of ``layer``."""
+def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatters new K/V [T, KVH, D] into their slots (block * block_size + offset) of ``layer``: the one K/V write
+    of the XLA path, the TPU kernel and the references."""
     block_size = pool.shape[4]
     kv = jnp.stack([k, v], axis=1).astype(pool.dtype)  # [T, 2, KVH, D]
     return pool.at[layer, slot_mapping // block_size, :, :, slot_mapping % block_size, :].set(kv)
@@ -133,11 +134,11 @@ def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, p
     q: [T, H, D]; k, v: [T, KVH, D]; pool: the whole KV pool, written and read at ``layer``; token_seq [T]: the
     row of block_tables [S, W] each token belongs to; positions [T]: token t attends to the key positions
     ``<= positions[t]`` of its own sequence; slot_mapping [T]: where token t's K/V go. First every token's K/V
-    is written to its slot (jaxpage.kv_cache.write_kv), then every token attends over its sequence's pages
+    is written to its slot (write_kv), then every token attends over its sequence's pages
     (jaxpage.attention.paged_attention_xla). Returns (out [T, H, D] in q's dtype, the updated pool).
     """
     check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap)
-    pool = write_kv_reference(pool, layer, k, v, slot_mapping)
+    pool = write_kv(pool, layer, k, v, slot_mapping)
     out = paged_decode_attention_reference(q, pool, layer, block_tables[token_seq], positions + 1,
                                            scale=scale, soft_cap=soft_cap)
     return out, pool

@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("JAXPAGE_CACHE_DIR", str(Path.home() / ".cache" / "jaxpage"))
+# The test extra installs the TPU runtime for the compile lane (ahead-of-time compilation for TPU topologies);
+# the tests themselves run on the CPU, and several processes (servers the tests start) may load libtpu at once.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 SMOLLM2_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, dtype="float32",
                        kv_cache_memory=256 << 20, progress=False)

@@ -1,0 +1,270 @@
+"""Ahead-of-time compilation for real TPU chips with the real compiler (libtpu), on a machine without one.
+
+    python -m benchmarks.compile_targets [--chips v5e v6e v5p] [--quick] [--json out.json]
+
+For each chip: every TPU kernel over the shapes the engine can produce, then the whole jitted engine step
+(``attention_backend="pallas_tpu"``, bfloat16) at every warm-up bucket for SmolLM2-135M and a Llama-3-8B-shaped
+config. The arguments are shapes placed on a device of a TPU topology (``jax.experimental.topologies``), so
+nothing is allocated and no weights are needed. Prints one table row per compile: compiled or the compiler's
+message, compile time, and for engine steps the per-chip memory from ``memory_analysis()``. Needs the TPU
+runtime: ``pip install "jax[tpu]==<installed jax>"`` (the test extra has it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+# v5p is a megacore chip (two TensorCores behind one device), so it exercises the kernels' parallel grid axes
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several processes may compile at once
+TPU_CHIPS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+
+
+def tpu_runtime_available() -> bool:
+    try:
+        tpu_device("v5e")
+        return True
+    except Exception:  # no libtpu, or a libtpu that cannot describe topologies
+        return False
+
+
+@functools.cache
+def tpu_device(chip: str):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name=TPU_CHIPS[chip]).devices[0]
+
+
+@dataclasses.dataclass
+class Compiled:
+    target: str
+    name: str
+    shape: str
+    ok: bool
+    seconds: float
+    error: str = ""
+    memory: dict = dataclasses.field(default_factory=dict)  # bytes: arguments, outputs, aliased, temporaries, code
+    hlo: str = dataclasses.field(default="", repr=False)  # the optimized HLO, for checks on what was compiled
+
+
+def compile_for(device, target: str, name: str, shape: str, jitted, args) -> Compiled:
+    """Lowers and compiles ``jitted(*args)`` for ``device``; ``args`` is a pytree of ShapeDtypeStructs."""
+    sharding = SingleDeviceSharding(device)
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    start = time.perf_counter()
+    try:
+        with jax.default_device(device):
+            compiled = jitted.lower(*placed).compile()
+    except Exception as e:  # the compiler's message is the result
+        return Compiled(target, name, shape, False, time.perf_counter() - start, _first_line(e))
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    memory = {key: getattr(stats, f"{key}_size_in_bytes", 0)
+              for key in ("argument", "output", "alias", "temp", "generated_code")}
+    return Compiled(target, name, shape, True, seconds, memory=memory, hlo=compiled.as_text())
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    for line in text.splitlines():
+        if "Mosaic" in line or "rror" in line:
+            return line.strip()[:300]
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """One kernel call's shapes: a layer of a pool of ``num_blocks`` blocks, ``tokens`` query tokens (ragged) or
+    sequences (decode), block tables ``width`` pages wide."""
+
+    kernel: str  # "ragged" or "decode"
+    dtype: str
+    block_size: int
+    head_dim: int
+    kv_heads: int
+    group: int  # query heads per KV head
+    tokens: int
+    width: int = 32
+    num_blocks: int = 512
+
+    def __str__(self):
+        return (f"{self.dtype} bs{self.block_size} d{self.head_dim} kvh{self.kv_heads} g{self.group} "
+                f"T{self.tokens}")
+
+    def call(self):
+        """(fn, abstract args, donated argnums) of this kernel call, as the engine makes it."""
+        import pallas_kernels
+
+        dtype, i32 = jnp.dtype(self.dtype), jnp.int32
+        s = jax.ShapeDtypeStruct
+        pool = s((2, self.num_blocks, 2, self.kv_heads, self.block_size, self.head_dim), dtype)
+        q = s((self.tokens, self.kv_heads * self.group, self.head_dim), dtype)
+        tables = s((self.tokens, self.width), i32)
+        scale = self.head_dim ** -0.5
+        if self.kernel == "decode":
+            fn = functools.partial(pallas_kernels.paged_decode_attention_tpu, scale=scale)
+            return fn, (q, pool, s((), i32), tables, s((self.tokens,), i32)), ()
+        kv = s((self.tokens, self.kv_heads, self.head_dim), dtype)
+        vec = s((self.tokens,), i32)
+        fn = functools.partial(pallas_kernels.ragged_paged_attention_tpu, scale=scale)
+        return fn, (q, kv, kv, pool, s((), i32), vec, vec, vec, tables), (3,)
+
+
+def kernel_shapes(quick: bool = False) -> list[KernelShape]:
+    """Block sizes 16/32/64, head_dim 64 and 128, KV heads 1/2/8, GQA ratios 1-8, bfloat16 and float32, several
+    token buckets: each value appears, with SmolLM2's (d64, kvh3, g3) and Llama-3-8B's (d128, kvh8, g4)."""
+    shapes = []
+    for kernel in ("ragged", "decode"):
+        shapes += [KernelShape(kernel, "bfloat16", 16, 128, 8, 4, 64),  # Llama-3-8B
+                   KernelShape(kernel, "bfloat16", 16, 64, 3, 3, 48),  # SmolLM2
+                   KernelShape(kernel, "float32", 16, 64, 3, 3, 16)]
+        if quick:
+            continue
+        shapes += [KernelShape(kernel, "bfloat16", 32, 128, 1, 8, 8),
+                   KernelShape(kernel, "bfloat16", 64, 64, 2, 1, 128),
+                   KernelShape(kernel, "float32", 32, 128, 8, 1, 32),
+                   KernelShape(kernel, "float32", 64, 128, 2, 2, 256),
+                   KernelShape(kernel, "bfloat16", 16, 64, 1, 6, 512),
+                   KernelShape(kernel, "float32", 16, 128, 2, 5, 24),
+                   KernelShape(kernel, "bfloat16", 64, 128, 8, 7, 96)]
+    return shapes
+
+
+def compile_kernel(chip: str, shape: KernelShape) -> Compiled:
+    fn, args, donate = shape.call()
+    return compile_for(tpu_device(chip), chip, f"{shape.kernel}_paged_attention_tpu", str(shape),
+                       jax.jit(fn, donate_argnums=donate), args)
+
+
+# ------------------------------------------------------------------------------------------------ engine step
+
+def smollm2_config():
+    """SmolLM2-135M-Instruct's shapes (the embedded default model), without reading its file."""
+    from transformers import LlamaConfig
+
+    from jaxpage.config import ModelConfig
+
+    return ModelConfig.from_hf(LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True))
+
+
+def llama3_8b_config():
+    from transformers import LlamaConfig
+
+    from jaxpage.config import ModelConfig
+
+    return ModelConfig.from_hf(LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0))
+
+
+MODELS = {"smollm2-135m": smollm2_config, "llama-3-8b": llama3_8b_config}
+
+
+def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 2048, **options):
+    """The engine's defaults (block 16, 64 sequences, 512 batched tokens, bfloat16) for ``model``'s shapes."""
+    from jaxpage.config import build_engine_config
+
+    kw = dict(dtype="bfloat16", block_size=16, kv_cache_memory=None, num_kv_blocks=num_kv_blocks,
+              max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096, gpu_memory_utilization=0.9,
+              attention_backend=backend)
+    return build_engine_config(MODELS[model](), **{**kw, **options})
+
+
+def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:
+    """The whole jitted engine step of one bucket (the runner's own function and inputs), pool donated."""
+    from jaxpage.kv_cache import kv_pool_shape
+    from jaxpage.model import abstract_params
+    from jaxpage.model_runner import abstract_step_inputs, jit_step
+
+    config = config or engine_config(model)
+    params = abstract_params(config.model, config.dtype)
+    pool = jax.ShapeDtypeStruct(kv_pool_shape(config.model, config.num_kv_blocks, config.block_size),
+                                jnp.dtype(config.dtype))
+    batch, sampling = abstract_step_inputs(config, num_tokens)
+    shape = f"{config.attention_backend} T{num_tokens} pool {pool_gib(config):.2f} GiB"
+    return compile_for(tpu_device(chip), chip, f"step {model}", shape, jit_step(config, tpu_device(chip)),
+                       (params, pool, batch, sampling))
+
+
+def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
+    """The runner's copy-on-write copy and swap gather/scatter of whole blocks, on the pool in its format."""
+    from jaxpage.kv_cache import kv_pool_shape
+    from jaxpage.model_runner import BlockMoves
+
+    config = config or engine_config(model)
+    moves = BlockMoves.jit(tpu_device(chip))
+    pool = jax.ShapeDtypeStruct(kv_pool_shape(config.model, config.num_kv_blocks, config.block_size),
+                                jnp.dtype(config.dtype))
+    ids = jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32)
+    data = jax.ShapeDtypeStruct(kv_pool_shape(config.model, config.max_num_seqs, config.block_size), pool.dtype)
+    return [compile_for(tpu_device(chip), chip, f"{name} {model}", f"{config.max_num_seqs} blocks", fn, args)
+            for name, fn, args in (("copy blocks", moves.copy, (pool, ids, ids)),
+                                   ("swap-out gather", moves.gather, (pool, ids)),
+                                   ("swap-in scatter", moves.scatter, (pool, ids, data)))]
+
+
+def pool_gib(config) -> float:
+    from jaxpage.kv_cache import bytes_per_block
+
+    return bytes_per_block(config.model, config.block_size, config.dtype, lanes=128) * config.num_kv_blocks / 2**30
+
+
+# ---------------------------------------------------------------------------------------------------- the table
+
+# Llama-3-8B in bfloat16 (16 GB of weights) does not fit a 16 GiB v5e chip: its row there is the compiler's
+# out-of-memory message, which is the point (that model needs the scale-out issue's tensor parallelism).
+STEP_TARGETS = {"smollm2-135m": ("v5e", "v6e", "v5p"), "llama-3-8b": ("v5e", "v6e", "v5p")}
+
+
+def run(chips: list[str], quick: bool) -> list[Compiled]:
+    results = []
+    for chip in chips:
+        for shape in kernel_shapes(quick):
+            results.append(_report(compile_kernel(chip, shape)))
+    for model, model_chips in STEP_TARGETS.items():
+        config = engine_config(model)
+        buckets = config.token_buckets()
+        for chip in (c for c in chips if c in model_chips):
+            for num_tokens in ([buckets[0], buckets[-1]] if quick else buckets):
+                results.append(_report(compile_step(chip, model, num_tokens, config)))
+            results += [_report(r) for r in compile_block_moves(chip, model, config)]
+    return results
+
+
+def _report(r: Compiled) -> Compiled:
+    memory = (f"args {r.memory['argument'] / 2**30:.2f} GiB, temp {r.memory['temp'] / 2**20:.0f} MiB"
+              if r.ok else r.error)
+    print(f"| {r.target} | {r.name} | {r.shape} | {'compiled' if r.ok else 'FAILED'} | {r.seconds:.1f} s | {memory} |",
+          flush=True)
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chips", nargs="+", default=list(TPU_CHIPS), choices=list(TPU_CHIPS))
+    parser.add_argument("--quick", action="store_true", help="a few kernel shapes, first and last bucket only")
+    parser.add_argument("--json", help="write every result here")
+    args = parser.parse_args()
+    print("| chip | kernel / step | shape | result | compile | memory per chip (arguments incl. weights and "
+          "pool; temporaries) |\n| --- | --- | --- | --- | --- | --- |")
+    results = run(args.chips, args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"} for r in results], f, indent=1)
+    failed = sum(not r.ok for r in results if not r.error.startswith("RESOURCE_EXHAUSTED"))
+    print(f"{len(results)} compiles, {failed} failed (out-of-memory rows not counted)")
+
+
+if __name__ == "__main__":
+    main()

