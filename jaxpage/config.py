@@ -193,6 +193,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
         _require(block_size % tile_rows(dtype) == 0, "block_size", block_size,
                  f"must be a multiple of {tile_rows(dtype)} for a {dtype} KV cache on TPU (its K/V write moves "
                  f"whole ({tile_rows(dtype)}, 128) tiles of a page)")
+        _require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
+                 "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
     _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
     _require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
              f"must be >= max_num_seqs={max_num_seqs}")

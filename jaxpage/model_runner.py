@@ -11,7 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import EngineConfig, pick_bucket
-from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, jit_on_pool, kv_pool_shape
+from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.model import TokenBatch, compute_logits, forward_hidden, unstack_layers
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
@@ -35,10 +35,6 @@ def jit_step(config: EngineConfig, device=None):
     return jit_on_pool(functools.partial(step, config), 4, 1, "pair", device)
 
 
-def _copy_blocks(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    return pool.at[:, dst].set(pool[:, src])
-
-
 def _gather_blocks(pool: jax.Array, blocks: jax.Array) -> jax.Array:
     return pool[:, blocks]
 
@@ -58,7 +54,7 @@ class BlockMoves:
 
     @classmethod
     def jit(cls, device=None) -> "BlockMoves":
-        return cls(jit_on_pool(_copy_blocks, 3, 0, "pool", device), jit_on_pool(_gather_blocks, 2, 0, "result", device),
+        return cls(jit_on_pool(copy_blocks, 3, 0, "pool", device), jit_on_pool(_gather_blocks, 2, 0, "result", device),
                    jit_on_pool(_scatter_blocks, 3, 0, "pool", device))
 
 

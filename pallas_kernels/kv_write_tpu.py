@@ -1,11 +1,12 @@
 """The K/V write for TPU: each new token's K and V into its slot of the pool, in place, by DMA.
 
 XLA:TPU cannot scatter into the pool in its own layout: it relayouts the whole pool around every scatter (two
-full copies per layer per step, and a pool-sized temporary). Mosaic cannot DMA a single token's row either: a
-page's ``[block_size, head_dim]`` tiles are (8, 128)-tiled in HBM, and a token's offset is not a multiple of the
-tile's rows. So this kernel reads the tile of rows around the token (an aligned ``[2, KVH, rows, D]`` group),
-selects the token's row in, and writes the group back: one read and one write of a few KiB per token, with the
-tokens in order (grid axis ``arbitrary``), so tokens sharing a tile see each other's rows.
+full copies per layer per step, and a pool-sized temporary). Mosaic rejects a DMA of a single token's row of a
+16-bit pool ("Offsets along tiled dimensions must be aligned to tiles": a page's ``[block_size, head_dim]`` is
+tiled in HBM, rows packed in pairs, and a token's offset is not a multiple of the tile). So this kernel reads
+the aligned tile of rows around the token (``[2, KVH, rows, D]``), selects the token's row in, and writes the
+tile back: one read and one write of a few KiB per token, the tokens in order (grid axis ``arbitrary``), so
+tokens sharing a tile see each other's rows.
 """
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference, paged_decode_attention_tpu,
-                            ragged_paged_attention_gpu, ragged_paged_attention_reference, ragged_paged_attention_tpu)
+                            ragged_paged_attention_gpu, ragged_paged_attention_reference, ragged_paged_attention_tpu,
+                            write_kv_tpu)
+from pallas_kernels.reference import write_kv
 
 _InterpretParams = getattr(pltpu, "InterpretParams", None) or pltpu.TPUInterpretParams
 SIM = _InterpretParams()  # the TPU simulator: checks DMAs, semaphores and out-of-bounds reads
@@ -421,3 +423,27 @@ def test_bad_arguments_are_refused_at_the_call():
             kernel(*args[:7], args[7][:-1], args[8], scale=0.125)
         with pytest.raises(ValueError, match="k must be"):
             kernel(args[0], args[1][:, :1], *args[2:], scale=0.125)
+
+
+@pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("bfloat16", 16), ("bfloat16", 32)])
+@pytest.mark.parametrize("interpret", [True, SIM], ids=["interpret", "tpu_simulator"])
+def test_tpu_kv_write_matches_reference(dtype, block_size, interpret):
+    """Random slots, many sharing a tile of rows (runs of a prompt chunk) and some the same slot (padding):
+    every slot of the pool ends as the reference's scatter leaves it, NaN-poisoned rows around included."""
+    rng, msg = fresh_rng()
+    num_blocks, kv_heads, head_dim = 6, 2, 64
+    pool = np.where(rng.random((NUM_LAYERS, num_blocks, 2, kv_heads, block_size, head_dim)) < 0.1, np.nan,
+                    rng.standard_normal((NUM_LAYERS, num_blocks, 2, kv_heads, block_size, head_dim)))
+    run = 1 + block_size + int(rng.integers(1, block_size))  # a chunk crossing a page
+    start = int(rng.integers(block_size, 2 * block_size))
+    others = np.setdiff1d(np.arange(1, num_blocks * block_size), np.arange(start, start + run))
+    slots = np.concatenate([np.arange(start, start + run), rng.choice(others, 5, replace=False),
+                            np.zeros(4, int)]).astype(np.int32)  # then scattered decodes, then padding in slot 0
+    k, v = (rng.standard_normal((len(slots), kv_heads, head_dim)) for _ in range(2))
+    k[-4:] = v[-4:] = 1.0  # padding tokens write equal rows, so the scatter's "some one wins" is determined
+    args = tuple(jnp.asarray(x, dtype) for x in (pool, k, v))
+    args = (args[0], jnp.int32(LAYER), args[1], args[2], jnp.asarray(slots))
+    ours = run_jitted(functools.partial(write_kv_tpu, interpret=interpret), *args)
+    ref = run_jitted(write_kv, *args)
+    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)),
+                                  err_msg=f"slots={slots.tolist()}; {msg}")

@@ -106,3 +106,14 @@ def test_second_load_restores_converted_weights_instead_of_converting(tmp_path, 
     for loaded in (first, second):
         np.testing.assert_array_equal(loaded.params["layers"]["wq"], expected["layers"]["wq"])
         np.testing.assert_array_equal(loaded.params["lm_head"], expected["lm_head"])
+
+
+def test_shapes_the_tpu_kernels_cannot_take_are_refused_at_start_up():
+    """bfloat16 pages move in (16, 128) tiles; token blocks of 8 (what the compile lane compiles)."""
+    model = _smollm2_shape()
+    with pytest.raises(ValueError, match="block_size=8 must be a multiple of 16 for a bfloat16 KV cache on TPU"):
+        _engine(model, num_kv_blocks=1100, attention_backend="pallas_tpu", dtype="bfloat16", block_size=8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=100 must be a multiple of 8 on TPU"):
+        _engine(model, num_kv_blocks=600, attention_backend="pallas_tpu", max_num_batched_tokens=100)
+    assert _engine(model, num_kv_blocks=1100, attention_backend="pallas_tpu", dtype="float32", block_size=8)
+    assert _engine(model, num_kv_blocks=1100, attention_backend="xla", dtype="bfloat16", block_size=8)  # on a CPU
