@@ -4,13 +4,15 @@ XLA:TPU cannot scatter into the pool in its own layout: it relayouts the whole p
 full copies per layer per step, and a pool-sized temporary). Mosaic rejects a DMA of a single token's row of a
 16-bit pool ("Offsets along tiled dimensions must be aligned to tiles": a page's ``[block_size, head_dim]`` is
 tiled in HBM, rows packed in pairs, and a token's offset is not a multiple of the tile). So this kernel reads
-the aligned tile of rows around the token (``[2, KVH, rows, D]``), selects the token's row in, and writes the
-tile back: one read and one write of a few KiB per token, the tokens in order (grid axis ``arbitrary``), so
-tokens sharing a tile see each other's rows.
+the aligned tile of rows around each token (``[2, KVH, rows, D]``), selects the token's row in, and writes the
+tile back: one read and one write of a few KiB per token. A grid step takes a block of tokens with all their
+reads (then writes) in flight together; every buffer gets the rows of all the block's tokens that fall in its
+tile, so tokens sharing a tile write the same rows; steps run in order (grid axis ``arbitrary``).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,47 +28,63 @@ def tile_rows(dtype) -> int:
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def _write_kernel(layer_ref, slot_ref, kv_ref, _pool_in, pool_hbm, buf, sem, *, block_size):
-    token = pl.program_id(0)
-    rows = buf.shape[2]
-    slot = slot_ref[token]
-    block, offset = slot // block_size, slot % block_size
-    first = pl.multiple_of(offset // rows * rows, rows)
-    tile = pool_hbm.at[layer_ref[0], block, :, :, pl.ds(first, rows)]  # [2, KVH, rows, D]
-    read = pltpu.make_async_copy(tile, buf, sem)
-    read.start()
-    read.wait()
-    mine = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) == offset - first
-    for kv in range(2):
-        for h in range(buf.shape[1]):
-            buf[kv, h] = jnp.where(mine, kv_ref[kv, h][None, :], buf[kv, h])
-    write = pltpu.make_async_copy(buf, tile, sem)
-    write.start()
-    write.wait()
+def _write_kernel(layer_ref, slot_ref, kv_ref, _pool_in, pool_hbm, buf, sems, *, block_size):
+    tokens, _, kv_heads, rows, _ = buf.shape
+    first_token, layer = pl.program_id(0) * tokens, layer_ref[0]
+
+    def tile(i):  # the aligned rows of token i's page around its slot, in HBM
+        slot = slot_ref[first_token + i]
+        first = pl.multiple_of(slot % block_size // rows * rows, rows)
+        return pool_hbm.at[layer, slot // block_size, :, :, pl.ds(first, rows)]
+
+    reads = [pltpu.make_async_copy(tile(i), buf.at[i], sems.at[i]) for i in range(tokens)]
+    for copy in reads:
+        copy.start()
+    for copy in reads:
+        copy.wait()
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+
+    def put(j, _):  # token j's row into every buffer holding its tile, in token order (the last of a slot wins)
+        slot = slot_ref[first_token + j]
+        for i in range(tokens):
+            mine = jnp.logical_and(row == slot % rows, slot // rows == slot_ref[first_token + i] // rows)
+            for kv in range(2):
+                for h in range(kv_heads):
+                    buf[i, kv, h] = jnp.where(mine, kv_ref[j, kv, h][None, :], buf[i, kv, h])
+
+    jax.lax.fori_loop(0, tokens, put, None)
+    writes = [pltpu.make_async_copy(buf.at[i], tile(i), sems.at[i]) for i in range(tokens)]
+    for copy in writes:  # tokens sharing a tile write the same rows
+        copy.start()
+    for copy in writes:
+        copy.wait()
 
 
 def write_kv_tpu(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-                 interpret=False) -> jax.Array:
+                 interpret=False, tokens_per_block: int = 8) -> jax.Array:
     """Same result as reference.write_kv (tokens sharing a slot: the last one wins); the pool is aliased to
     the output, so under ``jit`` with the pool donated it is updated in place.
 
     pool: [L, N, 2, KVH, block_size, D]; k, v: [T, KVH, D] in the pool's dtype; slot_mapping: int32 [T].
-    block_size must be a multiple of ``tile_rows(pool.dtype)`` (16 for bfloat16)."""
+    block_size must be a multiple of ``tile_rows(pool.dtype)`` (16 for bfloat16). tokens_per_block (reduced to
+    gcd(T, it)): tokens per grid step, whose tile reads (and writes) are in flight together."""
     _, _, _, kv_heads, block_size, head_dim = check_pool(pool, layer)
     rows = tile_rows(pool.dtype)
     if block_size % rows:
         raise ValueError(f"block_size={block_size} must be a multiple of {rows} for a {pool.dtype} pool on TPU")
     num_tokens = k.shape[0]
+    tokens = math.gcd(num_tokens, tokens_per_block)
     kv = jnp.stack([k, v], axis=1).astype(pool.dtype)  # [T, 2, KVH, D]
     return pl.pallas_call(
         functools.partial(_write_kernel, block_size=block_size),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(num_tokens,),
-            in_specs=[pl.BlockSpec((None, 2, kv_heads, head_dim), lambda t, *_: (t, 0, 0, 0)),
+            grid=(num_tokens // tokens,),
+            in_specs=[pl.BlockSpec((tokens, 2, kv_heads, head_dim), lambda t, *_: (t, 0, 0, 0)),
                       pl.BlockSpec(memory_space=ANY)],
             out_specs=pl.BlockSpec(memory_space=ANY),
-            scratch_shapes=[pltpu.VMEM((2, kv_heads, rows, head_dim), pool.dtype), pltpu.SemaphoreType.DMA(())],
+            scratch_shapes=[pltpu.VMEM((tokens, 2, kv_heads, rows, head_dim), pool.dtype),
+                            pltpu.SemaphoreType.DMA((tokens,))],
         ),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         input_output_aliases={3: 0},
