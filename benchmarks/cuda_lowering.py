@@ -1,20 +1,26 @@
 """Lowers every GPU kernel and the whole engine step (attention_backend="pallas_gpu") for CUDA, on this CPU.
 
-    python -m benchmarks.cuda_lowering            # the table: kernel or step, shape, target, OK or the error, time
+    python -m benchmarks.cuda_lowering [--no-compile]   # the table: kernel or step, shape, target, result, time
 
 ``jax.export`` with ``platforms=["cuda"]`` runs the Pallas Triton lowering (Pallas -> Triton IR, carried in the
 ``__gpu$xla.gpu.triton`` custom call, whose export safety check is disabled): a kernel that does not lower fails
-here, without a GPU. What is not checked here is Triton's own compilation of that IR to PTX (see
-pallas_kernels/GPU_PATH.md). JAX >= 0.11 lowers for the abstract GPU named by ``cuda_target`` (A100: sm80,
-H100: sm90); JAX 0.10 ignores it and lowers for sm90, its fallback without a GPU.
+here, without a GPU. With pip ``triton`` installed (the ``cuda-compile`` extra), each kernel's IR then goes
+through Triton's own compiler down to a cubin (ptxas) for sm80 and sm90, and its shared memory is checked
+against the GPU's limit. That compiler is pip Triton's, not the one inside XLA's CUDA build (a close version,
+not the same). JAX >= 0.11 lowers for the abstract GPU named by ``cuda_target`` (A100: sm80, H100: sm90);
+JAX 0.10 ignores it and lowers for sm90, its fallback without a GPU.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
 import importlib.util
+import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -68,6 +74,52 @@ def lower_for_cuda(case: LoweringCase, target: str = "sm90") -> str:
         exported = export.export(jax.jit(case.fn), platforms=["cuda"],
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*case.args)
     return exported.mlir_module()
+
+
+# --- Triton's own compiler, from the IR to a cubin (pip triton: a CPU-only compiler with ptxas inside) ------
+SHARED_MEMORY_BYTES = {"sm80": 166912, "sm90": 232448}  # the most shared memory a block may use: A100, H100
+TRITON_OPTIONS = {"num_warps": 4, "num_stages": 2}  # the kernels' defaults
+
+
+@contextlib.contextmanager
+def capture_triton_ir():
+    """Collects the Triton IR (text) of every kernel lowered inside; it goes through a private module of JAX's
+    Pallas Triton lowering, the one way to the IR before it is serialised into the custom call."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    modules: list[str] = []
+
+    def spy(*args, **kw):
+        result = lower(*args, **kw)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        yield modules
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+
+
+def compile_triton_ir(ttir: str, target: str) -> dict:
+    """Triton IR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for ``target``, on the CPU; the cubin's shared memory."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set; 1 is its default
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ttir"
+        path.write_text(ttir)
+        kernel = triton.compile(str(path), target=GPUTarget("cuda", int(target[2:]), 32), options=TRITON_OPTIONS)
+    return {"cubin_bytes": len(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared}
+
+
+def compile_for_cuda(case: LoweringCase, target: str) -> list[dict]:
+    """Lowers the case and compiles each of its Triton kernels to a cubin for ``target``."""
+    with capture_triton_ir() as modules:
+        lower_for_cuda(case, target)
+    return [compile_triton_ir(ttir, target) for ttir in modules]
 
 
 # --- the cases --------------------------------------------------------------------------------------------
@@ -125,36 +177,53 @@ def step_cases(buckets=None) -> list[LoweringCase]:
     return cases
 
 
-def run_case(case: LoweringCase, target: str) -> dict:
-    """One lowering: ok, seconds, Triton calls in the module, or the error."""
+def run_case(case: LoweringCase, target: str, compile_ir: bool = False) -> dict:
+    """One lowering (and, with compile_ir, Triton's compilation of its kernels): ok, seconds, Triton calls in
+    the module and the kernels' shared memory, or the error."""
     started = time.perf_counter()
     try:
-        text = lower_for_cuda(case, target)
+        with capture_triton_ir() as modules:
+            text = lower_for_cuda(case, target)
+        row = {"ok": True, "triton_calls": text.count(f"@{TRITON_CALL}")}
+        if compile_ir:
+            row["shared_bytes"] = max(compile_triton_ir(ttir, target)["shared_bytes"] for ttir in modules)
+            row["ok"] = row["shared_bytes"] <= SHARED_MEMORY_BYTES[target]
+            row["error"] = None if row["ok"] else f"needs {row['shared_bytes']} bytes of shared memory"
     except Exception as e:  # noqa: BLE001 (the table reports any failure)
-        return {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                "seconds": time.perf_counter() - started}
-    return {"ok": True, "triton_calls": text.count(f"@{TRITON_CALL}"), "seconds": time.perf_counter() - started}
+        row = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return {**row, "seconds": time.perf_counter() - started}
 
 
-def table(targets=None) -> list[dict]:
+def table(targets=None, compile_ir: bool = False) -> list[dict]:
     """Every case for every target; the rows main() prints (and the lead's compile_targets can print)."""
     targets = targets or (list(TARGETS) if TARGET_HONOURED else ["sm90"])
     rows = []
     for case in kernel_cases() + step_cases():
         for target in targets:
-            rows.append({"what": case.what, "shape": case.shape, "target": target, **run_case(case, target)})
+            rows.append({"what": case.what, "shape": case.shape, "target": target,
+                         **run_case(case, target, compile_ir)})
     return rows
 
 
-def main() -> int:
-    print(f"JAX {jax.__version__}: CUDA lowering (Triton IR{'' if TARGET_HONOURED else ', sm90 fallback'})")
-    print(f"{'what':<28} {'shape':<40} {'target':<6} {'result':<16} {'seconds':>7}")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        default=importlib.util.find_spec("triton") is not None,
+                        help="also compile each kernel to a cubin with pip triton (default: when installed)")
+    args = parser.parse_args(argv)
+    what = "Triton IR" + (" -> cubin (pip triton)" if args.compile else "")
+    print(f"JAX {jax.__version__}: CUDA lowering, {what}{'' if TARGET_HONOURED else ', IR for sm90 (fallback)'}")
+    print(f"{'what':<28} {'shape':<40} {'target':<6} {'result':<28} {'seconds':>7}")
     failed = 0
-    for row in table():
-        result = f"OK ({row['triton_calls']} Triton)" if row["ok"] else row["error"]
+    for row in table(compile_ir=args.compile):
+        if row["ok"]:
+            shared = f", {row['shared_bytes'] / 1024:.0f} KiB smem" if "shared_bytes" in row else ""
+            result = f"OK ({row['triton_calls']} Triton{shared})"
+        else:
+            result = row["error"]
         failed += not row["ok"]
-        print(f"{row['what']:<28} {row['shape']:<40} {row['target']:<6} {result:<16} {row['seconds']:>7.2f}")
-    print("all lowered" if not failed else f"{failed} FAILED")
+        print(f"{row['what']:<28} {row['shape']:<40} {row['target']:<6} {result:<28} {row['seconds']:>7.2f}")
+    print("all lowered" + (" and compiled" if args.compile else "") if not failed else f"{failed} FAILED")
     return 1 if failed else 0
 
 

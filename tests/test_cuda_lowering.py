@@ -3,10 +3,13 @@ with attention_backend="pallas_gpu" lower for CUDA here, on the CPU (jax.export,
 that no longer lowers fails this file. See benchmarks/cuda_lowering.py."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +18,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu_decode import triton_params
 
-from benchmarks.cuda_lowering import (TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase, kernel_cases,
-                                      lower_for_cuda, run_case, step_cases)
+from benchmarks.cuda_lowering import (SHARED_MEMORY_BYTES, TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase,
+                                      compile_for_cuda, kernel_cases, lower_for_cuda, run_case, step_cases)
 
 KERNELS = kernel_cases()
 STEPS = step_cases()
@@ -65,3 +68,33 @@ def test_the_triton_deprecation_is_not_shown_to_users():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Triton backend is deprecated" not in proc.stderr
+
+
+# --- Triton's compiler down to a cubin, with pip triton (the cuda-compile extra); both targets whatever the JAX
+COMPILED = [c for c in KERNELS if c.shape in ("bs16 d64 kvh3 g3 bfloat16 n48", "bs16 d128 kvh8 g4 bfloat16 n48")]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="pip triton (extra cuda-compile) compiles the Triton IR to a cubin")
+
+
+@needs_triton
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("case", COMPILED, ids=lambda c: f"{c.what}-{c.shape.replace(' ', '-')}")
+def test_kernel_compiles_to_a_cubin(case, target):
+    """SmolLM2's and Llama-3-8B's heads in bfloat16: IR -> PTX -> cubin, within the GPU's shared memory."""
+    [kernel] = compile_for_cuda(case, target)
+    assert kernel["cubin_bytes"] > 0
+    assert 0 < kernel["shared_bytes"] <= SHARED_MEMORY_BYTES[target]
+
+
+@needs_triton
+def test_a_kernel_too_big_for_shared_memory_fails_the_lane():
+    """512 keys of K and V per step (32 pages of 16) in bfloat16, double-buffered, do not fit an H100's block."""
+    from pallas_kernels import paged_decode_attention_gpu
+
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    fn = functools.partial(paged_decode_attention_gpu, scale=0.1, pages_per_compute_block=32)
+    case = LoweringCase("decode", "512 keys a step", fn, (bf16(8, 32, 128), bf16(1, 1024, 2, 8, 16, 128), i32(),
+                                                          i32(8, 64), i32(8)))
+    row = run_case(case, "sm90", compile_ir=True)
+    assert not row["ok"] and row["shared_bytes"] > SHARED_MEMORY_BYTES["sm90"], row
