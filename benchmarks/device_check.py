@@ -18,6 +18,7 @@ Each section has a time budget; what does not fit is recorded as skipped, never 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -39,11 +40,14 @@ from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_re
 FULL = dict(heads=((32, 8, 128, 16, "bfloat16"), (9, 3, 64, 16, "float32")), model=random_model.LLAMA3_8B,
             dtype="bfloat16", streams=(1, 32, 256), prompt=128, output=128, max_num_batched_tokens=256,
             chunks=[(0, 45), (19, 41), (300, 100)], decodes=[(1000, 1), (15, 1), (0, 1), (2047, 1)],
-            kernel_bench=["--budget-s", "150", "--no-check"], engine_budget_s=330.0)
+            kernel_bench=["--budget-s", "150", "--no-check"], engine_budget_s=330.0,
+            prefill=[(1024, 512), (0, 512), (2000, 300), (64, 700)], prefill_calls=20,
+            prefill_rows=(16, 64, 128))
 SMOKE = dict(heads=((8, 2, 64, 16, "float32"),), model=random_model.TINY, dtype="float32", streams=(1, 4),
              prompt=8, output=4, max_num_batched_tokens=8, chunks=[(0, 20), (5, 17)], decodes=[(40, 1), (0, 1)],
              kernel_bench=["--smoke", "--batches", "1", "--contexts", "64", "--samples", "1", "--calls", "1",
-                           "--no-check"], engine_budget_s=120.0)
+                           "--no-check"], engine_budget_s=120.0,
+             prefill=[(16, 20), (0, 12)], prefill_calls=1, prefill_rows=(64,))
 
 
 # --- 1. self-checks ---------------------------------------------------------------------------------------
@@ -87,6 +91,36 @@ def self_checks(setup: dict, interpret: bool) -> dict:
 
 def checks_ok(checks: dict) -> bool:
     return all(c["ok"] if "ok" in c else checks_ok(c) for c in checks.values())
+
+
+# --- 2b. the prefill path: query blocks against one query per program's worth of sharing, and the XLA path --
+def prefill_bench(setup: dict, interpret: bool) -> dict:
+    """Microseconds per call of the ragged kernel on a batch of prompt chunks (behind existing context) at a
+    few query-block sizes (``prefill_rows``: tokens x G rows per program; 16 is about what one token per
+    program had before query blocks), and of the XLA path (write_kv + paged_attention_xla); the pool donated
+    and threaded through the calls, as in the engine."""
+    from jaxpage.attention import write_and_attend
+
+    heads, kv_heads, head_dim, block_size, dtype = setup["heads"][0]
+    args = ragged_inputs(np.random.default_rng(1), heads, kv_heads, head_dim, block_size, jnp.dtype(dtype),
+                         setup["prefill"])
+    scale = head_dim ** -0.5
+    group = heads // kv_heads
+    methods = {f"pallas_q{q}": functools.partial(ragged_paged_attention_gpu, scale=scale, interpret=interpret,
+                                                 queries_per_block=q)
+               for q in sorted({max(1, rows // group) for rows in setup["prefill_rows"]})}
+    methods["xla_engine"] = lambda *a: write_and_attend("xla", *a, scale=scale)
+    result = {"heads": setup["heads"][0], "chunks": setup["prefill"], "tokens": int(args[0].shape[0])}
+    for name, fn in methods.items():
+        call = jax.jit(lambda pool, *a, fn=fn: fn(*a[:3], pool, *a[3:]), donate_argnums=(0,))
+        pool = jnp.copy(args[3])
+        pool = call(pool, *args[:3], *args[4:])[1]  # compile
+        started = time.perf_counter()
+        for _ in range(setup["prefill_calls"]):
+            out, pool = call(pool, *args[:3], *args[4:])
+        jax.block_until_ready(out)
+        result[name + "_us"] = (time.perf_counter() - started) / setup["prefill_calls"] * 1e6
+    return result
 
 
 # --- 3. the engine ----------------------------------------------------------------------------------------
@@ -140,6 +174,11 @@ def markdown(result: dict) -> str:
             cells = [f"{m[k]['gbps']:.0f} ({100 * m[k]['frac_of_copy']:.0f}%)" if "gbps" in m.get(k, {}) else "error"
                      for k in ("pallas_ours", "pallas_jax", "xla_engine")]
             lines.append(f"| {batch} | {context} | " + " | ".join(cells) + " |")
+    prefill = result.get("prefill")
+    if prefill:
+        timed = {k[:-3]: v for k, v in prefill.items() if k.endswith("_us")}
+        lines += ["", f"Ragged kernel on {prefill['tokens']} prompt tokens (chunks {prefill['chunks']}), us per call: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in timed.items())]
     engine = result.get("engine")
     if engine:
         lines += ["", f"Engine, output tokens/s ({engine['dtype']}, {engine['model']['layers']} layers, "
@@ -184,6 +223,9 @@ def main(argv=None) -> int:
         return 1
     result["kernel_bench"] = kernel_bench.main(setup["kernel_bench"] + ["--json", str(out / "kernel_bench.json")])
     result["seconds"]["kernel_bench"] = result["kernel_bench"]["total_s"]
+    t = time.perf_counter()
+    result["prefill"] = prefill_bench(setup, interpret=args.smoke)
+    result["seconds"]["prefill"] = time.perf_counter() - t
     t = time.perf_counter()
     result["engine"] = engine_benchmark(setup, started, setup["engine_budget_s"])
     result["seconds"]["engine"] = time.perf_counter() - t

@@ -125,6 +125,7 @@ def test_device_check_smoke_writes_every_section(tmp_path):
     methods = {r["method"] for r in result["kernel_bench"]["results"] if r.get("gbps", 0) > 0}
     assert methods == {"pallas_ours", "pallas_jax", "xla_engine"}
     assert result["kernel_bench"]["copy_gbps"] > 0
+    assert result["prefill"]["pallas_q16_us"] > 0 and result["prefill"]["xla_engine_us"] > 0
     streams = result["engine"]["streams"]
     assert sorted(int(n) for n in streams) == [1, 4] and not result["engine"]["skipped"]
     for run in streams.values():
