@@ -129,14 +129,18 @@ def check(shape, dtype, interpret, block_size, key) -> dict:
     # JAX's kernel in our adaptation (layout, scale folded into q), on the rows with keys: information only
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
     k_pages, v_pages = to_jax_layout(pool)
-    out = jax_paged.paged_attention(q * jnp.asarray(scale, dtype), k_pages, v_pages, tables, lens,
-                                    k_splits=16, pages_per_compute_block=4, interpret=interpret)
+    try:
+        out = jax_paged.paged_attention(q * jnp.asarray(scale, dtype), k_pages, v_pages, tables, lens,
+                                        k_splits=16, pages_per_compute_block=4, interpret=interpret)
+    except Exception as e:  # noqa: BLE001 (its shape limits are not ours: say so, check ours anyway)
+        result["pallas_jax_adapted_max_abs_err"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return result
     err = jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))[1:].max()
     result["pallas_jax_adapted_max_abs_err"] = float(err)
     return result
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes with interpret=True (runs on CPU)")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
@@ -146,7 +150,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no configuration after this")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                        help="check our kernel against the reference first (device_check does its own)")
+    args = parser.parse_args(argv)
     started = time.perf_counter()
     device = jax.devices()[0]
     interpret = args.smoke or device.platform != "gpu"
@@ -168,8 +174,8 @@ def main() -> None:
               "machine": platform.machine(), "smoke": args.smoke, "dtype": "bfloat16",
               "shape": dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size),
               "samples": samples, "calls_per_sample": calls, "results": [], "skipped": []}
-    result["check"] = check(shape, dtype, interpret, block_size, key)
-    print(f"check against the reference: {result['check']}")
+    result["check"] = check(shape, dtype, interpret, block_size, key) if args.check else {}
+    print(f"check against the reference: {result['check'] or 'skipped'}")
     if not all(c["ok"] for c in result["check"].values() if isinstance(c, dict)):
         _write(args.json, result)
         sys.exit("FAILED: paged_decode_attention_gpu does not match the reference")
@@ -210,6 +216,7 @@ def main() -> None:
     result["total_s"] = time.perf_counter() - started
     print_table(result)
     _write(args.json, result)
+    return result
 
 
 def print_table(result) -> None:

@@ -110,3 +110,34 @@ def test_serving_quick_writes_a_plot(serving_quick):
     pytest.importorskip("matplotlib")
     _, png = serving_quick
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- benchmarks/device_check.py --smoke: the one-shot GPU check, tiny and interpreted, on the CPU -----------
+def test_device_check_smoke_writes_every_section(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "device_check.json").read_text())
+    checks = result["self_checks"]
+    assert {name.split()[0] for name in checks} == {"decode", "ragged"}
+    assert all(sub["ok"] for c in checks.values() for sub in ([c] if "ok" in c else c.values()))
+    methods = {r["method"] for r in result["kernel_bench"]["results"] if r.get("gbps", 0) > 0}
+    assert methods == {"pallas_ours", "pallas_jax", "xla_engine"}
+    assert result["kernel_bench"]["copy_gbps"] > 0
+    assert result["prefill"]["pallas_q16_us"] > 0 and result["prefill"]["xla_engine_us"] > 0
+    streams = result["engine"]["streams"]
+    assert sorted(int(n) for n in streams) == [1, 4] and not result["engine"]["skipped"]
+    for run in streams.values():
+        assert all(run[s]["output_tokens_per_s"] > 0 for s in SYSTEMS)
+    table = (tmp_path / "device_check.md").read_text()
+    assert "| streams | paged | static contiguous | slot contiguous |" in table and "| ragged" in table
+
+
+def test_device_check_fails_on_any_failed_self_check():
+    from benchmarks.device_check import checks_ok
+
+    good = {"decode x": {"auto_splits": {"ok": True}, "pages_per_split=4": {"ok": True}}, "ragged x": {"ok": True}}
+    assert checks_ok(good)
+    assert not checks_ok({**good, "ragged y": {"ok": False}})
+    assert not checks_ok({**good, "decode y": {"auto_splits": {"ok": True}, "pages_per_split=4": {"ok": False}}})

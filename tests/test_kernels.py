@@ -199,7 +199,8 @@ class RaggedCase:
     # "distinct": padding tokens belong to an all-null row and take null slots 0, 1, ...; "engine": as
     # jaxpage.model_runner.build_batch pads: token_seq 0 (the FIRST sequence's row), position 0, slot 0
     padding: str = "distinct"
-    mix: str = "mixed"  # "mixed": decodes then prompt chunks; "one": a single prompt chunk
+    mix: str = "mixed"  # "mixed": decodes then prompt chunks; "one": a single prompt chunk; "long": decodes
+    # then prompt chunks of 40+ tokens (several query blocks of the GPU kernel, not aligned to them)
     kw: tuple = ()  # extra keywords for the TPU kernel
     gpu: tuple = ()  # extra keywords for the GPU kernel
 
@@ -214,6 +215,11 @@ class RaggedCase:
         bs, max_len = self.block_size, self.width * self.block_size
         if self.mix == "one":  # with engine padding, the padding tokens continue this sequence's run
             return [(bs - 1, min(bs + 2, max_len - bs + 1))]
+        if self.mix == "long":
+            assert max_len >= 62, "long chunks need 62 positions"
+            decodes = [(max_len - 1, 1), (bs - 1, 1), (0, 1)]
+            chunks = [(0, 45), (bs + 3, 41), (5, 2), (max_len - 47, 47)]
+            return [decodes[i] for i in rng.permutation(len(decodes))] + chunks
         decodes = [(max_len - 1, 1), (bs - 1, 1), (bs, 1), (2 * bs - 2, 1), (0, 1)]
         chunks = [(0, bs + 1), (bs - 1, min(bs + 2, max_len - bs + 1)), (0, 3)]
         return [decodes[i] for i in rng.permutation(len(decodes))] + chunks
@@ -233,6 +239,15 @@ RAGGED_CASES = [
     RaggedCase("float32", 16, 4, 64, 2, 3, padding="engine", mix="one", kw=(("queries_per_block", 8),)),
     RaggedCase("bfloat16", 16, 8, 128, 1, 3, kw=(("queries_per_block", 8), ("pages_per_compute_block", 2)),
                gpu=(("pages_per_compute_block", 1), ("new_tokens_per_block", 8))),
+]
+
+
+# Long prompt chunks for the GPU kernel's query blocks (8, 16 and the default 64 rows' worth of tokens).
+LONG_RAGGED_CASES = [
+    RaggedCase("float32", 16, 4, 64, 2, 5, mix="long", gpu=(("queries_per_block", 8),)),
+    RaggedCase("bfloat16", 32, 3, 128, 1, 3, padding="engine", mix="long",
+               gpu=(("queries_per_block", 16), ("new_tokens_per_block", 8))),
+    RaggedCase("float32", 16, 1, 64, 1, 4, soft_cap=1.5, mix="long", gpu=(("pages_per_compute_block", 2),)),
 ]
 
 
@@ -297,7 +312,7 @@ def test_tpu_ragged_matches_reference(case):
     check_ragged(ragged_paged_attention_tpu, case, interpret=True)
 
 
-@pytest.mark.parametrize("case", RAGGED_CASES, ids=str)
+@pytest.mark.parametrize("case", RAGGED_CASES + LONG_RAGGED_CASES, ids=str)
 def test_gpu_ragged_matches_reference(case):
     check_ragged(ragged_paged_attention_gpu, case, interpret=True)
 

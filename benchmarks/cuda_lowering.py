@@ -1,0 +1,231 @@
+"""Lowers every GPU kernel and the whole engine step (attention_backend="pallas_gpu") for CUDA, on this CPU.
+
+    python -m benchmarks.cuda_lowering [--no-compile]   # the table: kernel or step, shape, target, result, time
+
+``jax.export`` with ``platforms=["cuda"]`` runs the Pallas Triton lowering (Pallas -> Triton IR, carried in the
+``__gpu$xla.gpu.triton`` custom call, whose export safety check is disabled): a kernel that does not lower fails
+here, without a GPU. With pip ``triton`` installed (the ``cuda-compile`` extra), each kernel's IR then goes
+through Triton's own compiler down to a cubin (ptxas) for sm80 and sm90, and its shared memory is checked
+against the GPU's limit. That compiler is pip Triton's, not the one inside XLA's CUDA build (a close version,
+not the same). JAX >= 0.11 lowers for the abstract GPU named by ``cuda_target`` (A100: sm80, H100: sm90);
+JAX 0.10 ignores it and lowers for sm90, its fallback without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import export
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+TARGETS = {"sm80": "NVIDIA A100", "sm90": "NVIDIA H100"}
+# JAX >= 0.11 reads the target GPU of a Triton lowering from the abstract mesh's device (module present there)
+TARGET_HONOURED = importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringCase:
+    what: str  # the kernel or "step"
+    shape: str
+    fn: Callable
+    args: tuple  # jax.ShapeDtypeStruct pytrees
+
+
+@contextlib.contextmanager
+def cuda_target(target: str):
+    """Lower Triton kernels for ``target`` ("sm80" or "sm90") without a GPU."""
+    device = jax.sharding.AbstractDevice(device_kind=TARGETS[target], num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        yield
+
+
+def _compiled(kernel, *args, interpret=False, **kw):
+    del interpret
+    return kernel(*args, **kw)
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+    """The engine's GPU kernel compiled, not interpreted: jaxpage.attention picks the interpreter whenever the
+    default backend is the CPU, whatever the export's target platform."""
+    import pallas_kernels
+
+    original = pallas_kernels.ragged_paged_attention_gpu
+    pallas_kernels.ragged_paged_attention_gpu = functools.partial(_compiled, original)
+    try:
+        yield
+    finally:
+        pallas_kernels.ragged_paged_attention_gpu = original
+
+
+def lower_for_cuda(case: LoweringCase, target: str = "sm90") -> str:
+    """The exported module's text (StableHLO with the Triton custom calls)."""
+    with cuda_target(target), compiled_kernels():
+        exported = export.export(jax.jit(case.fn), platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*case.args)
+    return exported.mlir_module()
+
+
+# --- Triton's own compiler, from the IR to a cubin (pip triton: a CPU-only compiler with ptxas inside) ------
+SHARED_MEMORY_BYTES = {"sm80": 166912, "sm90": 232448}  # the most shared memory a block may use: A100, H100
+TRITON_OPTIONS = {"num_warps": 4, "num_stages": 2}  # the kernels' defaults
+
+
+@contextlib.contextmanager
+def capture_triton_ir():
+    """Collects the Triton IR (text) of every kernel lowered inside; it goes through a private module of JAX's
+    Pallas Triton lowering, the one way to the IR before it is serialised into the custom call."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    modules: list[str] = []
+
+    def spy(*args, **kw):
+        result = lower(*args, **kw)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        yield modules
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+
+
+def compile_triton_ir(ttir: str, target: str) -> dict:
+    """Triton IR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for ``target``, on the CPU; the cubin's shared memory."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set; 1 is its default
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ttir"
+        path.write_text(ttir)
+        kernel = triton.compile(str(path), target=GPUTarget("cuda", int(target[2:]), 32), options=TRITON_OPTIONS)
+    return {"cubin_bytes": len(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared}
+
+
+def compile_for_cuda(case: LoweringCase, target: str) -> list[dict]:
+    """Lowers the case and compiles each of its Triton kernels to a cubin for ``target``."""
+    with capture_triton_ir() as modules:
+        lower_for_cuda(case, target)
+    return [compile_triton_ir(ttir, target) for ttir in modules]
+
+
+# --- the cases --------------------------------------------------------------------------------------------
+# (block_size, head_dim, kv_heads, query heads per KV head, dtype): SmolLM2's and Llama-3-8B's heads, and more
+KERNEL_SHAPES = [(16, 64, 3, 3, "bfloat16"), (16, 128, 8, 4, "bfloat16"), (32, 128, 8, 4, "float32"),
+                 (64, 128, 8, 8, "bfloat16"), (32, 64, 2, 1, "float32"), (64, 64, 4, 2, "float32"),
+                 (16, 128, 4, 16, "bfloat16")]
+TOKEN_COUNTS = (8, 48, 512)  # ragged: tokens in the step; decode: sequences
+NUM_BLOCKS, WIDTH = 1024, 64  # pool blocks and block-table width (64 pages: 1k-4k tokens of context)
+
+
+def kernel_cases() -> list[LoweringCase]:
+    from pallas_kernels import paged_decode_attention_gpu, ragged_paged_attention_gpu
+
+    cases = []
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    for bs, hd, kvh, ratio, dtype in KERNEL_SHAPES:
+        arr = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731,B023
+        pool = arr(2, NUM_BLOCKS, 2, kvh, bs, hd)
+        for n in TOKEN_COUNTS:
+            shape = f"bs{bs} d{hd} kvh{kvh} g{ratio} {dtype} n{n}"
+            decode = functools.partial(paged_decode_attention_gpu, scale=hd ** -0.5)
+            cases.append(LoweringCase("paged_decode_attention_gpu", shape, decode,
+                                      (arr(n, kvh * ratio, hd), pool, i32(), i32(n, WIDTH), i32(n))))
+            ragged = functools.partial(ragged_paged_attention_gpu, scale=hd ** -0.5)
+            seqs = min(n, 256)
+            cases.append(LoweringCase("ragged_paged_attention_gpu", shape, ragged,
+                                      (arr(n, kvh * ratio, hd), arr(n, kvh, hd), arr(n, kvh, hd), pool, i32(),
+                                       i32(n), i32(n), i32(n), i32(seqs, WIDTH))))
+    return cases
+
+
+def step_cases(buckets=None) -> list[LoweringCase]:
+    """The jitted engine step of SmolLM2-135M (bfloat16 and float32) and Llama-3-8B (bfloat16), shapes only:
+    the smallest, a middle and the largest token bucket."""
+    from benchmarks.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes
+    from jaxpage.config import build_engine_config
+    from jaxpage.kv_cache import kv_pool_shape
+    from jaxpage.model_runner import _abstract_inputs, step
+
+    cases = []
+    for name, model, dtype, max_len, seqs, tokens in (("SmolLM2-135M", SMOLLM2_135M, "bfloat16", 2048, 64, 256),
+                                                      ("SmolLM2-135M", SMOLLM2_135M, "float32", 2048, 64, 256),
+                                                      ("Llama-3-8B", LLAMA3_8B, "bfloat16", 8192, 256, 512)):
+        config = build_engine_config(model, dtype=dtype, block_size=16, kv_cache_memory=None, num_kv_blocks=8192,
+                                     max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len,
+                                     gpu_memory_utilization=0.9, attention_backend="pallas_gpu")
+        pool = jax.ShapeDtypeStruct(kv_pool_shape(model, config.num_kv_blocks, 16), jnp.dtype(dtype))
+        all_buckets = config.token_buckets()
+        for num_tokens in buckets or (all_buckets[0], all_buckets[len(all_buckets) // 2], all_buckets[-1]):
+            batch, sampling = _abstract_inputs(config, num_tokens)
+            cases.append(LoweringCase("step", f"{name} {dtype} T{num_tokens} S{config.num_seqs_for(num_tokens)}",
+                                      functools.partial(step, config),
+                                      (param_shapes(model, jnp.dtype(dtype)), pool, batch, sampling)))
+    return cases
+
+
+def run_case(case: LoweringCase, target: str, compile_ir: bool = False) -> dict:
+    """One lowering (and, with compile_ir, Triton's compilation of its kernels): ok, seconds, Triton calls in
+    the module and the kernels' shared memory, or the error."""
+    started = time.perf_counter()
+    try:
+        with capture_triton_ir() as modules:
+            text = lower_for_cuda(case, target)
+        row = {"ok": True, "triton_calls": text.count(f"@{TRITON_CALL}")}
+        if compile_ir:
+            row["shared_bytes"] = max(compile_triton_ir(ttir, target)["shared_bytes"] for ttir in modules)
+            row["ok"] = row["shared_bytes"] <= SHARED_MEMORY_BYTES[target]
+            row["error"] = None if row["ok"] else f"needs {row['shared_bytes']} bytes of shared memory"
+    except Exception as e:  # noqa: BLE001 (the table reports any failure)
+        row = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return {**row, "seconds": time.perf_counter() - started}
+
+
+def table(targets=None, compile_ir: bool = False) -> list[dict]:
+    """Every case for every target; the rows main() prints (and the lead's compile_targets can print)."""
+    targets = targets or (list(TARGETS) if TARGET_HONOURED else ["sm90"])
+    rows = []
+    for case in kernel_cases() + step_cases():
+        for target in targets:
+            rows.append({"what": case.what, "shape": case.shape, "target": target,
+                         **run_case(case, target, compile_ir)})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        default=importlib.util.find_spec("triton") is not None,
+                        help="also compile each kernel to a cubin with pip triton (default: when installed)")
+    args = parser.parse_args(argv)
+    what = "Triton IR" + (" -> cubin (pip triton)" if args.compile else "")
+    print(f"JAX {jax.__version__}: CUDA lowering, {what}{'' if TARGET_HONOURED else ', IR for sm90 (fallback)'}")
+    print(f"{'what':<28} {'shape':<40} {'target':<6} {'result':<28} {'seconds':>7}")
+    failed = 0
+    for row in table(compile_ir=args.compile):
+        if row["ok"]:
+            shared = f", {row['shared_bytes'] / 1024:.0f} KiB smem" if "shared_bytes" in row else ""
+            result = f"OK ({row['triton_calls']} Triton{shared})"
+        else:
+            result = row["error"]
+        failed += not row["ok"]
+        print(f"{row['what']:<28} {row['shape']:<40} {row['target']:<6} {result:<28} {row['seconds']:>7.2f}")
+    print("all lowered" + (" and compiled" if args.compile else "") if not failed else f"{failed} FAILED")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""The one-shot device check: everything the GPU path claims, measured in one command on one GPU.
+
+    python -m benchmarks.device_check --out DIR            # on one H200 (or H100): under 8 minutes
+    python -m benchmarks.device_check --out DIR --smoke    # anywhere: tiny shapes, kernels interpreted
+
+1. Self-checks: paged_decode_attention_gpu and ragged_paged_attention_gpu, compiled, against the pure-jnp
+   references (Llama-3-8B heads in bfloat16, SmolLM2 heads in float32; ragged lengths, decodes mixed with
+   prompt chunks of 40-100 tokens). A failure stops the run (exit 1) after writing what it found.
+2. The kernel benchmark (benchmarks/kernel_bench.py): our decode kernel against JAX's own Pallas GPU
+   paged_attention and the engine's XLA path, in GB/s of the K/V they must read, against the measured
+   device copy bandwidth.
+3. The engine on a Llama-3-8B-shaped model with random bfloat16 weights (benchmarks/random_model.py): the paged
+   engine against the contiguous baselines (benchmarks/baselines.py, the same jitted step and the same KV
+   memory) at 1, 32 and 256 concurrent streams of 128 prompt + 128 output tokens.
+Writes DIR/device_check.json (everything) and DIR/device_check.md (the short table), and prints the table.
+Each section has a time budget; what does not fit is recorded as skipped, never silently dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import sys
+import time
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import kernel_bench, random_model, throughput, workloads  # noqa: E402
+from jaxpage.compile_cache import enable_compilation_cache  # noqa: E402
+from jaxpage.model_loader import default_cache_dir  # noqa: E402
+from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_reference  # noqa: E402
+
+FULL = dict(heads=((32, 8, 128, 16, "bfloat16"), (9, 3, 64, 16, "float32")), model=random_model.LLAMA3_8B,
+            dtype="bfloat16", streams=(1, 32, 256), prompt=128, output=128, max_num_batched_tokens=256,
+            chunks=[(0, 45), (19, 41), (300, 100)], decodes=[(1000, 1), (15, 1), (0, 1), (2047, 1)],
+            kernel_bench=["--budget-s", "150", "--no-check"], engine_budget_s=330.0,
+            prefill=[(1024, 512), (0, 512), (2000, 300), (64, 700)], prefill_calls=20,
+            prefill_rows=(16, 64, 128))
+SMOKE = dict(heads=((8, 2, 64, 16, "float32"),), model=random_model.TINY, dtype="float32", streams=(1, 4),
+             prompt=8, output=4, max_num_batched_tokens=8, chunks=[(0, 20), (5, 17)], decodes=[(40, 1), (0, 1)],
+             kernel_bench=["--smoke", "--batches", "1", "--contexts", "64", "--samples", "1", "--calls", "1",
+                           "--no-check"], engine_budget_s=120.0,
+             prefill=[(16, 20), (0, 12)], prefill_calls=1, prefill_rows=(64,))
+
+
+# --- 1. self-checks ---------------------------------------------------------------------------------------
+def ragged_inputs(rng, heads, kv_heads, head_dim, block_size, dtype, seqs):
+    """A flat batch of (context already in the pool, new tokens) per sequence, on random distinct pages."""
+    width = max(c + n for c, n in seqs) // block_size + 1
+    num_blocks = 1 + len(seqs) * width
+    tables = (1 + rng.permutation(len(seqs) * width)).reshape(len(seqs), width).astype(np.int32)
+    token_seq = np.concatenate([np.full(n, row) for row, (_, n) in enumerate(seqs)]).astype(np.int32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in seqs]).astype(np.int32)
+    slots = (tables[token_seq, positions // block_size] * block_size + positions % block_size).astype(np.int32)
+    t = len(token_seq)
+    q, k, v = (rng.standard_normal((t, h, head_dim)) for h in (heads, kv_heads, kv_heads))
+    pool = rng.standard_normal((2, num_blocks, 2, kv_heads, block_size, head_dim))
+    arrays = [jnp.asarray(a, dtype) for a in (q, k, v, pool)]
+    return (*arrays, jnp.int32(1), *(jnp.asarray(a) for a in (token_seq, positions, slots, tables)))
+
+
+def check_ragged(heads, kv_heads, head_dim, block_size, dtype, seqs, interpret) -> dict:
+    args = ragged_inputs(np.random.default_rng(0), heads, kv_heads, head_dim, block_size, jnp.dtype(dtype), seqs)
+    scale = head_dim ** -0.5
+    out, pool = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, scale=scale, interpret=interpret))(*args)
+    ref, ref_pool = jax.jit(lambda *a: ragged_paged_attention_reference(*a, scale=scale))(*args)
+    err = float(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)).max())
+    pool_equal = bool((pool == ref_pool).all())
+    tol = 2e-2 if dtype == "bfloat16" else 1e-4
+    return {"max_abs_err": err, "pool_equal": pool_equal, "ok": err <= tol and pool_equal}
+
+
+def self_checks(setup: dict, interpret: bool) -> dict:
+    checks = {}
+    for heads, kv_heads, head_dim, block_size, dtype in setup["heads"]:
+        name = f"h{heads}-kvh{kv_heads}-d{head_dim}-bs{block_size}-{dtype}"
+        decode = kernel_bench.check((heads, kv_heads, head_dim, block_size), jnp.dtype(dtype), interpret,
+                                    block_size, jax.random.key(1))
+        checks[f"decode {name}"] = {k: v for k, v in decode.items() if isinstance(v, dict)}
+        checks[f"ragged {name}"] = check_ragged(heads, kv_heads, head_dim, block_size, dtype,
+                                                setup["decodes"] + setup["chunks"], interpret)
+    return checks
+
+
+def checks_ok(checks: dict) -> bool:
+    return all(c["ok"] if "ok" in c else checks_ok(c) for c in checks.values())
+
+
+# --- 2b. the prefill path: query blocks against one query per program's worth of sharing, and the XLA path --
+def prefill_bench(setup: dict, interpret: bool) -> dict:
+    """Microseconds per call of the ragged kernel on a batch of prompt chunks (behind existing context) at a
+    few query-block sizes (``prefill_rows``: tokens x G rows per program; 16 is about what one token per
+    program had before query blocks), and of the XLA path (write_kv + paged_attention_xla); the pool donated
+    and threaded through the calls, as in the engine."""
+    from jaxpage.attention import write_and_attend
+
+    heads, kv_heads, head_dim, block_size, dtype = setup["heads"][0]
+    args = ragged_inputs(np.random.default_rng(1), heads, kv_heads, head_dim, block_size, jnp.dtype(dtype),
+                         setup["prefill"])
+    scale = head_dim ** -0.5
+    group = heads // kv_heads
+    methods = {f"pallas_q{q}": functools.partial(ragged_paged_attention_gpu, scale=scale, interpret=interpret,
+                                                 queries_per_block=q)
+               for q in sorted({max(1, rows // group) for rows in setup["prefill_rows"]})}
+    methods["xla_engine"] = lambda *a: write_and_attend("xla", *a, scale=scale)
+    result = {"heads": setup["heads"][0], "chunks": setup["prefill"], "tokens": int(args[0].shape[0])}
+    for name, fn in methods.items():
+        call = jax.jit(lambda pool, *a, fn=fn: fn(*a[:3], pool, *a[3:]), donate_argnums=(0,))
+        pool = jnp.copy(args[3])
+        pool = call(pool, *args[:3], *args[4:])[1]  # compile
+        started = time.perf_counter()
+        for _ in range(setup["prefill_calls"]):
+            out, pool = call(pool, *args[:3], *args[4:])
+        jax.block_until_ready(out)
+        result[name + "_us"] = (time.perf_counter() - started) / setup["prefill_calls"] * 1e6
+    return result
+
+
+# --- 3. the engine ----------------------------------------------------------------------------------------
+def engine_benchmark(setup: dict, started: float, budget_s: float) -> dict:
+    """Paged vs the contiguous baselines on one random-weight model; the runner and the caches (256 slots of
+    max_len tokens each: every stream count fits) are compiled once and shared by the stream counts."""
+    model, dtype = setup["model"], setup["dtype"]
+    max_len = -(-(setup["prompt"] + setup["output"]) // 16) * 16
+    slots = max(setup["streams"])
+    args = types.SimpleNamespace(dtype=dtype, block_size=16, max_num_batched_tokens=setup["max_num_batched_tokens"],
+                                 max_len=max_len, scan_layers=True, preemption_mode="recompute", sequential=False,
+                                 systems=list(throughput.SYSTEMS))
+    loaded = types.SimpleNamespace(tokenizer=None, eos_token_ids=(), name=f"random {model.num_layers}-layer")
+    t = time.perf_counter()
+    params = random_model.random_params(model, jnp.dtype(dtype))
+    runner = throughput.paged_runner(loaded, model, params, args, slots * (max_len // 16) + 1, slots)
+    caches = throughput.contiguous_caches(model, params, args, slots, runner.config.attention_backend)
+    result = {"model": dict(layers=model.num_layers, hidden=model.hidden_size, heads=model.num_heads,
+                            kv_heads=model.num_kv_heads, head_dim=model.head_dim, vocab=model.vocab_size),
+              "dtype": dtype, "attention_backend": runner.config.attention_backend, "max_len": max_len,
+              "compile_and_init_s": time.perf_counter() - t, "streams": {}, "skipped": []}
+    for n in setup["streams"]:
+        if time.perf_counter() - started > budget_s:
+            result["skipped"].append({"streams": n, "why": "time budget"})
+            continue
+        w = workloads.fixed(n, setup["prompt"], setup["output"], model.vocab_size, 0, max_len)
+        print(f"engine: {n} streams ({w.describe()})", flush=True)
+        run = throughput.compare(loaded, args, w, runner, caches, throughput.SYSTEMS)
+        result["streams"][n] = {name: {k: run[name][k] for k in ("output_tokens_per_s", "requests_per_s",
+                                                                 "seconds", "peak_concurrency")}
+                                for name in throughput.SYSTEMS}
+    return result
+
+
+# --- the report -------------------------------------------------------------------------------------------
+def markdown(result: dict) -> str:
+    lines = [f"# Device check: {result['device']} ({result['platform']}), JAX {result['jax']}"
+             f"{', SMOKE (interpreted, tiny)' if result['smoke'] else ''}", "",
+             "| self-check | max abs err | ok |", "| --- | --- | --- |"]
+    for name, c in result["self_checks"].items():
+        for sub, r in (c.items() if "ok" not in c else [("", c)]):
+            lines.append(f"| {name} {sub} | {r['max_abs_err']:.2e} | {'yes' if r['ok'] else 'NO'} |")
+    bench = result.get("kernel_bench")
+    if bench:
+        lines += ["", f"Decode kernels, GB/s (% of the {bench['copy_gbps']:.0f} GB/s copy bandwidth):", "",
+                  "| batch | context | ours | JAX's Pallas | XLA path |", "| --- | --- | --- | --- | --- |"]
+        by = {}
+        for r in bench["results"]:
+            by.setdefault((r["batch"], r["context"]), {})[r["method"]] = r
+        for (batch, context), m in by.items():
+            cells = [f"{m[k]['gbps']:.0f} ({100 * m[k]['frac_of_copy']:.0f}%)" if "gbps" in m.get(k, {}) else "error"
+                     for k in ("pallas_ours", "pallas_jax", "xla_engine")]
+            lines.append(f"| {batch} | {context} | " + " | ".join(cells) + " |")
+    prefill = result.get("prefill")
+    if prefill:
+        timed = {k[:-3]: v for k, v in prefill.items() if k.endswith("_us")}
+        lines += ["", f"Ragged kernel on {prefill['tokens']} prompt tokens (chunks {prefill['chunks']}), us per call: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in timed.items())]
+    engine = result.get("engine")
+    if engine:
+        lines += ["", f"Engine, output tokens/s ({engine['dtype']}, {engine['model']['layers']} layers, "
+                      f"attention {engine['attention_backend']}):", "",
+                  "| streams | paged | static contiguous | slot contiguous |", "| --- | --- | --- | --- |"]
+        for n, r in engine["streams"].items():
+            lines.append(f"| {n} | " + " | ".join(f"{r[s]['output_tokens_per_s']:.0f}" for s in throughput.SYSTEMS)
+                         + " |")
+        lines += [f"(skipped: {s['streams']} streams, {s['why']})" for s in engine["skipped"]]
+    lines += ["", f"total {result['total_s']:.0f} s"]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, result: dict) -> None:
+    (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "device_check.md").write_text(markdown(result))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for device_check.json and device_check.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    enable_compilation_cache(default_cache_dir())
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.smoke:
+        print(f"no GPU ({device.platform}): run with --smoke to check the script on tiny shapes")
+        return 2
+    setup = SMOKE if args.smoke else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "python": platform.python_version(), "smoke": args.smoke}
+    result["self_checks"] = self_checks(setup, interpret=args.smoke)
+    result["seconds"] = {"self_checks": time.perf_counter() - started}
+    print(f"self-checks: {json.dumps(result['self_checks'])}", flush=True)
+    if not checks_ok(result["self_checks"]):
+        result["total_s"] = time.perf_counter() - started
+        write(out, result)
+        print("FAILED: a GPU kernel does not match its reference")
+        return 1
+    result["kernel_bench"] = kernel_bench.main(setup["kernel_bench"] + ["--json", str(out / "kernel_bench.json")])
+    result["seconds"]["kernel_bench"] = result["kernel_bench"]["total_s"]
+    t = time.perf_counter()
+    result["prefill"] = prefill_bench(setup, interpret=args.smoke)
+    result["seconds"]["prefill"] = time.perf_counter() - t
+    t = time.perf_counter()
+    result["engine"] = engine_benchmark(setup, started, setup["engine_budget_s"])
+    result["seconds"]["engine"] = time.perf_counter() - t
+    result["total_s"] = time.perf_counter() - started
+    write(out, result)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

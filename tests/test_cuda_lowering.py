@@ -1,0 +1,100 @@
+"""The CUDA lowering lane: every GPU kernel, over the shapes the engine makes, and the whole jitted engine step
+with attention_backend="pallas_gpu" lower for CUDA here, on the CPU (jax.export, platforms=["cuda"]); a kernel
+that no longer lowers fails this file. See benchmarks/cuda_lowering.py."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu_decode import triton_params
+
+from benchmarks.cuda_lowering import (SHARED_MEMORY_BYTES, TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase,
+                                      compile_for_cuda, kernel_cases, lower_for_cuda, run_case, step_cases)
+
+KERNELS = kernel_cases()
+STEPS = step_cases()
+TARGET_LIST = list(TARGETS) if TARGET_HONOURED else ["sm90"]  # JAX 0.10 lowers for sm90 whatever is asked
+
+
+def triton_calls(text: str) -> int:
+    return text.count(f"@{TRITON_CALL}")
+
+
+@pytest.mark.parametrize("target", TARGET_LIST)
+@pytest.mark.parametrize("case", KERNELS, ids=lambda c: f"{c.what}-{c.shape.replace(' ', '-')}")
+def test_kernel_lowers_to_one_triton_call(case, target):
+    text = lower_for_cuda(case, target)
+    assert triton_calls(text) == 1, "not lowered through Triton (interpreted?)"
+    if case.what == "ragged_paged_attention_gpu":  # the pool is updated in place, not copied
+        assert "output_operand_aliases" in text
+
+
+@pytest.mark.parametrize("case", STEPS, ids=lambda c: c.shape.replace(" ", "-"))
+def test_engine_step_lowers_with_the_triton_kernel(case):
+    text = lower_for_cuda(case, TARGET_LIST[-1])
+    assert triton_calls(text) == 1, "the layers' scan body holds one Triton attention call"
+    assert case.args[1].shape[0] == (32 if "Llama" in case.shape else 30)  # the pool has every layer
+
+
+def test_a_kernel_that_does_not_lower_fails_the_lane():
+    """Triton blocks must have power-of-two shapes: the lowering refuses a (3, 5) block, and run_case says so."""
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def fn(x):
+        return pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), **triton_params(4, 2))(x)
+
+    row = run_case(LoweringCase("bad", "3x5", fn, (jax.ShapeDtypeStruct((3, 5), jnp.float32),)), TARGET_LIST[-1])
+    assert not row["ok"] and "power of 2" in row["error"], row
+
+
+def test_the_triton_deprecation_is_not_shown_to_users():
+    """JAX >= 0.11 warns at each Triton lowering; pallas_kernels filters that one warning (a user who turns
+    every DeprecationWarning on still does not see it). On JAX 0.10 there is no such warning to see."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    code = "from benchmarks.cuda_lowering import kernel_cases, lower_for_cuda; lower_for_cuda(kernel_cases()[1])"
+    proc = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Triton backend is deprecated" not in proc.stderr
+
+
+# --- Triton's compiler down to a cubin, with pip triton (the cuda-compile extra); both targets whatever the JAX
+COMPILED = [c for c in KERNELS if c.shape in ("bs16 d64 kvh3 g3 bfloat16 n48", "bs16 d128 kvh8 g4 bfloat16 n48")]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="pip triton (extra cuda-compile) compiles the Triton IR to a cubin")
+
+
+@needs_triton
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("case", COMPILED, ids=lambda c: f"{c.what}-{c.shape.replace(' ', '-')}")
+def test_kernel_compiles_to_a_cubin(case, target):
+    """SmolLM2's and Llama-3-8B's heads in bfloat16: IR -> PTX -> cubin, within the GPU's shared memory."""
+    [kernel] = compile_for_cuda(case, target)
+    assert kernel["cubin_bytes"] > 0
+    assert 0 < kernel["shared_bytes"] <= SHARED_MEMORY_BYTES[target]
+
+
+@needs_triton
+def test_a_kernel_too_big_for_shared_memory_fails_the_lane():
+    """512 keys of K and V per step (32 pages of 16) in bfloat16, double-buffered, do not fit an H100's block."""
+    from pallas_kernels import paged_decode_attention_gpu
+
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    fn = functools.partial(paged_decode_attention_gpu, scale=0.1, pages_per_compute_block=32)
+    case = LoweringCase("decode", "512 keys a step", fn, (bf16(8, 32, 128), bf16(1, 1024, 2, 8, 16, 128), i32(),
+                                                          i32(8, 64), i32(8)))
+    row = run_case(case, "sm90", compile_ir=True)
+    assert not row["ok"] and row["shared_bytes"] > SHARED_MEMORY_BYTES["sm90"], row
