@@ -49,28 +49,9 @@ def cuda_target(target: str):
         yield
 
 
-def _compiled(kernel, *args, interpret=False, **kw):
-    del interpret
-    return kernel(*args, **kw)
-
-
-@contextlib.contextmanager
-def compiled_kernels():
-    """The engine's GPU kernel compiled, not interpreted: jaxpage.attention picks the interpreter whenever the
-    default backend is the CPU, whatever the export's target platform."""
-    import pallas_kernels
-
-    original = pallas_kernels.ragged_paged_attention_gpu
-    pallas_kernels.ragged_paged_attention_gpu = functools.partial(_compiled, original)
-    try:
-        yield
-    finally:
-        pallas_kernels.ragged_paged_attention_gpu = original
-
-
 def lower_for_cuda(case: LoweringCase, target: str = "sm90") -> str:
     """The exported module's text (StableHLO with the Triton custom calls)."""
-    with cuda_target(target), compiled_kernels():
+    with cuda_target(target):  # the engine step takes the compiled kernels: it is lowered for CUDA
         exported = export.export(jax.jit(case.fn), platforms=["cuda"],
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*case.args)
     return exported.mlir_module()
@@ -117,6 +98,7 @@ def compile_triton_ir(ttir: str, target: str) -> dict:
 
 def compile_for_cuda(case: LoweringCase, target: str) -> list[dict]:
     """Lowers the case and compiles each of its Triton kernels to a cubin for ``target``."""
+    jax.clear_caches()  # a cached lowering emits no Triton IR to capture
     with capture_triton_ir() as modules:
         lower_for_cuda(case, target)
     return [compile_triton_ir(ttir, target) for ttir in modules]
@@ -158,7 +140,7 @@ def step_cases(buckets=None) -> list[LoweringCase]:
     from benchmarks.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes
     from jaxpage.config import build_engine_config
     from jaxpage.kv_cache import kv_pool_shape
-    from jaxpage.model_runner import _abstract_inputs, step
+    from jaxpage.model_runner import abstract_step_inputs, step
 
     cases = []
     for name, model, dtype, max_len, seqs, tokens in (("SmolLM2-135M", SMOLLM2_135M, "bfloat16", 2048, 64, 256),
@@ -170,7 +152,7 @@ def step_cases(buckets=None) -> list[LoweringCase]:
         pool = jax.ShapeDtypeStruct(kv_pool_shape(model, config.num_kv_blocks, 16), jnp.dtype(dtype))
         all_buckets = config.token_buckets()
         for num_tokens in buckets or (all_buckets[0], all_buckets[len(all_buckets) // 2], all_buckets[-1]):
-            batch, sampling = _abstract_inputs(config, num_tokens)
+            batch, sampling = abstract_step_inputs(config, num_tokens)
             cases.append(LoweringCase("step", f"{name} {dtype} T{num_tokens} S{config.num_seqs_for(num_tokens)}",
                                       functools.partial(step, config),
                                       (param_shapes(model, jnp.dtype(dtype)), pool, batch, sampling)))
