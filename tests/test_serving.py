@@ -71,7 +71,7 @@ class Server:
 
 def start(argv: list[str], log: Path) -> Server:
     port, metrics_port = free_port(), free_port()
-    proc = spawn([*argv, "--port", str(port), "--metrics-port", str(metrics_port)], log)
+    proc = spawn([*argv, "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0"], log)
     return Server(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
 
 
