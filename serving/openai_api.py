@@ -150,10 +150,10 @@ class OpenAIServing:
 
     async def _respond(self, raw: Request, outputs: AsyncIterator[RequestOutput], stream: bool,
                        render: Rendering, include_usage: bool) -> Response:
-        if stream:
-            first = await anext(outputs)  # admission errors are still an HTTP status
-            return StreamingResponse(self._events(first, outputs, render, include_usage),
-                                     media_type="text/event-stream")
+        if stream:  # the first output before the headers: admission errors are still an HTTP status
+            first = await _unless_disconnected(raw, anext(outputs))
+            return Response(status_code=499) if first is None else StreamingResponse(
+                self._events(first, outputs, render, include_usage), media_type="text/event-stream")
         final = await _unless_disconnected(raw, _last(outputs))
         return Response(status_code=499) if final is None else JSONResponse(render.final(final).model_dump())
 
@@ -264,7 +264,7 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _unless_disconnected(raw: Request, work) -> RequestOutput | None:
-    """Awaits work (a coroutine) unless the client disconnects first: then cancels it and returns None."""
+    """Awaits work (an awaitable) unless the client disconnects first: then cancels it and returns None."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(raw))
     await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -2,6 +2,8 @@
 
     jaxpage serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port 9090] [--max-queue N] ...
 
+Beside it, on --http-port, the OpenAI-compatible HTTP API (serving/openai_api.py) over the same service.
+
 Start-up: the port opens at once with health NOT_SERVING; the engine loads and compiles every bucket in a
 thread, runs one warm-up request, and only then does health turn SERVING. A health watcher turns it
 NOT_SERVING for good when the engine loop dies; SIGTERM/SIGINT stop accepting calls, let the calls in flight
