@@ -66,7 +66,7 @@ class Server:
         assert time.monotonic() - ended < within
         after = self.metrics()
         assert after["jaxpage:num_requests_running"] == 0 and after["jaxpage:num_requests_in_flight"] == 0
-        assert after["jaxpage:generation_tokens_total"] - before["jaxpage:generation_tokens_total"] < max_tokens
+        assert after["jaxpage:generation_tokens_total"] - before.get("jaxpage:generation_tokens_total", 0) < max_tokens
 
     def stop(self) -> None:
         if self.proc.poll() is None:
