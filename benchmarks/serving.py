@@ -1,16 +1,23 @@
-"""Online serving latency: Poisson arrivals at a sweep of request rates against `jaxpage serve` over gRPC.
+"""Online serving latency: Poisson arrivals at a sweep of request rates against `jaxpage serve`, over gRPC or HTTP.
 
     python benchmarks/serving.py [--rates 0.25 0.5 1 2] [--num-requests 32 | --duration S] [--workload alpaca]
                                  [--max-tokens N] [--seed 0] [--json out.json] [--plot out.png]
-                                 [--address HOST:PORT [--metrics-url URL]]           # an already running server
+                                 [--protocol grpc http] [--repeats R]
+                                 [--address HOST:PORT [--http-url URL] [--metrics-url URL]]  # a running server
     python benchmarks/serving.py --quick --json out.json                             # smoke run: about a minute
+    python benchmarks/serving.py --rates inf --num-requests 1 32 --protocol grpc http --repeats 3  # gRPC vs HTTP
 
 The vLLM paper's serving experiment (Kwon et al., SOSP 2023, figure 12), in the manner of vLLM's
 benchmark_serving: for each request rate, the workload's requests (benchmarks/workloads.py, seeded; Alpaca-like
 by default) are sent with exponential inter-arrival times (a Poisson process, seeded numpy), each as one
-grpc.aio GenerateStream call (greedy, ignore_eos, max_tokens = the workload's output length, so every request
-makes exactly that many tokens). Every rate sends requests of the same lengths, with fresh random prompt tokens
-(no prefix-cache hits from one rate to the next); the next rate starts when the previous one has drained.
+grpc.aio GenerateStream call, or with --protocol http one streamed POST /v1/completions of the OpenAI-compatible
+API (httpx, token ids as the prompt, vLLM's return_token_ids to count tokens per chunk); greedy, ignore_eos,
+max_tokens = the workload's output length, so every request makes exactly that many tokens. With several
+protocols, several --num-requests or --repeats, each rate runs once per (count, repeat, protocol), the protocols
+alternating, so that all see the same background load; the JSON's "comparison" gives per (rate, count) the
+median over repeats of tokens/s and mean TTFT for each protocol. Every run sends requests of the same lengths,
+with fresh random prompt tokens (no prefix-cache hits from one run to the next); the next run starts when the
+previous one has drained.
 
 Without --address the script starts a `jaxpage serve` subprocess (python -m jaxpage.cli serve, the engine
 options below) and waits for health SERVING; with it, it drives the server given (and reads its Prometheus
@@ -48,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
+import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import workloads  # noqa: E402
@@ -55,7 +63,7 @@ from serving import generation_pb2 as pb  # noqa: E402
 from serving import generation_pb2_grpc as pb_grpc  # noqa: E402
 from serving.launch import free_port, spawn, wait_serving  # noqa: E402
 
-QUICK = dict(rates=[2.0], num_requests=4, max_tokens=8, max_model_len=256, max_num_seqs=8,
+QUICK = dict(rates=[2.0], num_requests=[4], max_tokens=8, max_model_len=256, max_num_seqs=8,
              max_num_batched_tokens=64)
 
 
@@ -99,32 +107,66 @@ async def sample_metrics(url: str | None, interval: float, samples: list[dict], 
             pass
 
 
+# --- the protocols: one request's stream as (tokens, finish reason, usage's completion tokens) per chunk ---
+class RequestFailed(Exception):
+    pass
+
+
+async def grpc_chunks(stub, req: workloads.Request, timeout: float | None):
+    sampling = pb.SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
+    request = pb.GenerateRequest(prompt_token_ids=list(req.prompt_token_ids), sampling=sampling)
+    try:
+        async for response in stub.GenerateStream(request, timeout=timeout):
+            yield (sum(len(c.token_ids) for c in response.completions),
+                   next((c.finish_reason for c in response.completions if c.finish_reason), ""),
+                   response.usage.completion_tokens if response.HasField("usage") else None)
+    except grpc.RpcError as e:
+        raise RequestFailed(f"{e.code().name}: {e.details()}") from None
+
+
+async def http_chunks(client: httpx.AsyncClient, req: workloads.Request, timeout: float | None):
+    body = {"prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                raise RequestFailed(f"HTTP {r.status_code}: {(await r.aread()).decode()}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if "error" in chunk:
+                    raise RequestFailed(chunk["error"]["message"])
+                yield (sum(len(c["token_ids"]) for c in chunk["choices"]),
+                       next((c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]), ""),
+                       (chunk.get("usage") or {}).get("completion_tokens"))
+    except httpx.HTTPError as e:
+        raise RequestFailed(f"{type(e).__name__}: {e}") from None
+
+
 # --- one rate ------------------------------------------------------------------------------------------
-async def one_request(stub, req: workloads.Request, send_at: float, t0: float, timeout: float | None) -> dict:
+async def one_request(send, req: workloads.Request, send_at: float, t0: float, timeout: float | None) -> dict:
+    """Sends req at t0 + send_at through ``send`` (grpc_chunks or http_chunks with its client bound)."""
     delay = t0 + send_at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
-    sampling = pb.SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
-    request = pb.GenerateRequest(prompt_token_ids=list(req.prompt_token_ids), sampling=sampling)
     start = time.perf_counter()
     record = {"arrival": start - t0, "scheduled_arrival": send_at, "prompt_tokens": len(req.prompt_token_ids),
               "requested_tokens": req.max_tokens, "output_tokens": 0, "chunk_tokens": [], "chunk_times": [],
               "finish_reason": "", "usage_completion_tokens": None, "error": None}
     try:
-        async for response in stub.GenerateStream(request, timeout=timeout):
+        async for n, finish_reason, usage in send(req, timeout):
             now = time.perf_counter()
-            n = sum(len(c.token_ids) for c in response.completions)
             if n:
                 record["chunk_tokens"].append(n)
                 record["chunk_times"].append(now - start)
                 record["output_tokens"] += n
-            for c in response.completions:
-                if c.finish_reason:
-                    record["finish_reason"] = c.finish_reason
-            if response.HasField("usage"):
-                record["usage_completion_tokens"] = response.usage.completion_tokens
-    except grpc.RpcError as e:
-        record["error"] = f"{e.code().name}: {e.details()}"
+            if finish_reason:
+                record["finish_reason"] = finish_reason
+            if usage is not None:
+                record["usage_completion_tokens"] = usage
+    except RequestFailed as e:
+        record["error"] = str(e)
     end = time.perf_counter()
     times, n = record["chunk_times"], record["output_tokens"]
     record["e2e"] = end - start
@@ -160,14 +202,14 @@ def fresh_prompts(workload: workloads.Workload, vocab_size: int, seed: int) -> l
             for r in workload.requests]
 
 
-async def run_rate(stub, rate: float, requests: list[workloads.Request], args, seed: int) -> dict:
+async def run_rate(send, rate: float, requests: list[workloads.Request], args, seed: int) -> dict:
     arrivals = arrival_times(rate, len(requests), seed)
     samples: list[dict] = []
     stop = asyncio.Event()
     before = await asyncio.to_thread(scrape, args.metrics_url)
     sampler = asyncio.ensure_future(sample_metrics(args.metrics_url, args.sample_interval, samples, stop))
     t0 = time.perf_counter() + 0.05
-    records = await asyncio.gather(*(one_request(stub, r, float(a), t0, args.request_timeout)
+    records = await asyncio.gather(*(one_request(send, r, float(a), t0, args.request_timeout)
                                      for r, a in zip(requests, arrivals)))
     stop.set()
     await sampler
@@ -206,9 +248,9 @@ def _ms(x) -> str:
 
 
 def print_table(rates: list[dict]) -> None:
-    head = (f"{'rate':>6} {'done':>7} {'req/s':>6} {'tok/s':>6} {'norm ms/tok':>11} {'TTFT mean/p50/p99 ms':>22} "
-            f"{'TPOT mean/p50/p99 ms':>21} {'ITL mean/p50/p99 ms':>21} {'E2E mean/p50/p99 s':>21} "
-            f"{'preempt':>7} {'peak run/wait':>13} {'peak KV':>7}")
+    head = (f"{'proto':>5} {'rate':>6} {'done':>7} {'req/s':>6} {'tok/s':>6} {'norm ms/tok':>11} "
+            f"{'TTFT mean/p50/p99 ms':>22} {'TPOT mean/p50/p99 ms':>21} {'ITL mean/p50/p99 ms':>21} "
+            f"{'E2E mean/p50/p99 s':>21} {'preempt':>7} {'peak run/wait':>13} {'peak KV':>7}")
     print(head)
     for r in rates:
         def three(key, f=_ms):
@@ -219,11 +261,30 @@ def print_table(rates: list[dict]) -> None:
                 else "-")
         kv = f"{100 * srv['peak_kv_cache_usage']:.1f}%" if srv.get("peak_kv_cache_usage") is not None else "-"
         done = f"{r['num_finished']}/{r['num_requests']}"
-        print(f"{r['rate']:>6g} {done:>7} {r['throughput_requests_per_s']:>6.2f} "
+        print(f"{r['protocol']:>5} {r['rate']:>6g} {done:>7} {r['throughput_requests_per_s']:>6.2f} "
               f"{r['throughput_output_tokens_per_s']:>6.1f} {_ms(r['normalized_latency']['mean']):>11} "
               f"{three('ttft'):>22} {three('tpot'):>21} {three('itl'):>21} "
               f"{three('e2e', lambda x: '-' if x is None else f'{x:.2f}'):>21} "
               f"{srv.get('preemptions', '-'):>7} {peak:>13} {kv:>7}")
+
+
+def comparison(rates: list[dict]) -> list[dict]:
+    """Per (rate, requests) and protocol: the median over repeats of output tokens/s and of the mean TTFT."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rates:
+        groups.setdefault((r["rate"], r["num_requests"]), {}).setdefault(r["protocol"], []).append(r)
+    return [{"rate": rate, "num_requests": count, **{
+        protocol: {"repeats": len(rs),
+                   "output_tokens_per_s": float(np.median([r["throughput_output_tokens_per_s"] for r in rs])),
+                   "ttft_mean_s": float(np.median([r["ttft"]["mean"] for r in rs if r["ttft"]["mean"] is not None]))}
+        for protocol, rs in by_protocol.items()}} for (rate, count), by_protocol in groups.items()]
+
+
+def print_comparison(rows: list[dict], protocols: list[str]) -> None:
+    print(f"{'rate':>6} {'streams':>7} " + " ".join(f"{p + ' tok/s':>11} {p + ' TTFT ms':>13}" for p in protocols))
+    for row in rows:
+        print(f"{row['rate']:>6g} {row['num_requests']:>7} " + " ".join(
+            f"{row[p]['output_tokens_per_s']:>11.1f} {_ms(row[p]['ttft_mean_s']):>13}" for p in protocols))
 
 
 def plot(result: dict, path: str) -> None:
@@ -232,7 +293,9 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = dict(result, rates=[r for r in result["rates"] if not math.isinf(r["rate"])])
+    first = result["options"]["protocol"][0]
+    result = dict(result, rates=[r for r in result["rates"] if not math.isinf(r["rate"]) and r["repeat"] == 0
+                                 and r["protocol"] == first])
     rates = [r["rate"] for r in result["rates"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax1.plot(rates, [r["normalized_latency"]["mean"] for r in result["rates"]], "o-", color="tab:green",
@@ -275,19 +338,28 @@ def dumps(result: dict) -> str:
 
 
 # --- main ----------------------------------------------------------------------------------------------
-def requests_at(rate: float, args) -> int:
+def requests_at(rate: float, args) -> list[int]:
     if args.duration and not math.isinf(rate):
-        return max(2, math.ceil(rate * args.duration))
+        return [max(2, math.ceil(rate * args.duration))]
     return args.num_requests
 
 
+def runs(args) -> list[tuple[float, int, int, str]]:
+    """(rate, requests, repeat, protocol) in the order they run: the protocols alternate innermost."""
+    return [(rate, count, repeat, protocol) for rate in args.rates for count in requests_at(rate, args)
+            for repeat in range(args.repeats) for protocol in args.protocol]
+
+
 async def sweep(args, target: str) -> tuple[dict, dict, list[dict]]:
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target) as channel, httpx.AsyncClient(
+            base_url=args.http_url or "http://unused", timeout=None,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as http:
         stub = pb_grpc.GenerationStub(channel)
+        senders = {"grpc": lambda req, timeout: grpc_chunks(stub, req, timeout),
+                   "http": lambda req, timeout: http_chunks(http, req, timeout)}
         info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         max_len = min(args.max_len or info.max_model_len, info.max_model_len)
-        counts = [requests_at(rate, args) for rate in args.rates]
-        n = max(counts)
+        n = max(count for _, count, _, _ in runs(args))
         workload = workloads.make(args.workload, n, max_len, info.vocab_size, args.seed)
         if args.max_tokens:
             workload = workloads.Workload(workload.name, tuple(
@@ -295,18 +367,22 @@ async def sweep(args, target: str) -> tuple[dict, dict, list[dict]]:
                 for r in workload.requests), workload.max_len)
         if workload.num_sequences != len(workload.requests):
             raise SystemExit(f"workload {args.workload!r} has n>1 requests; use a single-sample workload")
-        # warm the channel and the server's paths (untimed)
+        # warm the channels and the server's paths (untimed)
         warm = fresh_prompts(workload, info.vocab_size, args.seed + 7919)[:2]
-        await asyncio.gather(*(one_request(stub, workloads.Request(r.prompt_token_ids, min(r.max_tokens, 4)), 0.0,
-                                           time.perf_counter(), args.request_timeout) for r in warm))
+        await asyncio.gather(*(one_request(senders[p], workloads.Request(r.prompt_token_ids, min(r.max_tokens, 4)),
+                                           0.0, time.perf_counter(), args.request_timeout)
+                               for r in warm for p in args.protocol))
         results = []
-        for i, rate in enumerate(args.rates):
-            requests = fresh_prompts(workload, info.vocab_size, args.seed + 1000 * (i + 1))[:counts[i]]
-            r = await run_rate(stub, rate, requests, args, args.seed + i)
+        for i, (rate, count, repeat, protocol) in enumerate(runs(args)):
+            # fresh prompts for every run: no prefix-cache hits from one run to the next
+            requests = fresh_prompts(workload, info.vocab_size, args.seed + 1000 * (i + 1))[:count]
+            r = await run_rate(senders[protocol], rate, requests, args, args.seed + i)
+            r.update(protocol=protocol, repeat=repeat)
             results.append(r)
-            print(f"rate {rate:g} req/s: {r['num_finished']}/{r['num_requests']} finished in {r['duration_s']:.1f} s, "
-                  f"{r['throughput_output_tokens_per_s']:.1f} tok/s, normalized latency "
-                  f"{_ms(r['normalized_latency']['mean'])} ms/token", flush=True)
+            print(f"{protocol} rate {rate:g} req/s: {r['num_finished']}/{r['num_requests']} finished in "
+                  f"{r['duration_s']:.1f} s, {r['throughput_output_tokens_per_s']:.1f} tok/s, TTFT mean "
+                  f"{_ms(r['ttft']['mean'])} ms, normalized latency {_ms(r['normalized_latency']['mean'])} ms/token",
+                  flush=True)
     model_info = {"model_name": info.model_name, "max_model_len": info.max_model_len,
                   "block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks,
                   "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens,
@@ -318,7 +394,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1, 2],
                         help="request rates to sweep, req/s (inf: all at once)")
-    parser.add_argument("--num-requests", type=int, default=32, help="requests per rate")
+    parser.add_argument("--num-requests", type=int, nargs="+", default=[32],
+                        help="requests per rate (several: each rate runs with each count)")
+    parser.add_argument("--protocol", nargs="+", choices=["grpc", "http"], default=["grpc"],
+                        help="gRPC GenerateStream and/or the OpenAI-compatible HTTP API (both: they alternate)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (rate, count, protocol)")
     parser.add_argument("--duration", type=float, default=None,
                         help="instead of --num-requests: about rate x duration requests per rate")
     parser.add_argument("--workload", default="alpaca", choices=["alpaca", "sharegpt"])
@@ -331,6 +411,8 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: a small server, one rate, 4 requests of at most 8 tokens")
     parser.add_argument("--address", default=None, help="host:port of a running server (default: start one)")
+    parser.add_argument("--http-url", default=None,
+                        help="the running server's HTTP API, e.g. http://127.0.0.1:8000 (with --address)")
     parser.add_argument("--metrics-url", default=None,
                         help="the running server's /metrics URL (with --address; default: none)")
     parser.add_argument("--machine", default=None, help="the machine, in words, for the JSON and the plot")
@@ -356,6 +438,8 @@ def parse_args(argv=None):
                 setattr(args, k, v)
     if any(r <= 0 for r in args.rates):
         parser.error("--rates must be > 0")
+    if "http" in args.protocol and args.address and not args.http_url:
+        parser.error("--protocol http with --address needs --http-url")
     return args
 
 
@@ -365,13 +449,14 @@ def main(argv=None) -> dict:
     if args.address:
         target = args.address
     else:
-        port, metrics_port = free_port(), free_port()
+        port, metrics_port, http_port = free_port(), free_port(), free_port()
         target = f"127.0.0.1:{port}"
         args.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        args.http_url = f"http://127.0.0.1:{http_port}"
         log_path = Path(tempfile.gettempdir()) / f"serving_bench_server_{port}.log"
         print(f"starting jaxpage serve on {target} (log {log_path})", flush=True)
         proc = spawn(["-m", "jaxpage.cli", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
-                      *server_flags(args)], log_path)
+                      "--http-port", str(http_port), *server_flags(args)], log_path)
     try:
         if proc is not None:
             started = time.monotonic()
@@ -393,8 +478,10 @@ def main(argv=None) -> dict:
                                     else ["python", "benchmarks/serving.py", *argv]),
               "model": model_info["model_name"] or "default model", "server": model_info,
               "options": {k: v for k, v in vars(args).items()}, "workload": workload,
-              "load_average_after": load, "rates": rates}
+              "load_average_after": load, "comparison": comparison(rates), "rates": rates}
     print_table(rates)
+    if len(args.protocol) > 1:
+        print_comparison(result["comparison"], args.protocol)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:

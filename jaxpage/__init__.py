@@ -4,4 +4,6 @@ from jaxpage.llm_engine import EngineArgs, LLMEngine
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import SamplingParams
 
+__version__ = "0.1.0"
+
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
+import time
 from typing import AsyncIterator
 
 from jaxpage.llm_engine import EngineArgs, LLMEngine
@@ -27,6 +29,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._lock = threading.Lock()
+        self._outside: list[None] = []  # one entry per caller from another thread waiting for the lock
         self._work = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # filled by coroutines, drained by the loop thread between steps: the event loop never waits for a step
@@ -81,8 +84,19 @@ class AsyncEngine:
             if not finished:  # the consumer went away (cancel, disconnect, deadline): free its blocks now
                 self.abort(request_id)
 
+    @contextlib.contextmanager
+    def _locked(self):
+        """The lock, for a caller outside the loop thread: the loop lets it in before its next step (a plain lock
+        is not fair: the loop thread, releasing and re-taking it, could starve the caller for several steps)."""
+        self._outside.append(None)
+        try:
+            with self._lock:
+                yield
+        finally:
+            self._outside.pop()
+
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._locked():
             self._streams.pop(request_id, None)
             self.engine.abort_request(request_id)
 
@@ -109,7 +123,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_settle, admitted, EngineDeadError(f"the engine is not running: {self.error!r}"))
 
     def stats(self) -> dict:
-        with self._lock:
+        with self._locked():
             return self.engine.stats()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -127,6 +141,8 @@ class AsyncEngine:
                     self._work.wait(0.1)
                     self._work.clear()
                     continue
+                while self._outside:  # a caller waits for the lock (an abort, a metrics scrape): let it in first
+                    time.sleep(0.0005)
                 with self._lock:
                     outputs = self.engine.step()
                     targets = [(self._streams.get(o.request_id), o) for o in outputs]

@@ -41,10 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("prompt")
 
-    srv = sub.add_parser("serve", help="serve the model over gRPC (jaxpage.v1.Generation), with health and metrics")
+    srv = sub.add_parser("serve", help="serve the model over gRPC (jaxpage.v1.Generation) and the "
+                         "OpenAI-compatible HTTP API, with health and metrics")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--http-port", type=int, default=8000,
+                     help="the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...; 0: off)")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="the model's name(s) in the HTTP API (default: the model's own name)")
     srv.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics over HTTP (0: off)")
     srv.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (default: --host)")
     srv.add_argument("--max-queue", type=int, default=None,

@@ -2,6 +2,8 @@
 
     jaxpage serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port 9090] [--max-queue N] ...
 
+Beside it, on --http-port, the OpenAI-compatible HTTP API (serving/openai_api.py) over the same service.
+
 Start-up: the port opens at once with health NOT_SERVING; the engine loads and compiles every bucket in a
 thread, runs one warm-up request, and only then does health turn SERVING. A health watcher turns it
 NOT_SERVING for good when the engine loop dies; SIGTERM/SIGINT stop accepting calls, let the calls in flight
@@ -330,6 +332,7 @@ class Server:
         self.signals = 0
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.http = None  # the OpenAI-compatible HTTP server (serving/http_server.py), unless --http-port 0
 
     def _stats(self):
         engine = self.service.engine
@@ -356,10 +359,22 @@ class Server:
         if not self.port:
             raise OSError(f"cannot listen on {ns.host}:{ns.port}")
         await self.server.start()
+        if ns.http_port:
+            await self.start_http()
         if ns.metrics_port:
             self.service.metrics.serve(ns.metrics_port, ns.metrics_host or ns.host)
         log.info("listening on %s:%d (health NOT_SERVING until warm); metrics on %s", ns.host, self.port,
                  f"http://{ns.metrics_host or ns.host}:{ns.metrics_port}/metrics" if ns.metrics_port else "none")
+
+    async def start_http(self) -> None:
+        from serving.http_server import HttpServer
+        from serving.openai_api import build_app
+
+        ns = self.ns
+        self.http = HttpServer(build_app(self.service, ns.served_model_name), ns.host, ns.http_port,
+                               ns.grace_seconds)
+        await self.http.start()
+        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", ns.host, self.http.port)
 
     def on_signal(self) -> None:
         self.signals += 1
@@ -367,6 +382,8 @@ class Server:
         if self.signals > 1 and self.server is not None:
             log.warning("second signal: cancelling the calls in flight")
             asyncio.ensure_future(self.server.stop(0))
+            if self.http is not None:
+                self.http.force_stop()
 
     async def load(self) -> bool:
         """Loads and warms the engine unless a stop comes first; True once SERVING."""
@@ -410,7 +427,8 @@ class Server:
         await self.health.enter_graceful_shutdown()
         n = len(self.service.in_flight)
         log.info("shutting down: %d calls in flight, up to %.0f s to finish", n, self.ns.grace_seconds)
-        await self.server.stop(self.ns.grace_seconds)
+        await asyncio.gather(self.server.stop(self.ns.grace_seconds),
+                             *([self.http.stop()] if self.http is not None else []))
         engine = self.service.engine
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)

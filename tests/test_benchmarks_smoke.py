@@ -70,7 +70,7 @@ def serving_quick(tmp_path_factory):
     png = out.with_suffix(".png")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "benchmarks/serving.py", "--quick", "--rates", "2", "--num-requests", "4",
-                           "--max-tokens", "6", "--json", str(out), "--plot", str(png)], cwd=ROOT, env=env,
+                           "--max-tokens", "6", "--protocol", "grpc", "http", "--json", str(out), "--plot", str(png)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), png
@@ -80,22 +80,25 @@ def test_serving_quick_json_shape(serving_quick):
     result, _ = serving_quick
     for key in ("machine", "date", "command", "rates"):
         assert key in result, key
-    assert [r["rate"] for r in result["rates"]] == [2.0]
-    rate = result["rates"][0]
-    for key in LATENCY_KEYS:
-        for stat in ("mean", "p50", "p99"):
-            assert rate[key][stat] is not None and rate[key][stat] >= 0, (key, stat)
-        assert rate[key]["p50"] <= rate[key]["p99"] + 1e-9
-    assert rate["throughput_requests_per_s"] > 0 and rate["throughput_output_tokens_per_s"] > 0
-    assert rate["server"]["preemptions"] >= 0 and 0 < rate["server"]["peak_kv_cache_usage"] <= 1
+    assert [(r["rate"], r["protocol"]) for r in result["rates"]] == [(2.0, "grpc"), (2.0, "http")]
+    for rate in result["rates"]:
+        for key in LATENCY_KEYS:
+            for stat in ("mean", "p50", "p99"):
+                assert rate[key][stat] is not None and rate[key][stat] >= 0, (key, stat)
+            assert rate[key]["p50"] <= rate[key]["p99"] + 1e-9
+        assert rate["throughput_requests_per_s"] > 0 and rate["throughput_output_tokens_per_s"] > 0
+        assert rate["server"]["preemptions"] >= 0 and 0 < rate["server"]["peak_kv_cache_usage"] <= 1
+    [row] = result["comparison"]
+    for protocol, rate in zip(("grpc", "http"), result["rates"]):
+        assert row[protocol]["output_tokens_per_s"] == rate["throughput_output_tokens_per_s"]
 
 
 def test_serving_quick_every_request_finished_with_its_tokens(serving_quick):
     result, _ = serving_quick
-    rate = result["rates"][0]
-    assert rate["num_requests"] == 4 and rate["num_finished"] == 4 and rate["num_errors"] == 0
-    assert rate["total_output_tokens"] == rate["total_requested_tokens"]
-    for r in rate["requests"]:
+    for rate in result["rates"]:  # gRPC and HTTP
+        assert rate["num_requests"] == 4 and rate["num_finished"] == 4 and rate["num_errors"] == 0
+        assert rate["total_output_tokens"] == rate["total_requested_tokens"]
+    for r in (r for rate in result["rates"] for r in rate["requests"]):
         assert r["finished"] and r["error"] is None and r["finish_reason"] == "length"
         assert 1 <= r["requested_tokens"] <= 6
         assert r["output_tokens"] == r["requested_tokens"] == r["usage_completion_tokens"] == sum(r["chunk_tokens"])

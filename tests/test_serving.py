@@ -59,6 +59,15 @@ class Server:
                 return value
             time.sleep(0.05)
 
+    def assert_freed(self, free: float, before: dict, max_tokens: int, within: float) -> None:
+        """A request that ended early: its blocks are back within ``within`` s, and it did not run to the end."""
+        ended = time.monotonic()
+        assert self.wait_metric("jaxpage:kv_blocks_free", lambda v: v == free) == free
+        assert time.monotonic() - ended < within
+        after = self.metrics()
+        assert after["jaxpage:num_requests_running"] == 0 and after["jaxpage:num_requests_in_flight"] == 0
+        assert after["jaxpage:generation_tokens_total"] - before.get("jaxpage:generation_tokens_total", 0) < max_tokens
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -71,7 +80,7 @@ class Server:
 
 def start(argv: list[str], log: Path) -> Server:
     port, metrics_port = free_port(), free_port()
-    proc = spawn([*argv, "--port", str(port), "--metrics-port", str(metrics_port)], log)
+    proc = spawn([*argv, "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0"], log)
     return Server(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
 
 
@@ -238,12 +247,7 @@ def test_a_stream_that_ends_early_returns_its_blocks_at_once(server, how):
         list(call)
     assert e.value.code() == {"cancel": grpc.StatusCode.CANCELLED, "disconnect": grpc.StatusCode.CANCELLED,
                               "deadline": grpc.StatusCode.DEADLINE_EXCEEDED}[how]
-    ended = time.monotonic()
-    assert server.wait_metric("jaxpage:kv_blocks_free", lambda v: v == free) == free
-    assert time.monotonic() - ended < 3.0
-    after = server.metrics()
-    assert after["jaxpage:num_requests_running"] == 0 and after["jaxpage:num_requests_in_flight"] == 0
-    assert after["jaxpage:generation_tokens_total"] - before["jaxpage:generation_tokens_total"] < 400
+    server.assert_freed(free, before, 400, within=3.0)
     channel.close()
 
 

@@ -1,0 +1,205 @@
+"""The OpenAI HTTP API's request and response bodies (the subset jaxpage serves), as pydantic models.
+
+Requests are validated here (types and ranges, each error naming its field); the engine's SamplingParams checks
+what spans fields (min_tokens <= max_tokens). Field names and defaults are OpenAI's; vLLM's extra sampling
+fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, priority, ...) are accepted as vLLM does.
+Unknown fields are ignored, as by vLLM; known fields jaxpage cannot honour are rejected (see ``unsupported``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxpage.sampling_params import MAX_LOGPROBS
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields that completions and chat completions share."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra fields
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    priority: int = 0  # lower is scheduled first (vLLM's convention)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM: each choice carries its token ids, the response the prompt's
+    # OpenAI fields jaxpage does not implement: a request that sets one gets a 400 naming it
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set that jaxpage cannot honour, or None."""
+        for name in ("logit_bias", "suffix", "tools"):
+            if getattr(self, name):
+                return name
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format"
+        return None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+# --- responses -------------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Head(BaseModel):
+    """What every response and chunk has (a stream's chunks carry usage only in the last, if asked)."""
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: Usage | None = None
+
+
+class Choice(BaseModel):
+    """What every choice has: its index, why it finished, and vLLM's stop reason and (if asked) token ids."""
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(Choice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(Head):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    prompt_token_ids: list[int] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Choice):
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(Head):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    prompt_token_ids: list[int] | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Choice):
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(Head):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxpage"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,392 @@
+"""The OpenAI-compatible HTTP API (serving/openai_api.py), end to end: a real `jaxpage serve` subprocess called
+with the official `openai` package (sync and async clients, streaming and not) and with plain httpx.
+
+- completions and chat completions give the offline engine's greedy text, token ids and token counts;
+  n=3 with a seed gives the offline engine's samples; logprobs agree with the text and with the offline engine;
+  stop strings and echo; 32 concurrent streams;
+- every bad request is OpenAI's error object with the right status (400 naming the field, 404 unknown model),
+  and the server keeps serving with every KV block back (read from /metrics on the same port);
+- a client that disconnects (streaming or not) gets its blocks freed within a second;
+- SIGTERM lets the HTTP and gRPC streams in flight finish, then the server exits 0.
+A stand-in engine (test_serving's, no model) shows 429 for a full queue, and 500 / 503 when the engine dies.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import openai
+import pytest
+from test_serving import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, Server
+
+from jaxpage import SamplingParams
+from serving import generation_pb2 as pb
+from serving import generation_pb2_grpc as pb_grpc
+from serving.launch import free_port, spawn, wait_serving
+
+NAMES = ["smollm2-test", "another-name"]  # --served-model-name
+PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]
+LONG = [100 + i for i in range(200)]  # 13 blocks of 16 tokens
+
+
+class HttpServer(Server):
+    @property
+    def base(self) -> str:
+        return self.metrics_url.removesuffix("/metrics")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def all_blocks_free(self) -> bool:
+        total = self.metrics()["jaxpage:kv_blocks_total"]
+        return self.wait_metric("jaxpage:kv_blocks_free", lambda v: v == total) == total
+
+
+def start(argv: list[str], log) -> HttpServer:
+    port, http_port = free_port(), free_port()
+    proc = spawn([*argv, "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port)], log)
+    return HttpServer(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}/metrics", log)
+
+
+@pytest.fixture(scope="module")
+def server_started(tmp_path_factory):
+    server = start(["-m", "jaxpage.cli", "serve", *ENGINE_FLAGS, "--num-kv-blocks", "160", "--grace-seconds", "60",
+                    "--served-model-name", *NAMES], tmp_path_factory.mktemp("http") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(server_started, smollm2):  # the offline engine loads here while the server warms up
+    wait_serving(server_started.target, server_started.proc, START_TIMEOUT, server_started.log)
+    return server_started
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+async def collect(stream) -> dict:
+    """A streamed completion or chat completion, per choice index: text, token ids, finish reasons; and usage."""
+    got = {"text": {}, "token_ids": {}, "finish": {}, "usage": None, "ids": set()}
+    async for chunk in stream:
+        got["ids"].add(chunk.id)
+        if chunk.usage is not None:
+            got["usage"] = chunk.usage
+        for c in chunk.choices:
+            text = c.text if hasattr(c, "text") else c.delta.content or ""
+            got["text"][c.index] = got["text"].get(c.index, "") + text
+            got["token_ids"][c.index] = got["token_ids"].get(c.index, []) + (c.model_extra.get("token_ids") or [])
+            if c.finish_reason:
+                assert c.index not in got["finish"], "a second finish"
+                got["finish"][c.index] = c.finish_reason
+    return got
+
+
+# --- the real server -------------------------------------------------------------------------------------
+def test_completions_match_the_offline_engine(server, smollm2):
+    want = smollm2.generate(PROMPTS, greedy(12))
+    client = server.client()
+    for prompt, w in zip(PROMPTS, want):
+        r = client.completions.create(model=NAMES[0], prompt=prompt, max_tokens=12, **GREEDY)
+        [c] = r.choices
+        assert (c.text, c.model_extra["token_ids"], c.finish_reason) == (w.outputs[0].text, w.outputs[0].token_ids,
+                                                                         "length")
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+            len(w.prompt_token_ids), 12, len(w.prompt_token_ids) + 12)
+        assert r.model == NAMES[0] and r.id.startswith("cmpl-") and r.object == "text_completion"
+
+    kw = dict(model=NAMES[1], max_tokens=12, stream_options={"include_usage": True}, **GREEDY)
+    for got, w in zip(asyncio.run(stream_all(server, [w.prompt_token_ids for w in want], kw)), want):
+        assert got["text"] == {0: w.outputs[0].text} and got["token_ids"] == {0: w.outputs[0].token_ids}
+        assert got["finish"] == {0: "length"} and len(got["ids"]) == 1
+        assert (got["usage"].prompt_tokens, got["usage"].completion_tokens) == (len(w.prompt_token_ids), 12)
+
+
+def test_chat_completions_match_the_offline_engine(server, smollm2):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    prompt = smollm2.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    [w] = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=16))
+    r = server.client().chat.completions.create(model=NAMES[0], messages=messages, max_completion_tokens=16,
+                                                temperature=0)
+    [c] = r.choices
+    assert (c.message.role, c.message.content, c.finish_reason) == ("assistant", w.outputs[0].text,
+                                                                    w.outputs[0].finish_reason)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(w.prompt_token_ids),
+                                                                  len(w.outputs[0].token_ids))
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+    async def streamed():
+        return await collect(await server.async_client().chat.completions.create(
+            model=NAMES[0], messages=messages, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+
+    got = asyncio.run(streamed())
+    assert got["text"] == {0: w.outputs[0].text} and got["finish"] == {0: w.outputs[0].finish_reason}
+    assert got["usage"].completion_tokens == len(w.outputs[0].token_ids)
+
+
+def test_n3_with_a_seed_gives_the_offline_engine_samples(server, smollm2):
+    [w] = smollm2.generate("Once upon a time", SamplingParams(n=3, temperature=0.8, seed=1234, max_tokens=8,
+                                                               ignore_eos=True))
+    want = [c.text for c in w.outputs]
+    assert len(set(want)) > 1, "three samples, not three copies"
+    kw = dict(model=NAMES[0], prompt="Once upon a time", n=3, temperature=0.8, seed=1234, max_tokens=8,
+              extra_body={"ignore_eos": True})
+    for _ in range(2):
+        r = server.client().completions.create(**kw)
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+        assert r.usage.completion_tokens == 24
+    got = asyncio.run(_stream_completion(server, kw))
+    assert [got["text"][i] for i in range(3)] == want and got["finish"] == {0: "length", 1: "length", 2: "length"}
+
+
+async def _stream_completion(server, kw) -> dict:
+    return await collect(await server.async_client().completions.create(**kw, stream=True))
+
+
+async def stream_all(server, prompts: list, kw: dict) -> list[dict]:
+    """Streams a completion of every prompt at once (one async client)."""
+    client = server.async_client()
+
+    async def one(prompt):
+        return await collect(await client.completions.create(prompt=prompt, **kw, stream=True))
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_logprobs_agree_with_the_text_and_the_offline_engine(server, smollm2):
+    [w] = smollm2.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True))
+    want = w.outputs[0]
+    r = server.client().completions.create(model=NAMES[0], prompt=PROMPTS[0], max_tokens=8, logprobs=3, **GREEDY)
+    [c] = r.choices
+    lp = c.logprobs
+    assert "".join(lp.tokens) == c.text == want.text and len(lp.tokens) == r.usage.completion_tokens == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for i, (token, entry) in enumerate(zip(want.token_ids, want.logprobs)):
+        assert lp.token_logprobs[i] == pytest.approx(entry[token], abs=1e-3)
+        assert 1 <= len(lp.top_logprobs[i]) <= 3
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i])  # greedy: the most likely
+
+    chat = server.client().chat.completions.create(model=NAMES[0], messages=[{"role": "user", "content": "Hi!"}],
+                                                   max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert len(content) == chat.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+        assert bytes(t.bytes).decode() == t.token
+
+
+def test_stop_strings_and_echo(server, smollm2):
+    [full] = smollm2.generate(PROMPTS[1], greedy(16))
+    text = full.outputs[0].text
+    stop = " ".join(text.split()[2:4])  # two words from the middle
+    assert stop and text.find(stop) > 0
+    [w] = smollm2.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))
+    kw = dict(model=NAMES[0], prompt=PROMPTS[1], max_tokens=16, stop=[stop, "never-appears"], **GREEDY)
+    r = server.client().completions.create(**kw)
+    [c] = r.choices
+    assert c.text == w.outputs[0].text == text[:text.find(stop)]
+    assert (c.finish_reason, c.model_extra["stop_reason"]) == ("stop", stop)
+    assert r.usage.completion_tokens == len(w.outputs[0].token_ids) < 16
+    got = asyncio.run(_stream_completion(server, kw))
+    assert got["text"] == {0: c.text} and got["finish"] == {0: "stop"}
+
+    echo = server.client().completions.create(model=NAMES[0], prompt=PROMPTS[1], max_tokens=16, echo=True,
+                                              **GREEDY)
+    assert echo.choices[0].text == PROMPTS[1] + text
+
+
+def test_32_concurrent_streams_complete_correctly(server, smollm2):
+    prompts = [f"Fact {i}: the most interesting thing about the number {i * 7} is" for i in range(32)]
+    want = smollm2.generate(prompts, greedy(12))
+
+    kw = dict(model=NAMES[0], max_tokens=12, stream_options={"include_usage": True}, **GREEDY)
+    got = asyncio.run(stream_all(server, prompts, kw))
+    assert len({i for g in got for i in g["ids"]}) == 32
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["token_ids"] == {0: w.outputs[0].token_ids}, f"prompt {i}"
+        assert g["text"] == {0: w.outputs[0].text} and g["finish"] == {0: "length"}, f"prompt {i}"
+        assert g["usage"].completion_tokens == 12 and g["usage"].prompt_tokens == len(w.prompt_token_ids)
+    assert server.all_blocks_free()
+
+
+def test_models_health_version_and_metrics_on_one_port(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == NAMES and models.data[0].model_extra["max_model_len"] == 512
+    with httpx.Client(base_url=server.base, timeout=10) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/version").json()["version"]
+        metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and "jaxpage:kv_blocks_free" in metrics.text
+
+
+BAD = [
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "seed": -3}, 400, "seed"),
+    ("completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "n": 40}, 400, "best_of"),
+    ("completions", {"prompt": [1] * 600}, 400, "prompt"),
+    ("completions", {"prompt": [10**6]}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("completions", {"prompt": "hi", "logit_bias": {"1": 1.0}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_bad_requests_are_openai_errors_and_the_server_keeps_serving(server, stream):
+    with httpx.Client(base_url=server.base + "/v1", timeout=30) as http:
+        for endpoint, body, status, param in BAD:
+            r = http.post("/" + endpoint, json={"model": NAMES[0], **body, "stream": stream} if "model" not in body
+                          else {**body, "stream": stream})
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, error)
+            assert error["message"] and error["type"] == "invalid_request_error"
+        r = http.post("/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] is None
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client().completions.create(model=NAMES[0], prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        server.client().chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert server.all_blocks_free() and server.metrics()["jaxpage:num_requests_in_flight"] == 0
+    assert len(server.client().completions.create(model=NAMES[0], prompt="hi", max_tokens=3,
+                                                  **GREEDY).choices[0].model_extra["token_ids"]) == 3
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_client_that_disconnects_frees_its_blocks_within_a_second(server, stream):
+    before = server.metrics()
+    free = before["jaxpage:kv_blocks_free"]
+    body = {"model": NAMES[0], "prompt": [1 + stream, *LONG], "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    with httpx.Client(base_url=server.base + "/v1", timeout=120) as http:
+        if stream:
+            with http.stream("POST", "/completions", json=body) as r:
+                events = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(events), next(events)  # prefilled and decoding
+                assert server.metrics()["jaxpage:kv_blocks_free"] <= free - 13
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/completions", json=body, timeout=httpx.Timeout(120, read=3.0))
+    server.assert_freed(free, before, 300, within=1.0)
+
+
+def test_sigterm_lets_http_and_grpc_streams_finish_then_exits_0(server):
+    """Last on the real server: it stops it."""
+    async def run():
+        client = server.async_client()
+        http_streams = [await client.completions.create(model=NAMES[0], prompt=f"Count to {i}:", max_tokens=30,
+                                                        stream=True, **GREEDY) for i in range(3)]
+        firsts = [await s.__anext__() for s in http_streams]  # admitted and streaming
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            call = pb_grpc.GenerationStub(channel).GenerateStream(pb.GenerateRequest(
+                prompt="Count to 9:", sampling=pb.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
+            await call.read()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            with pytest.raises((openai.APIStatusError, openai.APIConnectionError)) as late:
+                await client.completions.create(model=NAMES[0], prompt="late", max_tokens=2)
+            assert not isinstance(late.value, openai.APIStatusError) or late.value.status_code == 503
+            grpc_tokens, response = 0, await call.read()
+            while response is not grpc.aio.EOF:
+                grpc_tokens += sum(len(c.token_ids) for c in response.completions)
+                response = await call.read()
+        counts = []
+        for first, stream in zip(firsts, http_streams):
+            rest = await collect(stream)
+            counts.append(len(first.choices[0].model_extra["token_ids"]) + len(rest["token_ids"][0]))
+            assert rest["finish"] == {0: "length"}
+        return counts, grpc_tokens
+
+    counts, grpc_tokens = asyncio.run(run())
+    assert counts == [30, 30, 30] and grpc_tokens >= 29  # the gRPC stream's first response was read above
+    assert server.proc.wait(60) == 0
+    assert "shutting down: 4 calls in flight" in server.log.read_text()
+
+
+# --- a stand-in engine: a full queue, an engine failure ------------------------------------------------------
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("http_stand_in")
+    server = start(["-c", STAND_IN_SERVER, str(tmp / "fail"), "--max-queue", "4", "--grace-seconds", "5"],
+                   tmp / "server.log")
+    wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
+    server.fail_flag = tmp / "fail"
+    yield server
+    server.stop()
+
+
+def open_streams(http: httpx.Client, n: int) -> list:
+    """n streams of 3000 tokens, each admitted and generating."""
+    streams = []
+    for i in range(n):
+        cm = http.stream("POST", "/completions", json={"prompt": [1, 2, 3 + i], "max_tokens": 3000,
+                                                       "ignore_eos": True, "stream": True})
+        r = cm.__enter__()
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        streams.append((cm, lines))
+    return streams
+
+
+def test_a_full_queue_is_429_and_the_default_model_name(stand_in):
+    with httpx.Client(base_url=stand_in.base + "/v1", timeout=30) as http:
+        assert [m["id"] for m in http.get("/models").json()["data"]] == ["stand-in"]
+        streams = open_streams(http, 4)
+        r = http.post("/completions", json={"model": "stand-in", "prompt": [1], "max_tokens": 2})
+        assert r.status_code == 429 and "--max-queue 4" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        streams[0][0].__exit__(None, None, None)
+        stand_in.wait_metric("jaxpage:num_requests_in_flight", lambda v: v == 3)
+        r = http.post("/completions", json={"prompt": [1], "max_tokens": 2, "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7, 7]
+        for cm, _ in streams[1:]:
+            cm.__exit__(None, None, None)
+    assert stand_in.wait_metric("jaxpage:num_requests_in_flight", lambda v: v == 0) == 0
+    assert stand_in.all_blocks_free()
+
+
+def test_an_engine_failure_is_500_then_503(stand_in):
+    with httpx.Client(base_url=stand_in.base + "/v1", timeout=30) as http, ThreadPoolExecutor(1) as pool:
+        streams = open_streams(http, 2)
+        unary = pool.submit(httpx.post, stand_in.base + "/v1/completions", timeout=30,
+                            json={"prompt": [5], "max_tokens": 3000, "ignore_eos": True})
+        stand_in.wait_metric("jaxpage:num_requests_in_flight", lambda v: v == 3)
+        stand_in.fail_flag.touch()
+        assert unary.result().status_code == 500 and unary.result().json()["error"]["code"] == "engine_error"
+        for cm, lines in streams:
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["type"] == "server_error" and "injected engine failure" in error["message"]
+            cm.__exit__(None, None, None)
+        deadline = time.monotonic() + 5
+        while http.get(stand_in.base + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http.get(stand_in.base + "/health").status_code == 503
+        r = http.post("/completions", json={"prompt": [1], "max_tokens": 2})
+        assert r.status_code == 503 and "injected engine failure" in r.json()["error"]["message"]
+    stand_in.proc.send_signal(signal.SIGTERM)
+    assert stand_in.proc.wait(30) == 0
