@@ -307,16 +307,16 @@ class LLMEngine:
                           _contained(failed, request_id, self._finish_if_done, outputs[i], now))
         if failed:
             outputs = [o for o in outputs if o is not None and o.request_id not in failed]
-            return outputs + [self._error(request_id, e) for request_id, e in failed.items()]
+            return outputs + [self._error(request_id, e, touched.get(request_id)) for request_id, e in failed.items()]
         return [o for o in outputs if o is not None] if deferred else outputs
 
-    def _error(self, request_id: str, error: Exception) -> RequestOutput:
+    def _error(self, request_id: str, error: Exception, request: Request | None) -> RequestOutput:
         """Ends a request whose host-side work raised (a bug or an input validation missed): it alone fails."""
         log.error("request %s failed on the engine thread; it is ended, the others go on", request_id,
                   exc_info=error)
-        request = self.requests.pop(request_id, None)
+        request = self.requests.pop(request_id, None) or request  # it may have been forgotten as it finished
         message = f"the request failed on the engine: {type(error).__name__}: {error}"
-        if request is None:  # it had finished before the failure
+        if request is None:
             return RequestOutput(request_id, None, [], [], True, None, error=message)
         group = request.group
         self.scheduler.finish_group(group, "error")
