@@ -1,7 +1,8 @@
 """A model-less engine for tests that need the engine core or the server but not a model: it starts in a second.
 
 The stand-in runner "samples" token 7 for every row (with top log-probabilities 7, 8, ... for beam search); an
-optional flag file makes the step raise, as a device error would.
+optional flag file makes the step raise, as a device error would: once (the file is removed), or on every
+step while the file says "always".
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def make_engine(*, num_kv_blocks: int = 257, max_num_seqs: int = 8, max_num_batc
 
         def step_that_fails_once_flagged():
             if os.path.exists(fail_flag):
+                with open(fail_flag) as f:
+                    if f.read().strip() != "always":  # a transient error: the next engine runs
+                        os.unlink(fail_flag)
                 raise RuntimeError("injected device error")
             return step()
 
