@@ -148,9 +148,6 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, token_ids = self._prompt_tokens(prompt)
         max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than "
-                             f"max_model_len={max_len} to leave room for one generated token")
         self._check_width(params)
         if params.max_tokens is not None:
             max_len = min(max_len, len(token_ids) + params.max_tokens)
@@ -162,6 +159,12 @@ class LLMEngine:
         plain = params.best_of == 1 and not params.use_beam_search and params.logprobs is None
         self.requests[request_id] = Request(group, text, {}, RequestMetrics(time.monotonic()), list(token_ids), plain)
         self.scheduler.add(group)
+
+    def _check_length(self, num_tokens: int) -> None:
+        max_len = self.config.max_model_len
+        if num_tokens >= max_len:
+            raise ValueError(f"prompt has {num_tokens} tokens; it must be shorter than "
+                             f"max_model_len={max_len} to leave room for one generated token")
 
     def _check_width(self, params: SamplingParams) -> None:
         """One request may hold at most max_seqs_per_request sequences, so it cannot take every batch slot."""
@@ -189,11 +192,14 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return prompt, self.tokenize(prompt)
+            ids = self.tokenize(prompt)
+            self._check_length(len(ids))
+            return prompt, ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:  # with "prompt": its text, tokenized already
             ids = list(prompt["prompt_token_ids"])
             if not ids:
                 raise ValueError("prompt_token_ids is empty")
+            self._check_length(len(ids))  # before the per-token check: this runs on the engine thread
             vocab = self.config.model.vocab_size
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
