@@ -6,7 +6,7 @@ prompts run first in small waves, max tokens each; a request for m tokens must g
 a cancelled one ends CANCELLED or, if it finished first, correct; no other status; every KV block is free at the
 end (from /metrics); the server's RSS (VmRSS) is sampled along the way.
 
-    python benchmarks/soak.py --requests 2000 --json soak.json
+    python -m benchmarks.soak --requests 2000 --json soak.json
 """
 from __future__ import annotations
 
@@ -106,13 +106,14 @@ def main() -> None:
     parser.add_argument("--cancel", type=float, default=0.2)
     parser.add_argument("--prompts", type=int, default=48, help="distinct prompts (each with a reference)")
     parser.add_argument("--max-prompt", type=int, default=40)
-    parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--num-kv-blocks", type=int, default=48, help="tight: preemption happens")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-kv-blocks", type=int, default=20, help="tight: preemption happens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--log", default="soak_server.log", help="the server's log")
     ns = parser.parse_args()
     port, metrics_port = free_port(), free_port()
-    log = Path("soak_server.log")
+    log = Path(ns.log)
     flags = ["--max-model-len", "256", "--num-kv-blocks", str(ns.num_kv_blocks), "--max-num-seqs", "32",
              "--max-num-batched-tokens", "64", "--dtype", "float32"]
     proc = spawn(["-m", "jaxpage.cli", "serve", *flags, "--port", str(port), "--metrics-port", str(metrics_port)],

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     cli.add_argument("--info", action="store_true", help="print the served model's info instead")
     cli.add_argument("--verbose", "-v", action="store_true", help="finish reason and token counts to stderr")
+    cli.add_argument("--api-key", default=None, help="bearer token (default $JAXPAGE_API_KEY)")
+    cli.add_argument("--tls-ca", default=None, help="PEM CA certificates to trust: connect over TLS")
+    cli.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
+    cli.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     cli.add_argument("prompt", nargs="?", default="")
     return parser
 

@@ -194,3 +194,18 @@ def test_tls_without_client_certificates(tmp_path, certs):
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         server.stop()
+
+
+def test_the_cli_client_speaks_mutual_tls_with_the_token(mtls_server, certs):
+    import subprocess
+    import sys
+
+    from serving.launch import ROOT
+
+    argv = [sys.executable, "-m", "jaxpage.cli", "client", "--target", mtls_server.target, "--info",
+            "--tls-ca", str(certs["ca.pem"]), "--tls-cert", str(certs["client.pem"]),
+            "--tls-key", str(certs["client.key"])]
+    ok = subprocess.run([*argv, "--api-key", KEY], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and 'model_name: "stand-in"' in ok.stdout, ok.stderr
+    refused = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
