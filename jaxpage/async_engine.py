@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -25,6 +26,10 @@ class EngineDeadError(RuntimeError):
     """The step loop has stopped on an error; requests in flight and new ones fail with this."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this one request on an internal failure; the others go on."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -37,6 +42,8 @@ class AsyncEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._stopping = False
         self.error: BaseException | None = None
+        # text prompts are tokenized here, off the loop thread (one worker: the tokenizer is not reentrant)
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpage-tokenize")
         self._thread = threading.Thread(target=self._loop, name="jaxpage-engine", daemon=True)
         self._thread.start()
 
@@ -57,6 +64,9 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
+        if isinstance(prompt, str) and prompt:
+            ids = await loop.run_in_executor(self._tokenizer_thread, self.engine.tokenize, prompt)
+            prompt = {"prompt": prompt, "prompt_token_ids": ids}
         queue: asyncio.Queue = asyncio.Queue()
         admitted = loop.create_future()
         self._inbox.append((request_id, prompt, params, priority, loop, queue, admitted))
@@ -130,6 +140,7 @@ class AsyncEngine:
         self._stopping = True
         self._work.set()
         self._thread.join(timeout)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
         try:
@@ -151,7 +162,8 @@ class AsyncEngine:
                             self._streams.pop(out.request_id, None)
                 for target, out in targets:
                     if target is not None:
-                        target[0].call_soon_threadsafe(target[1].put_nowait, out)
+                        item = out if out.error is None else RequestFailedError(out.error)
+                        target[0].call_soon_threadsafe(target[1].put_nowait, item)
         except BaseException as e:  # noqa: BLE001 - report any failure to every waiting request
             log.exception("engine loop died")
             self.error = e

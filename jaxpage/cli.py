@@ -20,6 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--cache-dir", default=None, help="converted weights and compiled steps (default ~/.cache/jaxpage)")
+    parser.add_argument("--max-seqs-per-request", type=int, default=None,
+                        help="most sequences (n, best_of, beams) one request may hold, so that no request takes "
+                             "every batch slot (default: max-num-seqs; `serve`: half of it)")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=defaults.scan_layers,
                         help="--no-scan-layers unrolls the layers: about 4x the compile time at start-up, "
                              "11-15 %% faster decode steps on a CPU")
@@ -56,6 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests in flight (waiting + running) beyond which calls get RESOURCE_EXHAUSTED")
     srv.add_argument("--grace-seconds", type=float, default=30.0,
                      help="on SIGTERM/SIGINT, how long calls in flight may take to finish")
+    srv.add_argument("--max-engine-restarts", type=int, default=3,
+                     help="fresh engines made when the engine loop dies (device error); then the process exits 1")
+    srv.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request message accepted")
+    srv.add_argument("--max-prompt-bytes", type=int, default=1 << 20,
+                     help="largest prompt (UTF-8 bytes, chat messages summed), refused before tokenizing")
+    srv.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and metrics over TLS")
+    srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    srv.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA certificates: clients must present a certificate signed by one (mutual TLS)")
+    srv.add_argument("--api-key", default=None,
+                     help="bearer token required on every call (metadata 'authorization: Bearer KEY') and on "
+                          "/metrics; default $JAXPAGE_API_KEY; the health service stays open")
+    srv.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                     help="gRPC server reflection (--no-reflection turns it off)")
 
     cli = sub.add_parser("client", help="call a running `jaxpage serve`; the text goes to stdout")
     cli.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
@@ -67,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     cli.add_argument("--info", action="store_true", help="print the served model's info instead")
     cli.add_argument("--verbose", "-v", action="store_true", help="finish reason and token counts to stderr")
+    cli.add_argument("--api-key", default=None, help="bearer token (default $JAXPAGE_API_KEY)")
+    cli.add_argument("--tls-ca", default=None, help="PEM CA certificates to trust: connect over TLS")
+    cli.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
+    cli.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     cli.add_argument("prompt", nargs="?", default="")
     return parser
 
@@ -95,6 +116,15 @@ def generate(ns: argparse.Namespace) -> int:
 def serve(ns: argparse.Namespace) -> int:
     if ns.max_queue is not None and ns.max_queue < 1:
         raise ValueError(f"--max-queue={ns.max_queue} must be >= 1")
+    if bool(ns.tls_cert) != bool(ns.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if ns.tls_client_ca and not ns.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    for flag in ("max_message_bytes", "max_prompt_bytes", "max_engine_restarts"):
+        if getattr(ns, flag) < (0 if flag == "max_engine_restarts" else 1):
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(ns, flag)} is out of range")
+    if ns.max_seqs_per_request is None:  # a server has many clients: none may take every slot
+        ns.max_seqs_per_request = max(1, ns.max_num_seqs // 2)
     from serving.server import run
 
     return run(ns)

@@ -46,6 +46,7 @@ class EngineArgs:
     scan_layers: bool = True  # False unrolls the layers: ~4x the compile time, faster CPU steps (model.unstack_layers)
     preemption_mode: str = "recompute"
     swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
+    max_seqs_per_request: int | None = None  # bound on n / best_of of one request (None: max_num_seqs)
     cache_dir: str | None = None
     progress: bool = True
 
@@ -63,12 +64,32 @@ class Request:
     detok: IncrementalDetokenizer | None = None  # the lean case's one detokenizer, once made
 
 
+class DoesNotFitError(ValueError):
+    """The request can never fit in the KV pool (the server answers RESOURCE_EXHAUSTED)."""
+
+
+def _contained(failed: dict[str, Exception], request_id: str, fn, *args):
+    """fn(*args), or None with the error recorded against the request."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - one request's failure must not stop the engine
+        failed.setdefault(request_id, e)
+        return None
+
+
 class LLMEngine:
     """The engine over any runner with ``warm_up``, ``apply(DeviceOps)`` and ``execute(scheduled)``."""
 
     def __init__(self, config: EngineConfig, runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
-                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute", num_host_blocks: int = 0):
+                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute", num_host_blocks: int = 0,
+                 max_seqs_per_request: int | None = None):
         self.config = config
+        self.max_seqs_per_request = min(max_seqs_per_request or config.max_num_seqs, config.max_num_seqs)
+        if self.max_seqs_per_request < 1:
+            raise ValueError(f"max_seqs_per_request={max_seqs_per_request} must be >= 1")
+        # Refuse at admission a request whose sequences can never all fit in the pool (its worst case); off only
+        # in tests of the scheduler's own safety net for such groups (they end with finish_reason 'abort')
+        self.refuse_unfittable = True
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -104,7 +125,8 @@ class LLMEngine:
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                      model_name=loaded.name, enable_prefix_caching=args.enable_prefix_caching,
-                     preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks)
+                     preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks,
+                     max_seqs_per_request=args.max_seqs_per_request)
         started = time.perf_counter()
         runner.warm_up(progress=args.progress)
         engine.load_seconds, engine.warmup_seconds = load_seconds, time.perf_counter() - started
@@ -126,13 +148,10 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, token_ids = self._prompt_tokens(prompt)
         max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than "
-                             f"max_model_len={max_len} to leave room for one generated token")
-        if params.best_of > self.config.max_num_seqs:
-            raise ValueError(f"SamplingParams.best_of={params.best_of} exceeds max_num_seqs={self.config.max_num_seqs}")
+        self._check_width(params)
         if params.max_tokens is not None:
             max_len = min(max_len, len(token_ids) + params.max_tokens)
+        self._check_fits(len(token_ids), params.best_of, max_len)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
                        max_len=max_len, seed=seed)
@@ -141,19 +160,50 @@ class LLMEngine:
         self.requests[request_id] = Request(group, text, {}, RequestMetrics(time.monotonic()), list(token_ids), plain)
         self.scheduler.add(group)
 
+    def _check_length(self, num_tokens: int) -> None:
+        max_len = self.config.max_model_len
+        if num_tokens >= max_len:
+            raise ValueError(f"prompt has {num_tokens} tokens; it must be shorter than "
+                             f"max_model_len={max_len} to leave room for one generated token")
+
+    def _check_width(self, params: SamplingParams) -> None:
+        """One request may hold at most max_seqs_per_request sequences, so it cannot take every batch slot."""
+        cap = self.max_seqs_per_request
+        if params.best_of > cap:
+            field = "best_of" if params.best_of != params.n else "n"
+            limit = (f"max_seqs_per_request={cap}" if cap < self.config.max_num_seqs
+                     else f"max_num_seqs={self.config.max_num_seqs}")
+            raise ValueError(f"SamplingParams.{field}={params.best_of} exceeds {limit} "
+                             "(the sequences one request may hold at once)")
+
+    def _check_fits(self, num_prompt_tokens: int, width: int, max_len: int) -> None:
+        """Refuses a request that can never fit in the pool: the prompt's full blocks, shared by its width
+        sequences, plus each sequence's own blocks up to max_len (its worst case, every sequence at full length)."""
+        bs, pool = self.config.block_size, self.config.num_kv_blocks - 1  # the null block is never handed out
+        shared = num_prompt_tokens // bs
+        needed = shared + width * (-(-max_len // bs) - shared)
+        if self.refuse_unfittable and needed > pool:
+            raise DoesNotFitError(
+                f"the request needs up to {needed} KV blocks ({num_prompt_tokens} prompt tokens, {width} "
+                f"sequence(s) of up to {max_len} tokens, {bs} tokens a block); the pool has {pool}: "
+                "shorten the prompt or lower max_tokens or n")
+
     def _prompt_tokens(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return prompt, self.tokenize(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = self.tokenize(prompt)
+            self._check_length(len(ids))
+            return prompt, ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:  # with "prompt": its text, tokenized already
             ids = list(prompt["prompt_token_ids"])
             if not ids:
                 raise ValueError("prompt_token_ids is empty")
+            self._check_length(len(ids))  # before the per-token check: this runs on the engine thread
             vocab = self.config.model.vocab_size
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-            return None, ids
+            return prompt.get("prompt"), ids
         raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> None:
@@ -180,82 +230,105 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         deferred: list[int] = []  # places in outputs held by requests whose output waits for the whole step
         beams = False
+        failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
         for row, s in enumerate(out.scheduled):
-            seq, group = s.seq, s.group
-            if s.logits_of is None:
-                seq.num_computed_tokens += s.num_new_tokens
-            else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
-                seq.num_computed_tokens = seq.num_tokens
-            if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block was filled: cache it
-                self.kv.cache_full_blocks(seq)
-            if not s.samples or group.status is finished:
-                continue
-            request_id, p = group.request_id, group.params
-            request = requests[request_id]
-            if request.plain:  # its only sequence: no other row and no beam step changes its output
-                # _append_token, inlined: this runs for every sequence at every step
-                token, token_ids, seq_id = tokens[row], seq.token_ids, seq.seq_id
-                token_ids.append(token)
-                seq.cumulative_logprob += logprobs[row]
-                detok = request.detok
-                if detok is None:
-                    detok = request.detok = request.detokenizers.get(seq_id)
+            try:
+                seq, group = s.seq, s.group
+                if s.logits_of is None:
+                    seq.num_computed_tokens += s.num_new_tokens
+                else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
+                    seq.num_computed_tokens = seq.num_tokens
+                if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block was filled: cache it
+                    self.kv.cache_full_blocks(seq)
+                if not s.samples or group.status is finished:
+                    continue
+                request_id, p = group.request_id, group.params
+                request = requests[request_id]
+                if request.plain:  # its only sequence: no other row and no beam step changes its output
+                    # _append_token, inlined: this runs for every sequence at every step
+                    token, token_ids, seq_id = tokens[row], seq.token_ids, seq.seq_id
+                    token_ids.append(token)
+                    seq.cumulative_logprob += logprobs[row]
+                    detok = request.detok
                     if detok is None:
-                        detok = request.detok = request.detokenizers[seq_id] = IncrementalDetokenizer(
-                            self.tokenizer, token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
-                detok.add(token)
-                if (p.stop or p.stop_token_ids or len(token_ids) >= seq.max_len
-                        or (token in eos and not p.ignore_eos)):  # else it cannot have finished
-                    reason = self._finish_reason(request, seq, token, detok)
-                    if reason is not None:
-                        self.scheduler.finish_seq(group, seq, reason)
+                        detok = request.detok = request.detokenizers.get(seq_id)
+                        if detok is None:
+                            detok = request.detok = request.detokenizers[seq_id] = IncrementalDetokenizer(
+                                self.tokenizer, token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
+                    detok.add(token)
+                    if (p.stop or p.stop_token_ids or len(token_ids) >= seq.max_len
+                            or (token in eos and not p.ignore_eos)):  # else it cannot have finished
+                        reason = self._finish_reason(request, seq, token, detok)
+                        if reason is not None:
+                            self.scheduler.finish_seq(group, seq, reason)
+                    if request.metrics.first_token_time is None:
+                        request.metrics.first_token_time = now
+                    if seq.finish_reason is not None:  # done: finished once the step is through
+                        deferred.append(len(outputs))
+                        outputs.append(request)
+                        continue
+                    kind = p.output_kind
+                    if kind == "final_only":
+                        continue
+                    # as _output(request, False), made now: _completion(request, seq, 0, False), inlined
+                    text = detok.output_text(False)
+                    if kind == "delta":  # what is new since the last output
+                        sent = request.sent.get(seq_id)
+                        if sent is None:  # [tokens, chars] sent, updated in place (_completion reads it as a pair)
+                            sent = request.sent[seq_id] = [0, 0]
+                        tokens_from, text_from = sent
+                        new_ids = token_ids[seq.num_prompt_tokens + tokens_from:]
+                        sent[0], sent[1] = tokens_from + len(new_ids), len(text)
+                        if text_from:
+                            text = text[text_from:]
+                    else:
+                        new_ids = token_ids[seq.num_prompt_tokens:]
+                    outputs.append(RequestOutput(request_id, request.prompt, request.prompt_token_ids, [
+                        CompletionOutput(0, text, new_ids, seq.cumulative_logprob, None, None,
+                                         request.stop_reasons.get(seq_id))], False, request.metrics))
+                    continue
+                if p.use_beam_search:
+                    seq.pending_top = (sampled.top_ids[row], sampled.top_logprobs[row])
+                    beams = True
+                else:  # the top log-probabilities are read only when the request asked for them
+                    top = (sampled.top_ids[row], sampled.top_logprobs[row]) if p.logprobs is not None else None
+                    self._append_token(request, seq, tokens[row], logprobs[row], top)
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
-                if seq.finish_reason is not None:  # done: finished once the step is through
-                    deferred.append(len(outputs))
-                    outputs.append(request)
+                if request_id in touched:
                     continue
-                kind = p.output_kind
-                if kind == "final_only":
-                    continue
-                # as _output(request, False), made now: _completion(request, seq, 0, False), inlined
-                text = detok.output_text(False)
-                if kind == "delta":  # what is new since the last output
-                    sent = request.sent.get(seq_id)
-                    if sent is None:  # [tokens, chars] sent, updated in place (_completion reads it as a pair)
-                        sent = request.sent[seq_id] = [0, 0]
-                    tokens_from, text_from = sent
-                    new_ids = token_ids[seq.num_prompt_tokens + tokens_from:]
-                    sent[0], sent[1] = tokens_from + len(new_ids), len(text)
-                    if text_from:
-                        text = text[text_from:]
-                else:
-                    new_ids = token_ids[seq.num_prompt_tokens:]
-                outputs.append(RequestOutput(request_id, request.prompt, request.prompt_token_ids, [CompletionOutput(
-                    0, text, new_ids, seq.cumulative_logprob, None, None, request.stop_reasons.get(seq_id))], False,
-                    request.metrics))
-                continue
-            if p.use_beam_search:
-                seq.pending_top = (sampled.top_ids[row], sampled.top_logprobs[row])
-                beams = True
-            else:  # the top log-probabilities are read only when the request asked for them
-                top = (sampled.top_ids[row], sampled.top_logprobs[row]) if p.logprobs is not None else None
-                self._append_token(request, seq, tokens[row], logprobs[row], top)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if request_id in touched:
-                continue
-            touched[request_id] = request  # outputs come in the order of the requests' first rows
-            deferred.append(len(outputs))  # made once every row and beam step is in
-            outputs.append(request)
+                touched[request_id] = request  # outputs come in the order of the requests' first rows
+                deferred.append(len(outputs))  # made once every row and beam step is in
+                outputs.append(request)
+            except Exception as e:  # noqa: BLE001 - a failure in one request's host work ends that request alone
+                failed.setdefault(s.group.request_id, e)
         if beams:
             for request in touched.values():
-                if request.group.params.use_beam_search:
-                    self._advance_beams(request)
+                if request.group.params.use_beam_search and request.group.request_id not in failed:
+                    _contained(failed, request.group.request_id, self._advance_beams, request)
         self._track_peak_kv()
         for i in deferred:
-            outputs[i] = self._finish_if_done(outputs[i], now)
+            request_id = outputs[i].group.request_id
+            outputs[i] = (None if request_id in failed else
+                          _contained(failed, request_id, self._finish_if_done, outputs[i], now))
+        if failed:
+            outputs = [o for o in outputs if o is not None and o.request_id not in failed]
+            return outputs + [self._error(request_id, e, touched.get(request_id)) for request_id, e in failed.items()]
         return [o for o in outputs if o is not None] if deferred else outputs
+
+    def _error(self, request_id: str, error: Exception, request: Request | None) -> RequestOutput:
+        """Ends a request whose host-side work raised (a bug or an input validation missed): it alone fails."""
+        log.error("request %s failed on the engine thread; it is ended, the others go on", request_id,
+                  exc_info=error)
+        request = self.requests.pop(request_id, None) or request  # it may have been forgotten as it finished
+        message = f"the request failed on the engine: {type(error).__name__}: {error}"
+        if request is None:
+            return RequestOutput(request_id, None, [], [], True, None, error=message)
+        group = request.group
+        self.scheduler.finish_group(group, "error")
+        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(group.params.n)]
+        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions, True,
+                             request.metrics, error=message)
 
     def _fail(self, group: SequenceGroup) -> RequestOutput:
         """A request that cannot fit in the pool even alone: it ends with finish_reason 'abort'."""

@@ -313,7 +313,7 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
             history[row, :seq.num_tokens] = seq.token_ids
             num_prompt[row] = seq.num_prompt_tokens
         if seq.num_output_tokens < p.min_tokens:
-            ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            ban = ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)  # EOS first
             banned[row, :len(ban)] = ban[:MAX_BANNED]
     sampling = SamplingBatch(
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],

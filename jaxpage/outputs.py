@@ -11,7 +11,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None  # per generated token: top token id -> log-probability
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
     @property
@@ -49,3 +49,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine ended this request on an internal failure

@@ -6,9 +6,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpage.sampling_params import MAX_LOGPROBS
+from jaxpage.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
-MAX_BANNED = 16  # EOS and stop token ids masked while a sequence is under min_tokens
+# EOS and stop token ids masked while a sequence is under min_tokens: room for MAX_STOP_TOKEN_IDS and 16 EOS ids
+MAX_BANNED = MAX_STOP_TOKEN_IDS + 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MAX_LOGPROBS = 20  # top log-probabilities the step returns per token (also bounds beam width: 2 x width)
+# Bounds that keep the float32 sampler and the beam score finite: logits / temperature and logits /
+# repetition_penalty stay far below float32's max (3.4e38) for logits of any model, a nucleus of top_p holds at
+# least one token (a denormal top_p flushes to 0 on the device), and len ** length_penalty stays finite and non-zero
+# in float64 for any length up to 10**6.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 100.0
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY = 1e-2
+MAX_ABS_LENGTH_PENALTY = 10.0
+MAX_STOP_TOKEN_IDS = 64  # all of them are banned under min_tokens (sampler.MAX_BANNED)
 
 
 @dataclasses.dataclass
@@ -41,18 +51,25 @@ class SamplingParams:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         _check(isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", self.best_of,
                f"must be an integer >= n={self.n}")
-        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        for name in _FLOATS:
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+                   value, "must be a finite number")
+        _check(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               self.temperature, f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "must be an integer >= 0 (0 or -1 disables it)")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(MIN_TOP_P <= self.top_p <= 1, "top_p", self.top_p, f"must be in [{MIN_TOP_P}, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "seed", self.seed,
                "must be an integer in [0, 2**32)")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
                "must be in [-2, 2]")
-        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", self.repetition_penalty,
-               "must be in (0, 2]")
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2, "repetition_penalty",
+               self.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY}, 2]")
+        _check(abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY, "length_penalty", self.length_penalty,
+               f"must be in [-{MAX_ABS_LENGTH_PENALTY}, {MAX_ABS_LENGTH_PENALTY}]")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
@@ -61,6 +78,8 @@ class SamplingParams:
                f"must not exceed max_tokens={self.max_tokens}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be non-negative integers")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
+               f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
@@ -83,6 +102,10 @@ class SamplingParams:
     @property
     def beam_width(self) -> int:
         return self.best_of
+
+
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "length_penalty")
 
 
 def _check(ok: bool, field: str, value, rule: str) -> None:

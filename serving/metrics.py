@@ -2,14 +2,14 @@
 
 Latencies and token counts are observed by the request handlers, as the client sees them from the server:
 time to first token counts from the moment the call reached the handler. Engine state (running, waiting,
-KV usage, preemptions, prefix cache) is read from ``AsyncEngine.stats()`` at scrape time.
+KV usage, preemptions, prefix cache) is read from ``AsyncEngine.stats()`` at scrape time. The HTTP endpoint is
+served by serving.security (``/metrics`` only, TLS and the bearer token when configured).
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
-                               start_http_server)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -98,7 +98,3 @@ class Metrics:
             if model_name:  # known for good once the engine is up
                 self._children[key] = child
         return child
-
-    def serve(self, port: int, addr: str = "0.0.0.0"):
-        """Starts the HTTP exporter in a daemon thread; returns (server, thread)."""
-        return start_http_server(port, addr=addr, registry=self.registry)

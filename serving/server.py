@@ -5,9 +5,14 @@
 Beside it, on --http-port, the OpenAI-compatible HTTP API (serving/openai_api.py) over the same service.
 
 Start-up: the port opens at once with health NOT_SERVING; the engine loads and compiles every bucket in a
-thread, runs one warm-up request, and only then does health turn SERVING. A health watcher turns it
-NOT_SERVING for good when the engine loop dies; SIGTERM/SIGINT stop accepting calls, let the calls in flight
-finish within --grace-seconds, and exit 0 (a second signal cancels what is left).
+thread, runs one warm-up request, and only then does health turn SERVING. A request that fails on the engine
+thread ends alone (INTERNAL). When the engine loop itself dies (a device error), a watcher turns health
+NOT_SERVING, fails the calls in flight with UNAVAILABLE and makes a fresh engine, at most
+--max-engine-restarts times over the process's life; after that the process exits 1, for a supervisor to
+restart it: never a live process that serves nothing. SIGTERM/SIGINT stop accepting calls, let the calls in
+flight finish within --grace-seconds, and exit 0 (a second signal cancels what is left).
+
+Every error status a call ends with is counted in request_errors_total by code, rejections included.
 
 Every call runs in the event loop; the engine's step loop runs in its own thread. A call that ends early
 (client cancel, disconnect, expired deadline) is cancelled by grpc.aio; the cancellation goes through the
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -33,6 +39,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
+from serving import security
 from serving.metrics import Metrics
 
 log = logging.getLogger("jaxpage.serve")
@@ -56,6 +63,29 @@ class RequestError(Exception):
         self.code, self.message = code, message
 
 
+@dataclasses.dataclass
+class UndecodableRequest:
+    """A request message protobuf could not parse (corrupt bytes, invalid UTF-8 in a string field)."""
+    error: str
+
+
+def _lenient(parse: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    """A deserializer that hands the handler an UndecodableRequest instead of raising: grpc would answer
+    UNKNOWN (and log a traceback); the handler answers INVALID_ARGUMENT."""
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or anything else parsing raises
+            return UndecodableRequest(f"the request message cannot be parsed ({type(e).__name__}: {e}); "
+                                      "string fields must be valid UTF-8")
+    return deserialize
+
+
+def _client_names(message: str) -> str:
+    """Field names as the client wrote them: the engine's ``SamplingParams.n`` is the request's ``sampling.n``."""
+    return message.replace("SamplingParams.", "sampling.")
+
+
 def sampling_params(msg: pb.SamplingParams, output_kind: str):
     """The engine's SamplingParams from the proto; ValueError (naming ``sampling.<field>``) on bad values."""
     from jaxpage.sampling_params import SamplingParams
@@ -70,7 +100,17 @@ def sampling_params(msg: pb.SamplingParams, output_kind: str):
     try:
         return SamplingParams(**kw, output_kind=output_kind)
     except ValueError as e:
-        raise ValueError(str(e).replace("SamplingParams.", "sampling.", 1)) from None
+        raise ValueError(_client_names(str(e))) from None
+
+
+def check_prompt_size(request: pb.GenerateRequest, max_bytes: int | None) -> None:
+    """Refuses a prompt over max_bytes of UTF-8 before anything tokenizes or renders it."""
+    if max_bytes is None:
+        return
+    size = len(request.prompt.encode()) + sum(len(m.content.encode()) + len(m.role.encode())
+                                              for m in request.messages)
+    if size > max_bytes:
+        raise ValueError(f"prompt is {size} bytes; the limit is {max_bytes} (--max-prompt-bytes)")
 
 
 def engine_prompt(request: pb.GenerateRequest, engine) -> str | dict:
@@ -110,10 +150,11 @@ def _completion(c, finish_reason: str) -> pb.Completion:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, metrics: Metrics, max_queue: int | None = None):
+    def __init__(self, metrics: Metrics, max_queue: int | None = None, max_prompt_bytes: int | None = None):
         self.engine = None  # the AsyncEngine, once loaded and warm
         self.metrics = metrics
         self.max_queue = max_queue
+        self.max_prompt_bytes = max_prompt_bytes
         self.accepting = False
         self.not_accepting_reason = "the server is starting: the engine is loading"
         self.in_flight: dict[str, asyncio.Task] = {}
@@ -147,6 +188,18 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield pb.GenerateResponse(request_id=out.request_id, completions=completions,
                                           usage=self._usage(out, total) if out.finished else None)
 
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods, with requests parsed leniently (see _lenient)."""
+        parse = _lenient(pb.GenerateRequest.FromString)
+        serialize = pb.GenerateResponse.SerializeToString
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Generate": grpc.unary_unary_rpc_method_handler(self.Generate, parse, serialize),
+            "GenerateStream": grpc.unary_stream_rpc_method_handler(self.GenerateStream, parse, serialize),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.GetModelInfo, _lenient(pb.GetModelInfoRequest.FromString),
+                pb.GetModelInfoResponse.SerializeToString),
+        })
+
     async def GetModelInfo(self, request, context):
         engine = await self._engine_or_abort(context)
         cfg = engine.engine.config
@@ -159,8 +212,12 @@ class GenerationService(pb_grpc.GenerationServicer):
     # --- one request's life -----------------------------------------------------------------------------
     async def _engine_or_abort(self, context):
         if not self.accepting or self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.not_accepting_reason)
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, self.not_accepting_reason)
         return self.engine
+
+    async def _reject(self, context, code: grpc.StatusCode, message: str):
+        self._count_error(code)
+        await context.abort(code, message)
 
     async def _outputs(self, request, context, output_kind: str) -> AsyncIterator[tuple]:
         """Admits the request and yields (RequestOutput, now); maps every failure to a status code.
@@ -169,19 +226,20 @@ class GenerationService(pb_grpc.GenerationServicer):
         disconnect, deadline) raises CancelledError inside the engine stream, whose own clean-up aborts; a
         call ended while its handler was not waiting on the stream is aborted by the done callback.
         """
-        from jaxpage.async_engine import EngineDeadError
+        from jaxpage.async_engine import EngineDeadError, RequestFailedError
+        from jaxpage.llm_engine import DoesNotFitError
 
         started = time.monotonic()
+        if isinstance(request, UndecodableRequest):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         engine = await self._engine_or_abort(context)
         if self.max_queue is not None and len(self.in_flight) >= self.max_queue:
-            self._count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the queue is full: {len(self.in_flight)} requests in flight "
-                                f"(--max-queue {self.max_queue}); retry later")
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the queue is full: {len(self.in_flight)} requests in flight "
+                               f"(--max-queue {self.max_queue}); retry later")
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self.in_flight:
-            self._count_error(grpc.StatusCode.ALREADY_EXISTS)
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r} is already in use")
+            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r} is already in use")
         task = asyncio.current_task()
         self.in_flight[request_id] = task
         m = self.metrics
@@ -191,10 +249,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             try:
                 params = sampling_params(request.sampling, output_kind)
+                check_prompt_size(request, self.max_prompt_bytes)
                 prompt = engine_prompt(request, engine.engine)
                 stream = await engine.add_request(request_id, prompt, params, priority=request.priority)
+            except DoesNotFitError as e:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             except ValueError as e:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, _client_names(str(e))) from None
             except EngineDeadError as e:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             try:
@@ -206,13 +267,19 @@ class GenerationService(pb_grpc.GenerationServicer):
                     finished = out.finished
                     yield out, now
             except EngineDeadError as e:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{e}; the server restarts the engine: "
+                                   "retry shortly") from None
+            except RequestFailedError as e:
                 raise RequestError(grpc.StatusCode.INTERNAL, str(e)) from None
             except asyncio.CancelledError:
                 if request_id in self._failed_by_watcher:
-                    raise RequestError(grpc.StatusCode.INTERNAL, "the engine loop died") from None
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine loop died; the server restarts "
+                                       "the engine: retry shortly") from None
                 log.info("request %s ended early (client cancel, disconnect, deadline or server stop): "
                          "aborted", request_id)
-                self._count_error(grpc.StatusCode.CANCELLED)
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0
+                self._count_error(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED)
                 raise
         except RequestError as e:
             self._count_error(e.code)
@@ -326,13 +393,16 @@ class Server:
     def __init__(self, ns: argparse.Namespace, make_engine: Callable[[], object]):
         self.ns = ns
         self.make_engine = make_engine
-        self.service = GenerationService(Metrics(self._stats, self._model_name), ns.max_queue)
+        self.service = GenerationService(Metrics(self._stats, self._model_name), ns.max_queue,
+                                         getattr(ns, "max_prompt_bytes", None))
         self.health = health_aio.HealthServicer()
         self.stopping = asyncio.Event()
         self.signals = 0
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.http = None  # the OpenAI-compatible HTTP server (serving/http_server.py), unless --http-port 0
+        self.restarts = 0  # engines made after the first one died
+        self.exit_code = 0
 
     def _stats(self):
         engine = self.service.engine
@@ -348,23 +418,36 @@ class Server:
 
     async def start(self) -> None:
         ns = self.ns
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
+        key = security.api_key(getattr(ns, "api_key", None))
+        interceptors = [security.BearerTokenInterceptor(key, self.service._count_error)] if key else []
+        max_bytes = getattr(ns, "max_message_bytes", None) or 4 << 20
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_bytes)])
+        self.server.add_generic_rpc_handlers((self.service.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
+        if getattr(ns, "reflection", True):
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                self.server)
         await self.set_health(NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{ns.host}:{ns.port}")
+        cert, cert_key, client_ca = (getattr(ns, name, None) for name in ("tls_cert", "tls_key", "tls_client_ca"))
+        address = f"{ns.host}:{ns.port}"
+        if cert:
+            self.port = self.server.add_secure_port(address, security.server_credentials(cert, cert_key, client_ca))
+        else:
+            self.port = self.server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"cannot listen on {ns.host}:{ns.port}")
         await self.server.start()
         if ns.http_port:
             await self.start_http()
+        scheme = "https" if cert else "http"
         if ns.metrics_port:
-            self.service.metrics.serve(ns.metrics_port, ns.metrics_host or ns.host)
-        log.info("listening on %s:%d (health NOT_SERVING until warm); metrics on %s", ns.host, self.port,
-                 f"http://{ns.metrics_host or ns.host}:{ns.metrics_port}/metrics" if ns.metrics_port else "none")
+            security.serve_metrics(self.service.metrics.registry, ns.metrics_host or ns.host, ns.metrics_port, key,
+                                   cert, cert_key, client_ca)
+        log.info("listening on %s:%d (%s%s; health NOT_SERVING until warm); metrics on %s", ns.host, self.port,
+                 "TLS" if cert else "plaintext", ", bearer token" if key else "",
+                 f"{scheme}://{ns.metrics_host or ns.host}:{ns.metrics_port}/metrics" if ns.metrics_port else "none")
 
     async def start_http(self) -> None:
         from serving.http_server import HttpServer
@@ -408,18 +491,43 @@ class Server:
         return True
 
     async def watch(self) -> None:
-        """Health follows the engine: NOT_SERVING for good once its loop has died."""
+        """Health follows the engine. When its loop dies: NOT_SERVING, the calls in flight fail (UNAVAILABLE),
+        and a fresh engine replaces it, at most --max-engine-restarts times; after that the process stops
+        with exit code 1, for a supervisor to restart it."""
         while not self.stopping.is_set():
             engine = self.service.engine
-            if engine is not None and not engine.is_running:
-                self.service.accepting = False
-                self.service.not_accepting_reason = f"the engine loop died: {engine.error!r}"
-                await self.set_health(NOT_SERVING)
-                log.error("engine loop died (%r): health NOT_SERVING", engine.error)
-                await asyncio.sleep(ENGINE_DEATH_GRACE_SECONDS)
-                self.service.fail_in_flight()
-                return
+            if engine is not None and not engine.is_running and not self.stopping.is_set():
+                await self._engine_died(engine)
+                if not await self._restart(engine):
+                    self.exit_code = 1
+                    self.stopping.set()
+                    return
             await asyncio.sleep(HEALTH_POLL_SECONDS)
+
+    async def _engine_died(self, engine) -> None:
+        self.service.accepting = False
+        self.service.not_accepting_reason = f"the engine loop died ({engine.error!r}); it is being restarted"
+        await self.set_health(NOT_SERVING)
+        log.error("engine loop died (%r): health NOT_SERVING", engine.error)
+        await asyncio.sleep(ENGINE_DEATH_GRACE_SECONDS)
+        self.service.fail_in_flight()
+
+    async def _restart(self, dead) -> bool:
+        """Replaces the dead engine; False once the restarts are used up (or a stop came)."""
+        limit = getattr(self.ns, "max_engine_restarts", 3)
+        await asyncio.to_thread(dead.shutdown, 1.0)
+        self.service.engine = None
+        while self.restarts < limit and not self.stopping.is_set():
+            self.restarts += 1
+            log.warning("restarting the engine (%d of at most %d)", self.restarts, limit)
+            try:
+                if await self.load():
+                    return True
+            except Exception:  # noqa: BLE001 - a failed restart counts as one; the next may succeed
+                log.exception("engine restart %d failed", self.restarts)
+        if not self.stopping.is_set():
+            log.error("the engine died and %d restarts are used up: exiting 1", limit)
+        return False
 
     async def stop(self) -> None:
         self.service.accepting = False
@@ -451,7 +559,7 @@ class Server:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        return 0
+        return self.exit_code
 
 
 def run(ns: argparse.Namespace, make_engine: Callable[[], object] | None = None) -> int:

@@ -5,7 +5,8 @@
 - a cancelled, disconnected or timed-out stream gives its KV blocks back at once (read from /metrics);
 - SIGTERM lets the streams in flight finish, then the server exits 0.
 A second server over a stand-in runner (no model, so it starts in seconds) shows RESOURCE_EXHAUSTED for a
-full queue, and an engine whose step raises: INTERNAL for the calls in flight, health NOT_SERVING, no hang.
+full queue, and an engine whose step raises: UNAVAILABLE for the calls in flight, health NOT_SERVING, then a
+fresh engine and SERVING again; an engine that keeps dying makes the process exit 1 once its restarts are used.
 """
 from __future__ import annotations
 
@@ -300,56 +301,15 @@ def test_sigterm_lets_streams_finish_then_exits_0(server):
 
 # --- a stand-in engine: queue limit and engine failure -----------------------------------------------------
 STAND_IN_SERVER = r'''
-import os, sys, time
-import numpy as np
-from transformers import LlamaConfig
+import sys
 from jaxpage.async_engine import AsyncEngine
 from jaxpage.cli import build_parser
-from jaxpage.config import ModelConfig, build_engine_config
-from jaxpage.llm_engine import LLMEngine
-from jaxpage.sampler import SamplerOutput
-from jaxpage.sampling_params import MAX_LOGPROBS
 from serving.server import run
+from tests.stand_in import make_engine
 
 fail_flag = sys.argv[1]
-
-
-class StandInRunner:
-    """No model: 'samples' token 7 for every row, 20 ms a step."""
-
-    def warm_up(self, progress=True):
-        pass
-
-    def apply(self, ops):
-        pass
-
-    def execute(self, scheduled):
-        time.sleep(0.02)
-        n = len(scheduled)
-        return SamplerOutput(np.full(n, 7), np.zeros(n), np.zeros((n, MAX_LOGPROBS), int),
-                             np.zeros((n, MAX_LOGPROBS)))
-
-
-def make_engine():
-    model = ModelConfig.from_hf(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                            max_position_embeddings=4096))
-    config = build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None, num_kv_blocks=257,
-                                 max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096,
-                                 gpu_memory_utilization=0.9)
-    engine = LLMEngine(config, StandInRunner(), model_name="stand-in")
-    step = engine.step
-
-    def step_that_fails_once_flagged():
-        if os.path.exists(fail_flag):
-            raise RuntimeError("injected engine failure")
-        return step()
-
-    engine.step = step_that_fails_once_flagged
-    return AsyncEngine(engine)
-
-
-sys.exit(run(build_parser().parse_args(["serve", *sys.argv[2:]]), make_engine))
+ns = build_parser().parse_args(["serve", *sys.argv[2:]])
+sys.exit(run(ns, lambda: AsyncEngine(make_engine(step_seconds=0.02, fail_flag=fail_flag))))
 '''
 
 
@@ -390,29 +350,55 @@ def test_a_full_queue_is_resource_exhausted(stand_in):
         assert stand_in.wait_metric("jaxpage:num_requests_in_flight", lambda v: v == 0) == 0
 
 
-def test_an_engine_failure_fails_the_calls_in_flight_and_health(stand_in):
+def test_an_engine_failure_fails_the_calls_in_flight_and_the_server_restarts_the_engine(stand_in):
+    """A device error kills the engine loop: the calls in flight get UNAVAILABLE, health turns NOT_SERVING, and
+    the server makes a fresh engine by itself; health turns SERVING again and later calls succeed."""
     with grpc.insecure_channel(stand_in.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         calls = open_streams(stub, 3)
         assert health_status(stand_in.target) == SERVING
+        before = stand_in.metrics()
         started = time.monotonic()
-        stand_in.fail_flag.touch()
+        stand_in.fail_flag.write_text("once")
         for call in calls:
             with pytest.raises(grpc.RpcError) as e:
                 list(call)
-            assert e.value.code() == grpc.StatusCode.INTERNAL
-            assert "injected engine failure" in e.value.details()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "injected device error" in e.value.details()
         assert time.monotonic() - started < 5
-        deadline = time.monotonic() + 5
-        while health_status(stand_in.target) != NOT_SERVING and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert health_status(stand_in.target) == NOT_SERVING
-        assert health_status(stand_in.target, "jaxpage.v1.Generation") == NOT_SERVING
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], sampling=greedy(2)), timeout=10)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "engine loop died" in e.value.details()
-    stand_in.proc.send_signal(signal.SIGTERM)
-    assert stand_in.proc.wait(30) == 0
+        seen = set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seen.add(health_status(stand_in.target))
+            if NOT_SERVING in seen and seen & {SERVING} and health_status(stand_in.target) == SERVING:
+                break
+            time.sleep(0.05)
+        assert health_status(stand_in.target) == SERVING, "the engine was not restarted"
+        reply = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], sampling=greedy(2)), timeout=10)
+        assert list(reply.completions[0].token_ids) == [7, 7]
+        after = stand_in.metrics()
+        assert after["jaxpage:request_errors_total"] - before.get("jaxpage:request_errors_total", 0) >= 3
+    assert "restarting the engine (1 of at most 3)" in stand_in.log.read_text()
+
+
+def test_an_engine_that_keeps_dying_makes_the_process_exit_1(tmp_path):
+    """Restarts are bounded: a device that fails on every step uses them up, then the process exits non-zero (a
+    supervisor restarts it), instead of staying up serving nothing."""
+    flag = tmp_path / "fail"
+    server = start(["-c", STAND_IN_SERVER, str(flag), "--max-engine-restarts", "2", "--grace-seconds", "1"],
+                   tmp_path / "server.log")
+    try:
+        wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
+        flag.write_text("always")
+        with grpc.insecure_channel(server.target) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.GenerationStub(channel).Generate(
+                    pb.GenerateRequest(prompt_token_ids=[1], sampling=greedy(2)), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert server.proc.wait(60) == 1
+        assert "2 restarts are used up: exiting 1" in server.log.read_text()
+    finally:
+        server.stop()
 
 
 # --- the generated stubs -------------------------------------------------------------------------------

@@ -1,0 +1,211 @@
+"""TLS, mutual TLS, the bearer token, --no-reflection and the metrics endpoint, with real grpcio clients and
+certificates made here (cryptography), against a stand-in-engine server (no model: it starts in seconds).
+
+- over TLS a client that trusts the CA and sends the token is served; a plaintext client, a client without the
+  token or with a wrong one (UNAUTHENTICATED, counted in request_errors_total), and, with mutual TLS, a client
+  without a certificate are refused; health answers without the token;
+- reflection is off with --no-reflection;
+- the metrics endpoint answers /metrics only (404 elsewhere), over HTTPS, and only with the token.
+"""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving import generation_pb2 as pb
+from serving import generation_pb2_grpc as pb_grpc
+from serving.launch import free_port, spawn, wait_serving
+from tests.test_serving import STAND_IN_SERVER, START_TIMEOUT, Server
+
+KEY = "s3cret-token"
+
+
+def _certificate(subject: str, issuer_key, issuer_name, key, *, ca: bool, san: bool = False):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if san:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    return builder.sign(issuer_key or key, hashes.SHA256()), name
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> dict[str, Path]:
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, as PEM files."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    tmp = tmp_path_factory.mktemp("certs")
+    keys = {name: ec.generate_private_key(ec.SECP256R1()) for name in ("ca", "server", "client")}
+    ca, ca_name = _certificate("jaxpage test CA", None, None, keys["ca"], ca=True)
+    server, _ = _certificate("localhost", keys["ca"], ca_name, keys["server"], ca=False, san=True)
+    client, _ = _certificate("client", keys["ca"], ca_name, keys["client"], ca=False)
+    paths = {}
+    for name, cert in (("ca", ca), ("server", server), ("client", client)):
+        paths[f"{name}.pem"] = tmp / f"{name}.pem"
+        paths[f"{name}.pem"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        paths[f"{name}.key"] = tmp / f"{name}.key"
+        paths[f"{name}.key"].write_bytes(keys[name].private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return paths
+
+
+def _start(tmp: Path, *flags: str) -> Server:
+    port, metrics_port = free_port(), free_port()
+    proc = spawn(["-c", STAND_IN_SERVER, str(tmp / "no-fail"), "--port", str(port), "--metrics-port",
+                  str(metrics_port), "--grace-seconds", "1", *flags], tmp / "server.log")
+    return Server(proc, f"127.0.0.1:{port}", f"https://127.0.0.1:{metrics_port}/metrics", tmp / "server.log")
+
+
+def _secure_health(server: Server, creds) -> int:
+    with grpc.secure_channel(server.target, creds) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _wait(server: Server, creds) -> None:
+    """wait_serving, over TLS (launch.wait_serving speaks plaintext)."""
+    import time
+
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(server.log.read_text()[-3000:])
+        try:
+            if _secure_health(server, creds) == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(server.log.read_text()[-3000:])
+
+
+def _generate(server: Server, creds, metadata=()) -> list[int]:
+    with grpc.secure_channel(server.target, creds) as channel:
+        reply = pb_grpc.GenerationStub(channel).Generate(
+            pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)),
+            timeout=10, metadata=metadata)
+        return list(reply.completions[0].token_ids)
+
+
+def _https(url: str, certs, token: str | None) -> tuple[int, str]:
+    context = ssl.create_default_context(cafile=str(certs["ca.pem"]))
+    context.load_cert_chain(certs["client.pem"], certs["client.key"])
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+@pytest.fixture(scope="module")
+def mtls_server(tmp_path_factory, certs):
+    tmp = tmp_path_factory.mktemp("mtls")
+    server = _start(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
+                    "--tls-client-ca", str(certs["ca.pem"]), "--api-key", KEY, "--no-reflection")
+    creds = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes(), certs["client.key"].read_bytes(),
+                                         certs["client.pem"].read_bytes())
+    _wait(server, creds)
+    server.creds = creds
+    yield server
+    server.stop()
+
+
+def test_a_client_with_certificate_and_token_is_served(mtls_server):
+    assert _generate(mtls_server, mtls_server.creds, [("authorization", f"Bearer {KEY}")]) == [7, 7, 7]
+
+
+@pytest.mark.parametrize("metadata", [(), [("authorization", "Bearer wrong")], [("authorization", KEY)]],
+                         ids=["none", "wrong", "no-bearer-prefix"])
+def test_a_call_without_the_right_token_is_unauthenticated(mtls_server, metadata):
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(mtls_server, mtls_server.creds, metadata)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_answers_without_the_token(mtls_server):
+    assert _secure_health(mtls_server, mtls_server.creds) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_client_without_a_certificate_or_without_tls_is_refused(mtls_server, certs):
+    no_cert = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes())
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(mtls_server, no_cert, [("authorization", f"Bearer {KEY}")])
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(mtls_server.target) as channel, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(prompt_token_ids=[1]), timeout=5,
+                                                 metadata=[("authorization", f"Bearer {KEY}")])
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_reflection_is_off(mtls_server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.secure_channel(mtls_server.target, mtls_server.creds) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                              timeout=5, metadata=[("authorization", f"Bearer {KEY}")])
+        with pytest.raises(grpc.RpcError) as e:
+            list(responses)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_metrics_need_the_token_and_serve_only_metrics(mtls_server, certs):
+    status, text = _https(mtls_server.metrics_url, certs, KEY)
+    assert status == 200 and 'jaxpage:request_errors_total{code="UNAUTHENTICATED"' in text
+    assert _https(mtls_server.metrics_url, certs, None)[0] == 401
+    assert _https(mtls_server.metrics_url, certs, "wrong")[0] == 401
+    base = mtls_server.metrics_url.rsplit("/", 1)[0]
+    for path in ("/", "/metricsx", "/debug", "/metrics/../x"):
+        assert _https(base + path, certs, KEY)[0] == 404, path
+
+
+def test_tls_without_client_certificates(tmp_path, certs):
+    """Server-side TLS alone: any client trusting the CA is served; the token comes from $JAXPAGE_API_KEY."""
+    import os
+
+    os.environ["JAXPAGE_API_KEY"] = KEY
+    try:
+        server = _start(tmp_path, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
+    finally:
+        del os.environ["JAXPAGE_API_KEY"]
+    try:
+        creds = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes())
+        _wait(server, creds)
+        assert _generate(server, creds, [("authorization", f"Bearer {KEY}")]) == [7, 7, 7]
+        with pytest.raises(grpc.RpcError) as e:
+            _generate(server, creds)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop()
+
+
+def test_the_cli_client_speaks_mutual_tls_with_the_token(mtls_server, certs):
+    import subprocess
+    import sys
+
+    from serving.launch import ROOT
+
+    argv = [sys.executable, "-m", "jaxpage.cli", "client", "--target", mtls_server.target, "--info",
+            "--tls-ca", str(certs["ca.pem"]), "--tls-cert", str(certs["client.pem"]),
+            "--tls-key", str(certs["client.key"])]
+    ok = subprocess.run([*argv, "--api-key", KEY], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and 'model_name: "stand-in"' in ok.stdout, ok.stderr
+    refused = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
