@@ -7,7 +7,8 @@ tiled in HBM, rows packed in pairs, and a token's offset is not a multiple of th
 the aligned tile of rows around each token (``[2, KVH, rows, D]``), selects the token's row in, and writes the
 tile back: one read and one write of a few KiB per token. A grid step takes a block of tokens with all their
 reads (then writes) in flight together; every buffer gets the rows of all the block's tokens that fall in its
-tile, so tokens sharing a tile write the same rows; steps run in order (grid axis ``arbitrary``).
+tile, and only the tile's last token writes it back (two DMAs to one place at once would race); steps run in
+order (grid axis ``arbitrary``).
 """
 from __future__ import annotations
 
@@ -53,11 +54,16 @@ def _write_kernel(layer_ref, slot_ref, kv_ref, _pool_in, pool_hbm, buf, sems, *,
                     buf[i, kv, h] = jnp.where(mine, kv_ref[j, kv, h][None, :], buf[i, kv, h])
 
     jax.lax.fori_loop(0, tokens, put, None)
-    writes = [pltpu.make_async_copy(buf.at[i], tile(i), sems.at[i]) for i in range(tokens)]
-    for copy in writes:  # tokens sharing a tile write the same rows
-        copy.start()
-    for copy in writes:
-        copy.wait()
+    writes = []
+    for i in range(tokens):  # one write per tile: the buffer of the tile's last token (the others hold the same)
+        tile_id = slot_ref[first_token + i] // rows
+        last = functools.reduce(jnp.logical_and, [slot_ref[first_token + j] // rows != tile_id
+                                                  for j in range(i + 1, tokens)], jnp.bool_(True))
+        writes.append((last, pltpu.make_async_copy(buf.at[i], tile(i), sems.at[i])))
+    for last, copy in writes:
+        pl.when(last)(copy.start)
+    for last, copy in writes:
+        pl.when(last)(copy.wait)
 
 
 def write_kv_tpu(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
