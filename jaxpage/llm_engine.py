@@ -97,6 +97,7 @@ class LLMEngine:
         self.block_pool = BlockPool(config.num_kv_blocks, enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv, preemption_mode)
+        self.scheduler.max_wide_seqs = self.max_seqs_per_request
         self._seq_ids = itertools.count()
         self.scheduler._next_seq_id = lambda: next(self._seq_ids)
         self.requests: dict[str, Request] = {}

@@ -39,6 +39,7 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self._failed: list[SequenceGroup] = []  # requests that can never fit, to be reported by the engine
+        self.max_wide_seqs = config.max_num_seqs  # slots that multi-sequence groups may hold together (engine sets it)
         self._next_seq_id = None  # set by the engine: a callable giving fresh sequence ids
         # The last schedule, when it was a plain decode step of every running sequence (see _decode_again); None
         # once anything it depends on may have changed (a group preempted, finished, queued, or beams reordered)
@@ -92,11 +93,31 @@ class Scheduler:
             budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         if not preempted:
             self._swap_in_what_fits()
-        num_seqs = sum(g.max_seqs for g in self.running) if self.waiting else 0  # as reserved at admission
-        while self.waiting and budget > 0 and not self.swapped:
-            group = self.waiting[0]
+        if self.waiting and budget > 0 and not self.swapped:
+            self._admit_waiting(scheduled, budget)
+        scheduled.extend(self._forks(scheduled))
+        if not scheduled and not self.running and (self.waiting or self.swapped):
+            self._fail_head()
+        elif not self.waiting and not self.swapped and not self._failed:
+            self._decode = self._decode_rows(scheduled)
+        return SchedulerOutput(scheduled, self.kv.take_ops())
+
+    def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        """Admits waiting groups in order while the token budget, max_num_seqs and the pool allow.
+
+        Fairness: groups of several sequences (n, best_of, beams) together hold at most max_wide_seqs slots; a
+        wide group beyond that waits in its place while the narrower requests behind it are admitted, so wide
+        requests cannot take every slot between them."""
+        num_seqs = sum(g.max_seqs for g in self.running)  # as reserved at admission
+        wide = sum(g.max_seqs for g in self.running if g.max_seqs > 1)
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            group = self.waiting[i]
             if num_seqs + group.max_seqs > self.config.max_num_seqs:
                 break
+            if group.max_seqs > 1 and wide + group.max_seqs > self.max_wide_seqs:
+                i += 1
+                continue
             seq = None if group.forked else group.seqs[0]
             if seq is None:  # resumed after recompute: every live sequence recomputes its own history
                 if not self._admit_all(group):
@@ -111,16 +132,11 @@ class Scheduler:
                 self.kv.reserve(seq, num_new)
                 scheduled.append(self._scheduled(seq, num_new, group))
                 budget -= num_new
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             group.status = SequenceStatus.RUNNING
             self.running.append(group)
             num_seqs += group.max_seqs
-        scheduled.extend(self._forks(scheduled))
-        if not scheduled and not self.running and (self.waiting or self.swapped):
-            self._fail_head()
-        elif not self.waiting and not self.swapped and not self._failed:
-            self._decode = self._decode_rows(scheduled)
-        return SchedulerOutput(scheduled, self.kv.take_ops())
+            wide += group.max_seqs if group.max_seqs > 1 else 0
 
     def _decode_rows(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
         """``scheduled`` if it is one decode row (a token, sampled) of every live sequence of every running group

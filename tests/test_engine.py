@@ -68,7 +68,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(smollm2, prompt, para
 
 @pytest.mark.parametrize("field, value, message", [
     ("max_tokens", 0, "max_tokens=0 must be an integer >= 1"),
-    ("temperature", -1.0, r"temperature=-1.0 must be 0 \(greedy\) or in"),
+    ("temperature", -1.0, r"temperature=-1.0 must be 0 \(greedy\) or in \[0.01, 100.0\]"),
     ("top_p", 0.0, "top_p=0.0 must be in"),
     ("top_k", -2, "top_k=-2"),
 ])

@@ -3,9 +3,10 @@
 - a request whose host-side work raises (a beam score with a length_penalty past validation) ends alone with an
   error, the other request in the batch finishes, every block comes back;
 - float edge values (inf, NaN, 1e39, denormals, extreme length penalties) are refused naming the field;
-- fairness: one request may hold at most max_seqs_per_request sequences, so a short request arriving while a
-  monopolising n-sample request runs finishes within its own max_tokens steps (+1 for its prefill); without the
-  cap it waits for the whole monopoliser (shown too, so the bound means something);
+- fairness: one request may hold at most max_seqs_per_request sequences, and multi-sequence requests together at
+  most that many slots, so a short request arriving while one or two monopolising n-sample requests are queued
+  or running finishes within its own max_tokens steps (+1 for its prefill); without the cap it waits for the
+  whole monopoliser (shown too, so the bound means something);
 - a request that can never fit in the pool is refused at admission saying what it needs and what the pool has;
 - min_tokens bans EOS and every stop token id, however many stop ids there are (up to 64);
 - a hypothesis fuzz over SamplingParams and prompts against a real (tiny, random) model: nothing escapes but
@@ -86,11 +87,12 @@ def test_a_request_wider_than_the_cap_is_refused_naming_the_field_the_client_set
         make_engine(max_num_seqs=8).add_request("c", {"prompt_token_ids": [1]}, SamplingParams(n=9))
 
 
-def _short_request_steps(max_seqs_per_request: int | None, monopoliser_n: int) -> int:
-    """Steps from a short request's arrival to its last token, while a monopoliser runs."""
+def _short_request_steps(max_seqs_per_request: int | None, monopoliser_n: int, monopolisers: int = 1) -> int:
+    """Steps from a short request's arrival to its last token, while monopolisers run (or wait)."""
     engine = make_engine(max_num_seqs=8, max_seqs_per_request=max_seqs_per_request)
-    engine.add_request("monopoliser", {"prompt_token_ids": list(range(1, 40))},
-                       SamplingParams(n=monopoliser_n, temperature=1.0, seed=0, max_tokens=300, ignore_eos=True))
+    for i in range(monopolisers):
+        engine.add_request(f"monopoliser{i}", {"prompt_token_ids": list(range(1 + i, 40))}, SamplingParams(
+            n=monopoliser_n, temperature=1.0, seed=0, max_tokens=300, ignore_eos=True))
     for _ in range(5):
         engine.step()
     engine.add_request("short", {"prompt_token_ids": list(range(50, 70))},
@@ -104,6 +106,9 @@ def _short_request_steps(max_seqs_per_request: int | None, monopoliser_n: int) -
 def test_a_monopolising_request_cannot_starve_a_short_one():
     """Bound: a short request finishes within max_tokens + 1 steps of its arrival (its prefill fits the budget)."""
     assert _short_request_steps(max_seqs_per_request=4, monopoliser_n=4) <= 8 + 1
+    # two wide requests of 4 would hold all 8 slots between them: wide groups together hold at most 4, so the
+    # second waits in its place and the short request behind it is admitted
+    assert _short_request_steps(max_seqs_per_request=4, monopoliser_n=4, monopolisers=2) <= 8 + 1
     # the same monopoliser holding every slot (no cap): the short request waits for all of its 300 tokens
     assert _short_request_steps(max_seqs_per_request=None, monopoliser_n=8) > 290
 

@@ -193,18 +193,22 @@ def test_min_tokens_holds_with_twenty_stop_token_ids(server):
 
 
 def test_a_monopolising_request_does_not_starve_a_short_one(server):
-    """n=8 (the cap) x 200 tokens (104 of the 128 blocks), ignore_eos, then an 8-token request: the short one
-    finishes while the monopoliser is still running (the engine-level bound in steps is in test_engine_reliability)."""
+    """Two requests of n=8 (the cap) x 200 tokens (104 of the 128 blocks each), ignore_eos, then an 8-token
+    request: the short one finishes while the first monopoliser is still running. The second may not start
+    (wide requests hold at most 8 slots together), and it must not hold the short one back in the queue (it did:
+    the queue's head waited for blocks and everything behind it waited too). The engine-level bound in steps is
+    in test_engine_reliability."""
     async def run():
         async with grpc.aio.insecure_channel(server.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            mono = stub.Generate(pb.GenerateRequest(prompt="Tell a long story.", sampling=pb.SamplingParams(
-                n=8, temperature=1, seed=1, max_tokens=200, ignore_eos=True)), timeout=300)
-            mono_task = asyncio.ensure_future(mono)
+            monos = [asyncio.ensure_future(stub.Generate(pb.GenerateRequest(
+                prompt=f"Tell a long story {i}.", sampling=pb.SamplingParams(
+                    n=8, temperature=1, seed=1, max_tokens=200, ignore_eos=True)), timeout=300)) for i in range(2)]
             await asyncio.sleep(1.0)
             short = await stub.Generate(pb.GenerateRequest(prompt="Hi", sampling=greedy(8)), timeout=60)
-            short_done = mono_task.done()
-            mono_task.cancel()  # it has shown what it had to; its blocks must come back
+            short_done = monos[0].done()
+            for task in monos:
+                task.cancel()  # they have shown what they had to; their blocks must come back
             return short, short_done
 
     short, mono_was_done = asyncio.run(run())
