@@ -6,7 +6,8 @@
 Both front ends share one ``GenerationService``: its engine, its --max-queue (counted over HTTP and gRPC
 calls together), its in-flight table (drained on SIGTERM) and its Prometheus metrics. Errors are OpenAI's
 error object: 400 naming the field, 404 for an unknown model, 429 when the queue is full, 503 while the
-server is starting, stopping or its engine is dead, 500 when the engine fails under a request. A client
+server is starting, stopping or restarting its engine (calls in flight when it died included), 500 when the
+engine fails under one request. A client
 that disconnects (streaming or not) cancels its handler; the engine stream's clean-up aborts the request
 and frees its KV blocks at once.
 """
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxpage
-from jaxpage.async_engine import EngineDeadError
+from jaxpage.async_engine import EngineDeadError, RequestFailedError
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from serving import openai_protocol as oai
@@ -37,6 +38,7 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: 
 METRIC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED",
                 500: "INTERNAL", 503: "UNAVAILABLE"}
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+RESTARTING = "the server restarts the engine: retry shortly"
 
 
 class OpenAIError(Exception):
@@ -141,9 +143,13 @@ class OpenAIServing:
                         m.labels(m.e2e).observe(now - started)
                     yield out
         except EngineDeadError as e:
+            raise OpenAIError(503, f"{e}; {RESTARTING}", code="engine_restarting") from None
+        except RequestFailedError as e:
             raise OpenAIError(500, str(e), code="engine_error") from None
-        except asyncio.CancelledError:  # the client left
-            self._count_error(499)
+        except asyncio.CancelledError:
+            if request_id in service._failed_by_watcher:
+                raise OpenAIError(503, f"the engine loop died; {RESTARTING}", code="engine_restarting") from None
+            self._count_error(499)  # the client left
             raise
         finally:
             service._forget(request_id, task)
