@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import os
 import ssl
 
 import grpc
@@ -20,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_server_security import KEY, certs, start_server, wait_tls  # noqa: F401 - certs is a fixture
+from tests.test_server_security import KEY, certs, start_server, start_tls_only, wait_tls  # noqa: F401 - a fixture
 
 MAX_PROMPT_BYTES, MAX_MESSAGE_BYTES = 1000, 20_000
 SEQS_CAP = 4  # --max-seqs-per-request (the stand-in engine holds 8 sequences)
@@ -120,13 +119,8 @@ def test_no_certificate_or_plain_http_is_refused(server, certs):  # noqa: F811
 
 
 def test_tls_without_client_certificates_and_the_key_from_the_environment(tmp_path, certs):  # noqa: F811
-    os.environ["JAXPAGE_API_KEY"] = KEY
+    server = start_tls_only(tmp_path, certs)
     try:
-        server = start_server(tmp_path, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
-    finally:
-        del os.environ["JAXPAGE_API_KEY"]
-    try:
-        wait_tls(server, grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes()))
         r = openai_client(server, certs, KEY, client_certificate=False).completions.create(
             model="stand-in", prompt=[3], max_tokens=2, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2

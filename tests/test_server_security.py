@@ -180,18 +180,28 @@ def test_metrics_need_the_token_and_serve_only_metrics(mtls_server, certs):
         assert _https(base + path, certs, KEY)[0] == 404, path
 
 
-def test_tls_without_client_certificates(tmp_path, certs):
-    """Server-side TLS alone: any client trusting the CA is served; the token comes from $JAXPAGE_API_KEY."""
+def start_tls_only(tmp: Path, certs) -> Server:
+    """Server-side TLS alone (no client certificates), the token from $JAXPAGE_API_KEY; started and SERVING."""
     import os
 
     os.environ["JAXPAGE_API_KEY"] = KEY
     try:
-        server = start_server(tmp_path, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
+        server = start_server(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
     finally:
         del os.environ["JAXPAGE_API_KEY"]
     try:
+        wait_tls(server, grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes()))
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def test_tls_without_client_certificates(tmp_path, certs):
+    """Server-side TLS alone: any client trusting the CA is served; the token comes from $JAXPAGE_API_KEY."""
+    server = start_tls_only(tmp_path, certs)
+    try:
         creds = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes())
-        wait_tls(server, creds)
         assert _generate(server, creds, [("authorization", f"Bearer {KEY}")]) == [7, 7, 7]
         with pytest.raises(grpc.RpcError) as e:
             _generate(server, creds)
