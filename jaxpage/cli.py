@@ -61,16 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM/SIGINT, how long calls in flight may take to finish")
     srv.add_argument("--max-engine-restarts", type=int, default=3,
                      help="fresh engines made when the engine loop dies (device error); then the process exits 1")
-    srv.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request message accepted")
+    srv.add_argument("--max-message-bytes", type=int, default=4 << 20,
+                     help="largest request accepted (a gRPC message; an HTTP body, else 413)")
     srv.add_argument("--max-prompt-bytes", type=int, default=1 << 20,
                      help="largest prompt (UTF-8 bytes, chat messages summed), refused before tokenizing")
-    srv.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and metrics over TLS")
+    srv.add_argument("--tls-cert", default=None,
+                     help="PEM certificate chain: serve gRPC, the HTTP API and metrics over TLS")
     srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     srv.add_argument("--tls-client-ca", default=None,
                      help="PEM CA certificates: clients must present a certificate signed by one (mutual TLS)")
     srv.add_argument("--api-key", default=None,
-                     help="bearer token required on every call (metadata 'authorization: Bearer KEY') and on "
-                          "/metrics; default $JAXPAGE_API_KEY; the health service stays open")
+                     help="bearer token required on every call (gRPC metadata or HTTP header 'authorization: "
+                          "Bearer KEY') and on /metrics; default $JAXPAGE_API_KEY; health checks stay open")
     srv.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                      help="gRPC server reflection (--no-reflection turns it off)")
 

@@ -9,9 +9,10 @@ import uvicorn
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, grace_seconds: float):
+    def __init__(self, app, host: str, port: int, grace_seconds: float, tls: dict | None = None):
+        """tls: uvicorn's ssl_* options (serving.security.uvicorn_tls); none: plain HTTP."""
         config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="warning",
-                                timeout_graceful_shutdown=grace_seconds, access_log=False)
+                                timeout_graceful_shutdown=grace_seconds, access_log=False, **(tls or {}))
         self.server = uvicorn.Server(config)
         self._ticks: asyncio.Task | None = None
 

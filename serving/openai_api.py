@@ -5,8 +5,10 @@
 
 Both front ends share one ``GenerationService``: its engine, its --max-queue (counted over HTTP and gRPC
 calls together), its in-flight table (drained on SIGTERM) and its Prometheus metrics. Errors are OpenAI's
-error object: 400 naming the field, 404 for an unknown model, 429 when the queue is full, 503 while the
-server is starting, stopping or its engine is dead, 500 when the engine fails under a request. A client
+error object: 400 naming the field, 401 without the API key (when one is set: every path but /health), 404
+for an unknown model, 413 for a body over --max-message-bytes, 429 when the queue is full, 503 while the
+server is starting, stopping or restarting its engine (calls in flight when it died included), 500 when the
+engine fails under one request. --max-prompt-bytes bounds prompts and chat messages as over gRPC. A client
 that disconnects (streaming or not) cancels its handler; the engine stream's clean-up aborts the request
 and frees its KV blocks at once.
 """
@@ -25,18 +27,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxpage
-from jaxpage.async_engine import EngineDeadError
+from jaxpage.async_engine import EngineDeadError, RequestFailedError
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from serving import openai_protocol as oai
+from serving.http_guard import HttpGuard
+from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable"}
 # the metrics' error codes are gRPC's names, so that both front ends count in the same series
-METRIC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED",
-                500: "INTERNAL", 503: "UNAVAILABLE"}
+METRIC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+                429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+RESTARTING = "the server restarts the engine: retry shortly"
 
 
 class OpenAIError(Exception):
@@ -112,6 +118,12 @@ class OpenAIServing:
             raise OpenAIError(400, f"{field} is not supported by jaxpage", field)
         return body.model or names[0]
 
+    def _check_prompt_bytes(self, texts: list[str], field: str) -> None:
+        try:
+            check_prompt_bytes(texts, self.service.max_prompt_bytes, field)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), field) from None
+
     # --- one request's life ---------------------------------------------------------------------------
     async def _outputs(self, request_id: str, prompt, params: SamplingParams, priority: int,
                        prompt_field: str) -> AsyncIterator[RequestOutput]:
@@ -141,9 +153,13 @@ class OpenAIServing:
                         m.labels(m.e2e).observe(now - started)
                     yield out
         except EngineDeadError as e:
+            raise OpenAIError(503, f"{e}; {RESTARTING}", code="engine_restarting") from None
+        except RequestFailedError as e:
             raise OpenAIError(500, str(e), code="engine_error") from None
-        except asyncio.CancelledError:  # the client left
-            self._count_error(499)
+        except asyncio.CancelledError:
+            if request_id in service._failed_by_watcher:
+                raise OpenAIError(503, f"the engine loop died; {RESTARTING}", code="engine_restarting") from None
+            self._count_error(499)  # the client left
             raise
         finally:
             service._forget(request_id, task)
@@ -197,6 +213,8 @@ class OpenAIServing:
             raise OpenAIError(400, "echo with logprobs needs the prompt's logprobs, which jaxpage does not "
                                    "compute", "echo")
         prompt = completion_prompt(body.prompt)
+        if isinstance(prompt, str):
+            self._check_prompt_bytes([prompt], "prompt")
         params = sampling_params(body, body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echo = None
@@ -211,8 +229,10 @@ class OpenAIServing:
     async def chat_completions(self, body: oai.ChatCompletionRequest, raw: Request) -> Response:
         model = self._check(body)
         engine = self._engine().engine
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_prompt_bytes([text for m in messages for text in m.values()], "messages")
         try:
-            prompt = engine.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+            prompt = engine.apply_chat_template(messages)
         except ValueError as e:
             raise OpenAIError(400, f"messages: {e}", "messages") from None
         k = (body.top_logprobs or 0) if body.logprobs else None
@@ -235,9 +255,12 @@ class OpenAIServing:
         return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- errors ---------------------------------------------------------------------------------------
-    async def openai_error(self, request: Request, e: OpenAIError) -> JSONResponse:
+    def error_response(self, e: OpenAIError) -> JSONResponse:
         self._count_error(e.status)
         return JSONResponse(e.body().model_dump(), status_code=e.status)
+
+    async def openai_error(self, request: Request, e: OpenAIError) -> JSONResponse:
+        return self.error_response(e)
 
     async def validation_error(self, request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
@@ -282,9 +305,14 @@ async def _disconnect(raw: Request) -> None:
         pass
 
 
-def build_app(service, served_model_names: list[str] | None = None) -> FastAPI:
+def build_app(service, served_model_names: list[str] | None = None, api_key: str | None = None,
+              max_body_bytes: int | None = None) -> FastAPI:
+    """The API; with api_key every path but /health needs ``Authorization: Bearer <api_key>``."""
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
     api = OpenAIServing(service, served_model_names)
+    app.add_middleware(HttpGuard, key=api_key, max_body_bytes=max_body_bytes,
+                       reject=lambda status, message, code: api.error_response(OpenAIError(status, message,
+                                                                                           code=code)))
     app.add_exception_handler(OpenAIError, api.openai_error)
     app.add_exception_handler(RequestValidationError, api.validation_error)
     app.post("/v1/completions")(api.completions)

@@ -1,8 +1,10 @@
 """Who may call the server: TLS (optionally mutual), a bearer token, and the metrics endpoint behind both.
 
 The token is checked by a gRPC server interceptor on every method but the standard health check (load
-balancers and Kubernetes probes call it without credentials; it tells nothing about the model). The metrics
-endpoint serves ``/metrics`` only (404 elsewhere) and asks for the same token when one is set.
+balancers and Kubernetes probes call it without credentials; it tells nothing about the model), and by the
+HTTP API's guard (serving/http_guard.py) on every path but ``/health``. The metrics endpoint serves
+``/metrics`` only (404 elsewhere) and asks for the same token when one is set. The same certificate, key and
+client CA serve gRPC, the HTTP API and the metrics endpoint.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def api_key(flag: str | None) -> str | None:
     return key or None
 
 
-def _authorized(header: str | None, key: str) -> bool:
+def authorized(header: str | None, key: str) -> bool:
+    """True when an Authorization header (or metadata) value is exactly ``Bearer <key>``."""
     return header is not None and hmac.compare_digest(header.encode(), f"Bearer {key}".encode())
 
 
@@ -49,7 +52,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if details.method.startswith(OPEN_METHODS):
             return await continuation(details)
         header = dict(details.invocation_metadata or ()).get("authorization")
-        if _authorized(header, self.key):
+        if authorized(header, self.key):
             return await continuation(details)
         self.on_reject(grpc.StatusCode.UNAUTHENTICATED)
         return self._deny
@@ -62,6 +65,16 @@ def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.Serve
         return grpc.ssl_server_credentials(pair)
     return grpc.ssl_server_credentials(pair, root_certificates=Path(client_ca).read_bytes(),
                                        require_client_auth=True)
+
+
+def uvicorn_tls(cert: str | None, key: str | None, client_ca: str | None) -> dict:
+    """uvicorn.Config's TLS options for the same certificate (and client CA) as gRPC's; none without one."""
+    if cert is None:
+        return {}
+    options = {"ssl_certfile": cert, "ssl_keyfile": key}
+    if client_ca is not None:
+        options.update(ssl_ca_certs=client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
 
 
 # --- the metrics endpoint ------------------------------------------------------------------------------
@@ -82,7 +95,7 @@ def metrics_app(registry, key: str | None):
         if environ.get("PATH_INFO") != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"only /metrics is served here\n"]
-        if key is not None and not _authorized(environ.get("HTTP_AUTHORIZATION"), key):
+        if key is not None and not authorized(environ.get("HTTP_AUTHORIZATION"), key):
             start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
             return [b"missing or wrong bearer token\n"]
         return exposition(environ, start_response)

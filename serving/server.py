@@ -40,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from serving import security
+from serving.limits import check_prompt_bytes
 from serving.metrics import Metrics
 
 log = logging.getLogger("jaxpage.serve")
@@ -104,13 +105,8 @@ def sampling_params(msg: pb.SamplingParams, output_kind: str):
 
 
 def check_prompt_size(request: pb.GenerateRequest, max_bytes: int | None) -> None:
-    """Refuses a prompt over max_bytes of UTF-8 before anything tokenizes or renders it."""
-    if max_bytes is None:
-        return
-    size = len(request.prompt.encode()) + sum(len(m.content.encode()) + len(m.role.encode())
-                                              for m in request.messages)
-    if size > max_bytes:
-        raise ValueError(f"prompt is {size} bytes; the limit is {max_bytes} (--max-prompt-bytes)")
+    texts = [request.prompt, *(text for m in request.messages for text in (m.role, m.content))]
+    check_prompt_bytes(texts, max_bytes, "prompt")
 
 
 def engine_prompt(request: pb.GenerateRequest, engine) -> str | dict:
@@ -420,9 +416,8 @@ class Server:
         ns = self.ns
         key = security.api_key(getattr(ns, "api_key", None))
         interceptors = [security.BearerTokenInterceptor(key, self.service._count_error)] if key else []
-        max_bytes = getattr(ns, "max_message_bytes", None) or 4 << 20
         self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_bytes)])
+            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", _max_message_bytes(ns))])
         self.server.add_generic_rpc_handlers((self.service.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if getattr(ns, "reflection", True):
@@ -430,7 +425,7 @@ class Server:
                 (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
                 self.server)
         await self.set_health(NOT_SERVING)
-        cert, cert_key, client_ca = (getattr(ns, name, None) for name in ("tls_cert", "tls_key", "tls_client_ca"))
+        cert, cert_key, client_ca = _tls_files(ns)
         address = f"{ns.host}:{ns.port}"
         if cert:
             self.port = self.server.add_secure_port(address, security.server_credentials(cert, cert_key, client_ca))
@@ -454,10 +449,14 @@ class Server:
         from serving.openai_api import build_app
 
         ns = self.ns
-        self.http = HttpServer(build_app(self.service, ns.served_model_name), ns.host, ns.http_port,
-                               ns.grace_seconds)
+        cert, cert_key, client_ca = _tls_files(ns)
+        app = build_app(self.service, ns.served_model_name, security.api_key(getattr(ns, "api_key", None)),
+                        _max_message_bytes(ns))
+        self.http = HttpServer(app, ns.host, ns.http_port, ns.grace_seconds,
+                               security.uvicorn_tls(cert, cert_key, client_ca))
         await self.http.start()
-        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", ns.host, self.http.port)
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if cert else "http", ns.host,
+                 self.http.port)
 
     def on_signal(self) -> None:
         self.signals += 1
@@ -560,6 +559,15 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         return self.exit_code
+
+
+def _tls_files(ns: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
+    """--tls-cert, --tls-key, --tls-client-ca (each None when not given)."""
+    return tuple(getattr(ns, name, None) for name in ("tls_cert", "tls_key", "tls_client_ca"))
+
+
+def _max_message_bytes(ns: argparse.Namespace) -> int:
+    return getattr(ns, "max_message_bytes", None) or 4 << 20
 
 
 def run(ns: argparse.Namespace, make_engine: Callable[[], object] | None = None) -> int:

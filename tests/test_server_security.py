@@ -66,11 +66,15 @@ def certs(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def _start(tmp: Path, *flags: str) -> Server:
-    port, metrics_port = free_port(), free_port()
+def start_server(tmp: Path, *flags: str) -> Server:
+    """The stand-in server with flags; ``http_base`` is its HTTP API's address (https)."""
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
     proc = spawn(["-c", STAND_IN_SERVER, str(tmp / "no-fail"), "--port", str(port), "--metrics-port",
-                  str(metrics_port), "--grace-seconds", "1", *flags], tmp / "server.log")
-    return Server(proc, f"127.0.0.1:{port}", f"https://127.0.0.1:{metrics_port}/metrics", tmp / "server.log")
+                  str(metrics_port), "--http-port", str(http_port), "--grace-seconds", "1", *flags],
+                 tmp / "server.log")
+    server = Server(proc, f"127.0.0.1:{port}", f"https://127.0.0.1:{metrics_port}/metrics", tmp / "server.log")
+    server.http_base = f"https://127.0.0.1:{http_port}"
+    return server
 
 
 def _secure_health(server: Server, creds) -> int:
@@ -78,7 +82,7 @@ def _secure_health(server: Server, creds) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
-def _wait(server: Server, creds) -> None:
+def wait_tls(server: Server, creds) -> None:
     """wait_serving, over TLS (launch.wait_serving speaks plaintext)."""
     import time
 
@@ -117,11 +121,11 @@ def _https(url: str, certs, token: str | None) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def mtls_server(tmp_path_factory, certs):
     tmp = tmp_path_factory.mktemp("mtls")
-    server = _start(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
+    server = start_server(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
                     "--tls-client-ca", str(certs["ca.pem"]), "--api-key", KEY, "--no-reflection")
     creds = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes(), certs["client.key"].read_bytes(),
                                          certs["client.pem"].read_bytes())
-    _wait(server, creds)
+    wait_tls(server, creds)
     server.creds = creds
     yield server
     server.stop()
@@ -176,18 +180,28 @@ def test_metrics_need_the_token_and_serve_only_metrics(mtls_server, certs):
         assert _https(base + path, certs, KEY)[0] == 404, path
 
 
-def test_tls_without_client_certificates(tmp_path, certs):
-    """Server-side TLS alone: any client trusting the CA is served; the token comes from $JAXPAGE_API_KEY."""
+def start_tls_only(tmp: Path, certs) -> Server:
+    """Server-side TLS alone (no client certificates), the token from $JAXPAGE_API_KEY; started and SERVING."""
     import os
 
     os.environ["JAXPAGE_API_KEY"] = KEY
     try:
-        server = _start(tmp_path, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
+        server = start_server(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
     finally:
         del os.environ["JAXPAGE_API_KEY"]
     try:
+        wait_tls(server, grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes()))
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def test_tls_without_client_certificates(tmp_path, certs):
+    """Server-side TLS alone: any client trusting the CA is served; the token comes from $JAXPAGE_API_KEY."""
+    server = start_tls_only(tmp_path, certs)
+    try:
         creds = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes())
-        _wait(server, creds)
         assert _generate(server, creds, [("authorization", f"Bearer {KEY}")]) == [7, 7, 7]
         with pytest.raises(grpc.RpcError) as e:
             _generate(server, creds)

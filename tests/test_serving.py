@@ -309,7 +309,8 @@ from tests.stand_in import make_engine
 
 fail_flag = sys.argv[1]
 ns = build_parser().parse_args(["serve", *sys.argv[2:]])
-sys.exit(run(ns, lambda: AsyncEngine(make_engine(step_seconds=0.02, fail_flag=fail_flag))))
+sys.exit(run(ns, lambda: AsyncEngine(make_engine(step_seconds=0.02, fail_flag=fail_flag,
+                                                  max_seqs_per_request=ns.max_seqs_per_request))))
 '''
 
 
