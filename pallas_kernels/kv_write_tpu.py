@@ -47,11 +47,14 @@ def _write_kernel(layer_ref, slot_ref, kv_ref, _pool_in, pool_hbm, buf, sems, *,
 
     def put(j, _):  # token j's row into every buffer holding its tile, in token order (the last of a slot wins)
         slot = slot_ref[first_token + j]
-        for i in range(tokens):
+
+        def into(i, _):
             mine = jnp.logical_and(row == slot % rows, slot // rows == slot_ref[first_token + i] // rows)
             for kv in range(2):
                 for h in range(kv_heads):
                     buf[i, kv, h] = jnp.where(mine, kv_ref[j, kv, h][None, :], buf[i, kv, h])
+
+        jax.lax.fori_loop(0, tokens, into, None)
 
     jax.lax.fori_loop(0, tokens, put, None)
     writes = []
