@@ -12,6 +12,7 @@ import functools
 import json as jsonlib
 
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON as json.dumps writes it (no free whitespace between tokens): what vLLM's guidance backend does with
@@ -89,4 +90,4 @@ def _grammar(kind: str, spec: str) -> str:
         return M.grammar_from_regex(spec)
     if kind == "choice":  # JSON string literals are Lark string literals
         return M.grammar_from_lark("start: " + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(spec)))
-    return M.grammar_from_lark(llguidance.gbnf_to_lark(spec) if "::=" in spec else spec)
+    return M.grammar_from_lark(gbnf_to_lark(spec) if "::=" in spec else spec)
