@@ -115,13 +115,15 @@ def _hf_constrained_greedy(model, tokenizer, prompt_ids: list[int], grammar: str
     vocab = model.config.vocab_size
     matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos), grammar)
     mask = llnp.allocate_token_bitmask(1, vocab)
-    ids = list(prompt_ids)
+    ids, new, past = list(prompt_ids), list(prompt_ids), None
     for _ in range(max_new):
-        logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float().numpy()
+        out = model(torch.tensor([new]), past_key_values=past, use_cache=True)
+        logits, past = out.logits[0, -1].float().numpy(), out.past_key_values
         llnp.fill_next_token_bitmask(matcher, mask, 0)
         allowed = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:vocab].astype(bool)
         token = int(np.argmax(np.where(allowed, logits, -np.inf)))
         ids.append(token)
+        new = [token]
         assert matcher.consume_token(token)
         if token in eos:
             break
