@@ -33,6 +33,7 @@ from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool
 from jaxpage.model import TokenBatch
 from jaxpage.model_runner import jit_step
 from jaxpage.sampler import MAX_BANNED, SamplingBatch
+from jaxpage.structured_matcher import bitmask_words
 
 from benchmarks.workloads import Workload
 
@@ -209,7 +210,8 @@ class ContiguousCache:
             self._greedy[num_seqs] = SamplingBatch(
                 f, i, np.ones(num_seqs, np.float32), f, np.zeros(num_seqs, np.uint32), i, f, f,
                 np.ones(num_seqs, np.float32), np.full((num_seqs, self.max_len), -1, np.int32), i,
-                np.full((num_seqs, MAX_BANNED), -1, np.int32), np.bool_(False))
+                np.full((num_seqs, MAX_BANNED), -1, np.int32), np.bool_(False),
+                np.full((num_seqs, bitmask_words(self.config.model.vocab_size)), -1, np.int32))
         return self._greedy[num_seqs]
 
     def warm_up(self) -> None:

@@ -3,7 +3,8 @@ from jaxpage.llm import LLM
 from jaxpage.llm_engine import EngineArgs, LLMEngine
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

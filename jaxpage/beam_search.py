@@ -21,7 +21,8 @@ def beam_search_step(group: SequenceGroup, eos_token_ids, scheduler, next_seq_id
         ids, logprobs = seq.pending_top
         seq.pending_top = None
         for token, lp in zip(ids[:2 * width].tolist(), logprobs[:2 * width].tolist()):
-            candidates.append((seq.cumulative_logprob + lp, b, token, lp))
+            if lp != float("-inf"):  # a token structured outputs forbid
+                candidates.append((seq.cumulative_logprob + lp, b, token, lp))
     candidates.sort(key=lambda c: -c[0])
     chosen = []
     for rank, (score, b, token, lp) in enumerate(candidates):

@@ -24,6 +24,7 @@ from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import Scheduler
 from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpage.structured_matcher import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class LLMEngine:
         self.finished_metrics: collections.deque[RequestMetrics] = collections.deque(maxlen=1000)
         self.peak_kv = {"blocks_used": 0, "kv_tokens_stored": 0, "kv_slots_allocated": 0}
         self.load_seconds = self.warmup_seconds = 0.0
+        self.structured: StructuredOutputManager | None = None  # made with the first constrained request
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -153,6 +155,11 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_len = min(max_len, len(token_ids) + params.max_tokens)
         self._check_fits(len(token_ids), params.best_of, max_len)
+        if params.structured_outputs is not None and self.structured is None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs needs a model with a tokenizer")
+            self.structured = StructuredOutputManager(self.tokenizer, self.config.model.vocab_size,
+                                                      sorted(self.eos_token_ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
                        max_len=max_len, seed=seed)
@@ -224,14 +231,16 @@ class LLMEngine:
         outputs = [self._fail(group) for group in self.scheduler.take_failed()]
         if not out.scheduled:
             return outputs
-        sampled = self.runner.execute(out.scheduled)
+        failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
+        bitmask = self.structured.bitmask(out.scheduled, failed) if self.structured is not None else None
+        sampled = (self.runner.execute(out.scheduled) if bitmask is None
+                   else self.runner.execute(out.scheduled, bitmask))
         now = time.monotonic()
         tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
         bs, requests, finished, eos = self.config.block_size, self.requests, SequenceStatus.FINISHED, self.eos_token_ids
         touched: dict[str, Request] = {}
         deferred: list[int] = []  # places in outputs held by requests whose output waits for the whole step
         beams = False
-        failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
         for row, s in enumerate(out.scheduled):
             try:
                 seq, group = s.seq, s.group

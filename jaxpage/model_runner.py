@@ -17,6 +17,7 @@ from jaxpage.model import TokenBatch, compute_logits, forward_hidden, unstack_la
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
 from jaxpage.sequence import Sequence
+from jaxpage.structured_matcher import bitmask_words
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,10 @@ class ModelRunner:
         out[:len(ids)] = ids
         return out
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> SamplerOutput:
-        """Runs one step; returns the sampler's output (numpy) for each scheduled sequence, in order."""
-        batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch)
+    def execute(self, scheduled: list[ScheduledSeq], bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """Runs one step; returns the sampler's output (numpy) for each scheduled sequence, in order. bitmask
+        [rows, ceil(vocab / 32)] int32: the tokens each row may sample (structured outputs); None: any."""
+        batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch, bitmask)
         compiled = self._executables.get(batch.token_ids.shape[0])
         if compiled is None:
             raise RuntimeError(f"no compiled step for {batch.token_ids.shape[0]} tokens; call warm_up() first")
@@ -139,7 +141,8 @@ def abstract_step_inputs(config: EngineConfig, num_tokens: int):
     sampling = SamplingBatch(f32(num_seqs), i32(num_seqs), f32(num_seqs), f32(num_seqs),
                              jax.ShapeDtypeStruct((num_seqs,), jnp.uint32), i32(num_seqs),
                              f32(num_seqs), f32(num_seqs), f32(num_seqs), i32(num_seqs, config.max_model_len),
-                             i32(num_seqs), i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_))
+                             i32(num_seqs), i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
+                             i32(num_seqs, bitmask_words(config.model.vocab_size)))
     return batch, sampling
 
 
@@ -152,6 +155,21 @@ def _plain_rows(num_seqs: int, max_model_len: int) -> tuple[np.ndarray, ...]:
     for a in arrays:
         a.flags.writeable = False
     return arrays
+
+
+@functools.lru_cache(maxsize=64)
+def _all_allowed(num_seqs: int, vocab_size: int) -> jax.Array:
+    """The bitmask of a batch without structured outputs, on the device once per shape: such batches pay no
+    transfer for it."""
+    return jnp.full((num_seqs, bitmask_words(vocab_size)), -1, jnp.int32)
+
+
+def _bitmask_rows(bitmask: np.ndarray | None, num_seqs: int, vocab_size: int):
+    if bitmask is None:
+        return _all_allowed(num_seqs, vocab_size)
+    out = np.full((num_seqs, bitmask.shape[1]), -1, np.int32)
+    out[:len(bitmask)] = bitmask
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -222,7 +240,7 @@ class InputBatch:
 
 
 def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_ids: tuple[int, ...] = (),
-                state: InputBatch | None = None) -> tuple[TokenBatch, SamplingBatch]:
+                state: InputBatch | None = None, bitmask: np.ndarray | None = None) -> tuple[TokenBatch, SamplingBatch]:
     """The flat batch in numpy, padded to its buckets. Padding tokens write to the null block.
 
     This runs every step for every sequence: the per-sequence block tables and sampling settings come from the
@@ -317,5 +335,6 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
             banned[row, :len(ban)] = ban[:MAX_BANNED]
     sampling = SamplingBatch(
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
-        steps, presence, frequency, repetition, history, num_prompt, banned, np.bool_(state.want_top[index].any()))
+        steps, presence, frequency, repetition, history, num_prompt, banned, np.bool_(state.want_top[index].any()),
+        _bitmask_rows(bitmask, num_seqs, config.model.vocab_size))
     return batch, sampling

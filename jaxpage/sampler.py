@@ -20,6 +20,8 @@ class SamplingBatch:
     fold_in(key(seed), n), whatever else is in the batch. history [S, max_model_len] holds each row's token ids
     (prompt then output, -1 after) and is read only when a row has a penalty; banned [S, MAX_BANNED] (-1 padded)
     lists token ids that may not be sampled. want_top [] says whether any row needs the top log-probabilities.
+    allowed [S, ceil(vocab / 32)] int32 is each row's bitmask of tokens it may sample (bit j of word i: token
+    32 i + j), all ones for rows without structured outputs.
     """
 
     temperature: jax.Array
@@ -35,6 +37,7 @@ class SamplingBatch:
     num_prompt_tokens: jax.Array
     banned: jax.Array
     want_top: jax.Array
+    allowed: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -59,15 +62,23 @@ def sample(logits: jax.Array, sp: SamplingBatch) -> SamplerOutput:
     logits = jax.lax.cond(jnp.any(has_penalty), lambda: _apply_penalties(logits, sp), lambda: logits)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, jnp.where(sp.banned >= 0, sp.banned, logits.shape[1])].set(-jnp.inf, mode="drop")
+    allowed = unpack_bitmask(sp.allowed, logits.shape[1])
+    logits = jnp.where(allowed, logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _sample_random(logits, sp, greedy),
                           lambda: greedy)
     top_logprobs, top_ids = jax.lax.cond(
-        sp.want_top, lambda: tuple(jax.lax.top_k(logprobs, MAX_LOGPROBS)),
+        sp.want_top, lambda: tuple(jax.lax.top_k(jnp.where(allowed, logprobs, -jnp.inf), MAX_LOGPROBS)),
         lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), logprobs.dtype),
                  jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)))
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def unpack_bitmask(words: jax.Array, vocab: int) -> jax.Array:
+    """[S, W] int32 bitmask words -> [S, vocab] bool."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
 
 
 def _apply_penalties(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
@@ -92,8 +103,10 @@ def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array) -> j
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sp.seeds, sp.steps)
     noise = jax.vmap(lambda k: jax.random.exponential(k, (logits.shape[-1],)))(keys)
     # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, without a cumulative sum.
+    # A draw of E = 0 (about once in 2**24 tokens) makes p / E NaN for a token of probability 0 (masked by top-k,
+    # top-p or structured outputs), and argmax picks NaN: such tokens must score 0, whatever their E.
     probs = jax.nn.softmax(scaled, axis=-1)
-    sampled = jnp.argmax(probs / noise, axis=-1).astype(jnp.int32)
+    sampled = jnp.argmax(jnp.where(probs > 0, probs / noise, 0.0), axis=-1).astype(jnp.int32)
     return jnp.where(sp.temperature > 0, sampled, greedy)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxpage.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top log-probabilities the step returns per token (also bounds beam width: 2 x width)
 # Bounds that keep the float32 sampler and the beam score finite: logits / temperature and logits /
 # repetition_penalty stay far below float32's max (3.4e38) for logits of any model, a nucleus of top_p holds at
@@ -41,6 +43,7 @@ class SamplingParams:
     # "cumulative": every step, the whole output so far; "delta": every step, what is new since the last
     # output; "final_only": one output when finished
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is taken too
 
     def __post_init__(self):
         if self.top_k == -1:
@@ -48,6 +51,10 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.best_of = self.n if self.best_of is None else self.best_of
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         _check(isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", self.best_of,
                f"must be an integer >= n={self.n}")

@@ -34,6 +34,7 @@ from serving import openai_protocol as oai
 from serving.http_guard import HttpGuard
 from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
+from serving.structured import from_openai
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -66,6 +67,10 @@ def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs:
     kw = {name: getattr(body, name) for name in _OPTIONAL if getattr(body, name) is not None}
     best_of = body.best_of or body.n
     streamable = best_of == body.n  # else the best n are known only at the end: one chunk then
+    try:
+        kw["structured_outputs"] = from_openai(body.response_format, body.structured_outputs)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), "structured_outputs" if body.structured_outputs else "response_format") from None
     try:
         return SamplingParams(
             n=body.n, best_of=best_of, max_tokens=max_tokens, seed=body.seed, stop=body.stop,

@@ -53,15 +53,14 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # "text", "json_object", "json_schema" (serving/structured.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, json_object, regex, choice or grammar
 
     def unsupported(self) -> str | None:
         """The first field set that jaxpage cannot honour, or None."""
         for name in ("logit_bias", "suffix", "tools"):
             if getattr(self, name):
                 return name
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
         return None
 
 

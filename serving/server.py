@@ -90,11 +90,14 @@ def _client_names(message: str) -> str:
 def sampling_params(msg: pb.SamplingParams, output_kind: str):
     """The engine's SamplingParams from the proto; ValueError (naming ``sampling.<field>``) on bad values."""
     from jaxpage.sampling_params import SamplingParams
+    from serving.structured import from_proto
 
     kw = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
     kw.update({name: getattr(msg, name) for name in _PLAIN})
     kw["stop"] = list(msg.stop)
     kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("structured_outputs"):
+        kw["structured_outputs"] = from_proto(msg.structured_outputs)
     n, best_of = kw.get("n", 1), kw.get("best_of", kw.get("n", 1))
     if output_kind == "delta" and (msg.use_beam_search or best_of != n):
         output_kind = "final_only"  # the best n are known only at the end: one response then

@@ -1,0 +1,78 @@
+"""Per-sequence grammar state and the per-step token bitmask of structured outputs (llguidance on the host).
+
+Each constrained sequence has its own llguidance matcher, keyed by the Sequence object (weakly: a finished,
+aborted or pruned sequence's matcher goes with it). Before each step a matcher is brought up to its sequence's
+output tokens, so every path is followed the same way: a new sample of n > 1 or best_of, a beam fork (a new
+Sequence), a sequence recomputed after preemption or swapped back in (same object, same tokens) all get a matcher
+that has consumed exactly their output, rebuilt from the tokens when the sequence is new to it.
+"""
+from __future__ import annotations
+
+import collections
+import weakref
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy as llnp
+import numpy as np
+
+from jaxpage.sequence import Sequence
+
+ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
+MAX_CACHED_GRAMMARS = 256
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int] | None = None):
+        self.words = bitmask_words(vocab_size)
+        # the engine's EOS ids: the grammar allows them (and only them) where it may end
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+        self.executor = llguidance.LLExecutor()
+        self._compiled: collections.OrderedDict[tuple, llguidance.LLMatcher] = collections.OrderedDict()
+        self._states: weakref.WeakKeyDictionary[Sequence, list] = weakref.WeakKeyDictionary()  # [matcher, consumed]
+
+    def _new_matcher(self, params) -> llguidance.LLMatcher:
+        """A fresh matcher for a constraint: a copy of the cached one compiled for this tokenizer."""
+        proto = self._compiled.get(params.key)
+        if proto is None:
+            proto = self._compiled[params.key] = llguidance.LLMatcher(self.tokenizer, params.grammar_text)
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(params.key)
+        return proto.deep_copy()
+
+    def matcher(self, seq: Sequence, params) -> llguidance.LLMatcher:
+        """The sequence's matcher, having consumed exactly its output tokens."""
+        state = self._states.get(seq)
+        if state is None or state[1] > seq.num_output_tokens:
+            state = self._states[seq] = [self._new_matcher(params), 0]
+        matcher, consumed = state
+        new = seq.token_ids[seq.num_prompt_tokens + consumed:]
+        if new:
+            matcher.consume_tokens(new)
+            state[1] += len(new)
+            if matcher.is_error():
+                raise ValueError(f"structured output: token outside the grammar: {matcher.get_error()}")
+        return matcher
+
+    def bitmask(self, scheduled, failed: dict[str, Exception]) -> np.ndarray | None:
+        """[rows, words] int32 of allowed tokens for this step's rows (all ones for unconstrained rows), or None
+        when no sampling row is constrained. A request whose matcher fails is recorded in ``failed``."""
+        rows = []
+        for i, s in enumerate(scheduled):
+            so = s.group.params.structured_outputs
+            if so is not None and s.samples:
+                try:
+                    rows.append((self.matcher(s.seq, so), i))
+                except Exception as e:  # noqa: BLE001 - one request's failure must not stop the engine
+                    failed.setdefault(s.group.request_id, e)
+        if not rows:
+            return None
+        mask = np.full((len(scheduled), self.words), ALL_ALLOWED, np.int32)
+        llnp.fill_next_token_bitmask_par(self.executor, rows, mask)
+        return mask
