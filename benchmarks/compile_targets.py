@@ -20,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 # v5p is a megacore chip (two TensorCores behind one device), so it exercises the kernels' parallel grid axes
@@ -155,7 +156,8 @@ def smollm2_config():
 
     return ModelConfig.from_hf(LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True))
+        num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+        rms_norm_eps=float(np.float32(1e-5))))  # the GGUF file stores it as a float32
 
 
 def llama3_8b_config():
