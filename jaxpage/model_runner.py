@@ -161,7 +161,7 @@ def _plain_rows(num_seqs: int, max_model_len: int) -> tuple[np.ndarray, ...]:
 def _all_allowed(num_seqs: int, vocab_size: int) -> jax.Array:
     """The bitmask of a batch without structured outputs, on the device once per shape: such batches pay no
     transfer for it."""
-    return jnp.full((num_seqs, bitmask_words(vocab_size)), -1, jnp.int32)
+    return jax.device_put(np.full((num_seqs, bitmask_words(vocab_size)), -1, np.int32))  # a transfer, no compile
 
 
 def _bitmask_rows(bitmask: np.ndarray | None, num_seqs: int, vocab_size: int):

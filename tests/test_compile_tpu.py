@@ -92,13 +92,13 @@ def test_smollm2_step_compiles_for_other_chips(chip):
 
 def test_xla_path_step_holds_no_pool_copy():
     """The XLA attention path on a TPU writes K/V with the TPU write kernel: XLA's scatter relayouts the pool."""
-    check_step("v6e", "smollm2-135m", 64, smollm2("xla"))
+    check_step("v5e", "smollm2-135m", 8, smollm2("xla"))
 
 
 def test_llama3_8b_step_compiles_for_v6e():
+    """The largest bucket (the whole matrix: python -m benchmarks.compile_targets)."""
     config = ct.engine_config("llama-3-8b")
-    for num_tokens in (config.token_buckets()[0], config.token_buckets()[-1]):
-        assert_compiled(check_step("v6e", "llama-3-8b", num_tokens, config))
+    assert_compiled(check_step("v6e", "llama-3-8b", config.token_buckets()[-1], config))
 
 
 def test_shapes_are_the_real_models():
