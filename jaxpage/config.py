@@ -179,20 +179,20 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_model_len: int | None, gpu_memory_utilization: float,
                         attention_backend: str = "auto", scan_layers: bool = True) -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
-    from jaxpage import kv_cache
-    from jaxpage.attention import resolve_backend
-
     import jax
 
+    from jaxpage import kv_cache
+    from jaxpage.attention import resolve_backend
     from pallas_kernels.kv_write_tpu import tile_rows
 
     dtype = resolve_dtype(dtype)
     _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     backend = resolve_backend(attention_backend)
-    if backend == "pallas_tpu" or jax.default_backend() == "tpu":
+    if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
         _require(block_size % tile_rows(dtype) == 0, "block_size", block_size,
                  f"must be a multiple of {tile_rows(dtype)} for a {dtype} KV cache on TPU (its K/V write moves "
                  f"whole ({tile_rows(dtype)}, 128) tiles of a page)")
+    if backend == "pallas_tpu":
         _require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
                  "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
     _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
