@@ -28,6 +28,30 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
+    # Per-layer attention: HF's layer_types ("full_attention" / "sliding_attention"); () means all full.
+    layer_types: tuple = ()
+    sliding_window: int | None = None  # keys visible to a query at p: positions in (p - window, p]
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
+    num_experts: int = 0  # routed experts per MoE layer (0: dense MLP)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    def layer_windows(self) -> np.ndarray:
+        """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        return np.asarray([self.sliding_window if t == "sliding_attention" and self.sliding_window else 0
+                           for t in types], np.int32)
+
+    @property
+    def every_layer_windowed(self) -> bool:
+        """Every layer slides (Mistral): blocks that no future token can see can go back to the pool."""
+        return bool(self.layer_windows().min() > 0)
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
