@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxpage.config import ModelConfig, build_engine_config, pick_bucket
 from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool
-from jaxpage.model import TokenBatch
+from jaxpage.models import TokenBatch
 from jaxpage.model_runner import jit_step
 from jaxpage.sampler import MAX_BANNED, SamplingBatch
 from jaxpage.structured_matcher import bitmask_words

@@ -152,9 +152,9 @@ def smollm2_config():
     """SmolLM2-135M-Instruct's shapes (the embedded default model), without reading its file."""
     from transformers import LlamaConfig
 
-    from jaxpage.config import ModelConfig
+    from jaxpage.models import config_from_hf
 
-    return ModelConfig.from_hf(LlamaConfig(
+    return config_from_hf(LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
         rms_norm_eps=float(np.float32(1e-5))))  # the GGUF file stores it as a float32
@@ -163,9 +163,9 @@ def smollm2_config():
 def llama3_8b_config():
     from transformers import LlamaConfig
 
-    from jaxpage.config import ModelConfig
+    from jaxpage.models import config_from_hf
 
-    return ModelConfig.from_hf(LlamaConfig(
+    return config_from_hf(LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0))
 
@@ -186,7 +186,7 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
 def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:
     """The whole jitted engine step of one bucket (the runner's own function and inputs), pool donated."""
     from jaxpage.kv_cache import kv_pool_shape
-    from jaxpage.model import abstract_params
+    from jaxpage.models import abstract_params
     from jaxpage.model_runner import abstract_step_inputs, jit_step
 
     config = config or engine_config(model)

@@ -22,7 +22,8 @@ import time
 import numpy as np
 from transformers import LlamaConfig
 
-from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.config import build_engine_config
+from jaxpage.models import config_from_hf
 from jaxpage.llm_engine import LLMEngine
 from jaxpage.model_runner import InputBatch, build_batch
 from jaxpage.sampler import SamplerOutput
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps")
     args = parser.parse_args()
-    model = ModelConfig.from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    model = config_from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                             max_position_embeddings=8192))
     config = build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None,

@@ -1,7 +1,7 @@
 """Models of real shapes with random weights: for lowering the engine step for a target without the weights,
 and for measuring it on a device (the weights do not change the cost of a step).
 
-The pytree is jaxpage.model's stacked layout (see its docstring); ``param_shapes`` gives it as
+The pytree is jaxpage.models' stacked layout (see its docstring); ``param_shapes`` gives it as
 ``jax.ShapeDtypeStruct`` leaves, ``random_params`` fills it on the default device.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.config import ModelConfig
+from jaxpage.models import abstract_params
 
 LLAMA3_8B = ModelConfig(
     model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -32,24 +33,10 @@ TINY = dataclasses.replace(SMOLLM2_135M, vocab_size=512, hidden_size=128, interm
 
 def param_shapes(cfg: ModelConfig, dtype) -> dict:
     """The weights' pytree (stacked layers) as ShapeDtypeStructs."""
-    d, f, heads, kv, hd, layers = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                                   cfg.head_dim, cfg.num_layers)
-    shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    layer = {"attn_norm": (d,), "wq": (d, heads, hd), "wk": (d, kv, hd), "wv": (d, kv, hd), "wo": (heads, hd, d),
-             "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    if cfg.qkv_bias:
-        layer.update(bq=(heads, hd), bk=(kv, hd), bv=(kv, hd))
-    if cfg.o_bias:
-        layer["bo"] = (d,)
-    tree = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()}
-    tree["layers"] = {k: jax.ShapeDtypeStruct((layers,) + s, dtype) for k, s in layer.items()}
-    return tree
+    return abstract_params(cfg, dtype)
 
 
-FAN_IN_AXES = {"lm_head": (-2,), "wq": (-3,), "wk": (-3,), "wv": (-3,), "wo": (-3, -2), "w_gate": (-2,),
-               "w_up": (-2,), "w_down": (-2,)}
+IN_AXES = {"o": 2}  # Linear modules whose kernel contracts two leading axes (heads, head_dim); others one
 
 
 def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
@@ -58,16 +45,18 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     key = jax.random.key(seed)
 
-    def make(i, name, leaf):
-        if "norm" in name:
+    def make(i, names, leaf):
+        if names[-1] == "weight":  # norms
             return jnp.ones(leaf.shape, leaf.dtype)
-        if name.startswith("b"):
+        if names[-1] == "bias":
             return jnp.zeros(leaf.shape, leaf.dtype)
         fan_in = 1
-        for axis in FAN_IN_AXES.get(name, ()):
-            fan_in *= leaf.shape[axis]
+        if names[-1] == "kernel":
+            first = 1 if names[0] == "layers" else 0
+            for size in leaf.shape[first:first + IN_AXES.get(names[-2], 1)]:
+                fan_in *= size
         normal = jax.jit(lambda k: (jax.random.normal(k, leaf.shape, jnp.float32) * fan_in ** -0.5).astype(leaf.dtype))
         return normal(jax.random.fold_in(key, i))
 
-    return jax.tree_util.tree_unflatten(treedef, [make(i, path[-1].key, leaf)
+    return jax.tree_util.tree_unflatten(treedef, [make(i, [str(getattr(p, "key", p)) for p in path], leaf)
                                                   for i, (path, leaf) in enumerate(leaves)])

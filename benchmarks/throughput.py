@@ -48,9 +48,10 @@ from benchmarks.baselines import (ContiguousCache, RunStats, SlotBatching, Stati
                                   interleave, run_alone)
 from jaxpage.compile_cache import enable_compilation_cache  # noqa: E402
 from jaxpage.config import ModelConfig, build_engine_config  # noqa: E402
+from jaxpage.models import config_from_hf  # noqa: E402
 from jaxpage.kv_cache import bytes_per_block  # noqa: E402
 from jaxpage.llm_engine import LLMEngine  # noqa: E402
-from jaxpage.model import unstack_layers  # noqa: E402
+from jaxpage.models import unstack_layers  # noqa: E402
 from jaxpage.model_loader import default_cache_dir, load_model  # noqa: E402
 from jaxpage.model_runner import ModelRunner  # noqa: E402
 from jaxpage.sampling_params import SamplingParams  # noqa: E402
@@ -329,7 +330,7 @@ def main(argv=None) -> dict:
     enable_compilation_cache(cache_dir)
     started = time.perf_counter()
     loaded = load_model(args.model, cache_dir)
-    model = ModelConfig.from_hf(loaded.hf_config)
+    model = config_from_hf(loaded.hf_config)
     # shared by all systems, in the layout the engine runs
     layout = (lambda p: p) if args.scan_layers else unstack_layers
     params = jax.tree.map(lambda a: jnp.asarray(a, args.dtype), layout(loaded.params))

@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The shapes and constants of a Llama-family model, read off a transformers config."""
+    """The shapes and constants of a model, read off a transformers config by its architecture's module
+    (jaxpage.models.config_from_hf)."""
 
     model_type: str
     vocab_size: int
@@ -34,7 +31,7 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim
-    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    local_rope_parameters: tuple = ()  # the sliding layers' RoPE settings, rope_theta included (Gemma 3); ()=same
     hidden_act: str = "silu"
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
     num_experts: int = 0  # routed experts per MoE layer (0: dense MLP)
@@ -52,88 +49,6 @@ class ModelConfig:
     def every_layer_windowed(self) -> bool:
         """Every layer slides (Mistral): blocks that no future token can see can go back to the pool."""
         return bool(self.layer_windows().min() > 0)
-
-    @classmethod
-    def from_hf(cls, hf_config) -> "ModelConfig":
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model architecture {model_type!r} "
-                f"(architectures={getattr(hf_config, 'architectures', None)}); "
-                f"jaxpage supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        _refuse_sliding_window(hf_config)
-        if getattr(hf_config, "mlp_bias", False):
-            raise ValueError("unsupported model: mlp_bias=True")
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only 'silu'")
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        rope = dict(_rope_parameters(hf_config))
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        return cls(
-            model_type=model_type,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope_theta=float(rope.pop("rope_theta")),
-            rope_parameters=tuple(sorted(rope.items())),
-            max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-        )
-
-    def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies for rotary embeddings (default, linear and llama3 scaling)."""
-        # float32 arithmetic, as transformers computes it, so positions far out rotate identically
-        exponent = np.arange(0, self.head_dim, 2, dtype=np.float32) / np.float32(self.head_dim)
-        inv_freq = np.float32(1.0) / (np.float32(self.rope_theta) ** exponent)
-        params = dict(self.rope_parameters)
-        kind = params.get("rope_type", "default")
-        if kind == "default":
-            return inv_freq.astype(np.float32)
-        if kind == "linear":
-            return (inv_freq / params["factor"]).astype(np.float32)
-        if kind == "llama3":
-            return _llama3_inv_freq(inv_freq, params).astype(np.float32)
-        raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
-
-
-def _rope_parameters(hf_config) -> dict:
-    """Rotary settings across transformers versions (rope_parameters in v5, rope_theta/rope_scaling before)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    params.update(getattr(hf_config, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    if "type" in params:
-        params.setdefault("rope_type", params.pop("type"))
-    params.setdefault("rope_type", "default")
-    return {k: v for k, v in params.items() if isinstance(v, (int, float, str))}
-
-
-def _refuse_sliding_window(hf_config) -> None:
-    window = getattr(hf_config, "sliding_window", None)
-    used = getattr(hf_config, "use_sliding_window", True)
-    if window is not None and used and window < hf_config.max_position_embeddings:
-        raise ValueError(
-            f"unsupported model: sliding_window={window} is smaller than max_position_embeddings="
-            f"{hf_config.max_position_embeddings}; jaxpage implements full attention only")
-
-
-def _llama3_inv_freq(inv_freq: np.ndarray, p: dict) -> np.ndarray:
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ import numpy as np
 from jaxpage.beam_search import beam_search_step, final_beams
 from jaxpage.block_pool import BlockPool
 from jaxpage.compile_cache import enable_compilation_cache
-from jaxpage.config import EngineConfig, ModelConfig, build_engine_config
+from jaxpage.config import EngineConfig, build_engine_config
+from jaxpage.models import config_from_hf
 from jaxpage.detokenizer import IncrementalDetokenizer
 from jaxpage.kv_cache import bytes_per_block
 from jaxpage.kv_cache_manager import KVCacheManager
@@ -117,7 +118,7 @@ class LLMEngine:
         loaded = load_model(args.model, cache_dir)
         load_seconds = time.perf_counter() - started
         config = build_engine_config(
-            ModelConfig.from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
+            config_from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,

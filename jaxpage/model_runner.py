@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
-from jaxpage.model import TokenBatch, compute_logits, forward_hidden, unstack_layers
+from jaxpage.models import TokenBatch, compute_logits, forward_hidden, unstack_layers
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
 from jaxpage.sequence import Sequence

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxpage.model import TokenBatch, compute_logits, forward_hidden
+from jaxpage.models import TokenBatch, compute_logits, forward_hidden
 
 NEAR_TIE = 1e-3
 

@@ -13,7 +13,8 @@ import numpy as np
 from transformers import LlamaConfig
 
 from jaxpage.async_engine import AsyncEngine
-from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.config import build_engine_config
+from jaxpage.models import config_from_hf
 from jaxpage.llm_engine import LLMEngine
 from jaxpage.sampler import SamplerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS
@@ -44,7 +45,7 @@ class StandInRunner:
 def make_engine(*, num_kv_blocks: int = 257, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                 max_model_len: int = 4096, max_seqs_per_request: int | None = None, step_seconds: float = 0.0,
                 fail_flag: str | None = None) -> LLMEngine:
-    model = ModelConfig.from_hf(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+    model = config_from_hf(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                             max_position_embeddings=max_model_len))
     config = build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None,

@@ -31,7 +31,8 @@ import transformers
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.config import build_engine_config
+from jaxpage.models import config_from_hf
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT
 from jaxpage.llm_engine import LLMEngine
 from jaxpage.sampler import SamplerOutput
@@ -144,7 +145,7 @@ class FakeRunner:
 def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                 mode: str = "recompute", num_host_blocks: int = 0, prefix_caching: bool = True,
                 max_model_len: int = MAX_MODEL_LEN) -> LLMEngine:
-    model = ModelConfig.from_hf(transformers.LlamaConfig(
+    model = config_from_hf(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
     config = build_engine_config(model, dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=None,

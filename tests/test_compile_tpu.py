@@ -103,12 +103,12 @@ def test_llama3_8b_step_compiles_for_v6e():
 
 def test_shapes_are_the_real_models():
     """The lane's SmolLM2 config is the GGUF file's, and abstract_params has the loaded weights' shapes."""
-    from jaxpage.config import ModelConfig
-    from jaxpage.model import abstract_params
+    from jaxpage.models import config_from_hf
+    from jaxpage.models import abstract_params
     from jaxpage.model_loader import default_cache_dir, load_model
 
     loaded = load_model(None, default_cache_dir())
-    assert ct.smollm2_config() == ModelConfig.from_hf(loaded.hf_config)
+    assert ct.smollm2_config() == config_from_hf(loaded.hf_config)
     shapes = jax.tree.map(lambda a: a.shape, abstract_params(ct.smollm2_config(), "float32"))
     assert shapes == jax.tree.map(lambda a: a.shape, loaded.params)
 

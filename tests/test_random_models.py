@@ -29,7 +29,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, MistralConfig, Qwen2Config
 
 from jaxpage import LLM, SamplingParams
-from jaxpage.model import TokenBatch, compute_logits, forward_hidden, unstack_layers
+from jaxpage.models import TokenBatch, compute_logits, forward_hidden, stack_layers, unstack_layers
 from tests.reference import first_near_tie, hf_greedy, save_random_model
 
 SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
@@ -177,11 +177,9 @@ def test_teacher_forced_logits(built, prompt_len):
 def test_teacher_forced_logits_other_layer_layout(built):
     """The same weights in the other layout than the engine's (stacked and scanned, or unrolled) agree too."""
     params = built.llm.engine.runner.params
-    assert isinstance(params["layers"], list) == (not built.llm.engine.config.scan_layers)
-    if built.llm.engine.config.scan_layers:
-        other = unstack_layers(params)
-    else:
-        other = {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])}
+    unrolled = unstack_layers(params) is params
+    assert unrolled == (not built.llm.engine.config.scan_layers)
+    other = stack_layers(params) if unrolled else unstack_layers(params)
     check_teacher_forced_logits(built, PROMPT_LENS[-1], other)
 
 

@@ -6,6 +6,7 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig
 
 from jaxpage.block_pool import BlockPool
 from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.models import config_from_hf, params_from_hf_state
 from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
 
 
@@ -25,7 +26,7 @@ def test_block_pool_hands_out_each_block_once_and_never_the_null_block():
 
 
 def _smollm2_shape() -> ModelConfig:
-    return ModelConfig.from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    return config_from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                            max_position_embeddings=8192))
 
@@ -66,12 +67,13 @@ def test_budget_too_small_for_one_sequence_says_how_much_is_needed():
         _engine(model, num_kv_blocks=10)
 
 
-def test_unsupported_architecture_and_sliding_window_are_refused():
+def test_unsupported_architecture_is_refused_and_windows_are_read():
     with pytest.raises(ValueError, match="'gpt2'"):
-        ModelConfig.from_hf(GPT2Config())
-    with pytest.raises(ValueError, match="sliding_window=16"):
-        ModelConfig.from_hf(MistralConfig(sliding_window=16, max_position_embeddings=128))
-    assert ModelConfig.from_hf(MistralConfig(sliding_window=None)).model_type == "mistral"
+        config_from_hf(GPT2Config())
+    windowed = config_from_hf(MistralConfig(sliding_window=16, max_position_embeddings=128, num_hidden_layers=3))
+    assert windowed.layer_windows().tolist() == [16, 16, 16] and windowed.every_layer_windowed
+    unwindowed = config_from_hf(MistralConfig(sliding_window=None))
+    assert unwindowed.model_type == "mistral" and not unwindowed.layer_windows().any()
 
 
 def test_llama3_rope_scaling_matches_transformers():
@@ -83,7 +85,9 @@ def test_llama3_rope_scaling_matches_transformers():
                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
-    np.testing.assert_allclose(ModelConfig.from_hf(hf).rope_inv_freq(), ref.numpy(), rtol=1e-6)
+    from jaxpage.models.attention import layer_constants
+
+    np.testing.assert_allclose(layer_constants(config_from_hf(hf)).inv_freq[0], ref.numpy(), rtol=1e-6)
 
 
 def test_second_load_restores_converted_weights_instead_of_converting(tmp_path, monkeypatch):
@@ -102,10 +106,11 @@ def test_second_load_restores_converted_weights_instead_of_converting(tmp_path, 
     monkeypatch.setattr(model_loader, "_convert_into", lambda *a: pytest.fail("converted a cached model again"))
     second = model_loader.load_model(tmp_path / "model", tmp_path / "cache")
     state = LlamaForCausalLM.from_pretrained(tmp_path / "model").state_dict()
-    expected = model_loader.params_from_hf_state(ModelConfig.from_hf(hf), {k: v.numpy() for k, v in state.items()})
+    expected = params_from_hf_state(config_from_hf(hf), {k: v.numpy() for k, v in state.items()})
     for loaded in (first, second):
-        np.testing.assert_array_equal(loaded.params["layers"]["wq"], expected["layers"]["wq"])
-        np.testing.assert_array_equal(loaded.params["lm_head"], expected["lm_head"])
+        np.testing.assert_array_equal(loaded.params["layers"]["attn"]["q"]["kernel"],
+                                      expected["layers"]["attn"]["q"]["kernel"])
+        np.testing.assert_array_equal(loaded.params["lm_head"]["kernel"], expected["lm_head"]["kernel"])
 
 
 def test_shapes_the_tpu_kernels_cannot_take_are_refused_at_start_up():

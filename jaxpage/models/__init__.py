@@ -1,0 +1,14 @@
+"""The model layer: shared NNX layers, one module per architecture, and the registry that picks it.
+
+Adding an architecture: a module beside llama.py (see registry.py for what it gives) and a line in the registry.
+"""
+from jaxpage.models.batch import TokenBatch
+from jaxpage.models.causal_lm import (
+    CausalLM, abstract_params, bind, compute_logits, forward_hidden, model_graph, partition_specs, stack_layers,
+    unstack_layers)
+from jaxpage.models.registry import SUPPORTED_MODEL_TYPES, architecture, config_from_hf
+from jaxpage.models.weights import hf_state_from_gguf, params_from_hf_state
+
+__all__ = ["TokenBatch", "CausalLM", "abstract_params", "bind", "compute_logits", "forward_hidden", "model_graph",
+           "partition_specs", "stack_layers", "unstack_layers", "SUPPORTED_MODEL_TYPES", "architecture",
+           "config_from_hf", "hf_state_from_gguf", "params_from_hf_state"]

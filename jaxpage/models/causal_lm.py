@@ -1,0 +1,126 @@
+"""The decoder-only language model every architecture shares: embeddings, the decoder layers (stacked and
+scanned, or unrolled), the final norm and the LM head; and the pure functions the jitted step calls.
+
+The weights travel as a plain pytree (the NNX state as a pure dict), so the step stays a pure function of
+(weights, pool, batch): ``forward_hidden`` merges them into the architecture's module graph, which is built once
+per config (``model_graph``). The layout of the pure dict (paths as ``nnx.state`` gives them):
+  embed/embedding [V, D], final_norm/weight [D], lm_head/kernel [D, V] (absent when tied), and ``layers``:
+  stacked, each layer weight with a leading layer axis (one compiled layer body, run by ``lax.scan``), or
+  unrolled, ``{0: layer, 1: layer, ...}`` (``unstack_layers``: every layer compiled, read in place).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpage.config import ModelConfig
+from jaxpage.models.attention import StepContext, layer_constants
+from jaxpage.models.batch import TokenBatch
+from jaxpage.models.layers import MODEL_AXIS, Embedding, Linear, RMSNorm, embed_scale, soft_cap
+from jaxpage.models.registry import architecture
+
+
+class CausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, unrolled: bool = False):
+        arch = architecture(cfg.model_type)
+        layer_cls = arch.DecoderLayer
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
+        if unrolled:
+            self.layers = nnx.List([layer_cls(cfg) for _ in range(cfg.num_layers)])
+        else:
+            make = nnx.vmap(lambda: layer_cls(cfg), axis_size=cfg.num_layers,
+                            transform_metadata={nnx.PARTITION_NAME: None})
+            self.layers = make()
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear((cfg.hidden_size,), (cfg.vocab_size,), (None, MODEL_AXIS)))
+        self.scale_embeddings = getattr(arch, "SCALE_EMBEDDINGS", False)  # Gemma: x * sqrt(hidden_size)
+        self.cfg = cfg
+
+    def __call__(self, pool: jax.Array, batch: TokenBatch, backend: str) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        x = self.embed(batch.token_ids)
+        if self.scale_embeddings:
+            x = x * embed_scale(cfg.hidden_size, x.dtype)
+        ctx = StepContext.make(cfg, batch, backend, block_size=pool.shape[4])
+        consts = layer_constants(cfg)
+        if isinstance(self.layers, nnx.List):
+            for i, layer in enumerate(self.layers):
+                x, pool = layer(x, pool, jax.tree.map(lambda a, i=i: a[i], consts), ctx)
+        else:
+            graph, stacked = nnx.split(self.layers)
+
+            def body(carry, xs):
+                state, layer_consts = xs
+                x, pool = nnx.merge(graph, state)(*carry, layer_consts, ctx)
+                return (x, pool), None
+
+            (x, pool), _ = jax.lax.scan(body, (x, pool), (stacked, jax.tree.map(jnp.asarray, consts)))
+        return self.final_norm(x), pool
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        logits = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return soft_cap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
+
+
+def _is_unrolled(params: dict) -> bool:
+    return not isinstance(params["layers"], dict) or all(isinstance(k, int) for k in params["layers"])
+
+
+@functools.lru_cache(maxsize=32)
+def model_graph(cfg: ModelConfig, unrolled: bool = False):
+    """The module graph (``nnx.GraphDef``) of a config, built once, without allocating weights."""
+    return nnx.graphdef(nnx.eval_shape(lambda: CausalLM(cfg, unrolled)))
+
+
+def bind(cfg: ModelConfig, params: dict) -> CausalLM:
+    """The model module over these weights (a pure dict), inside or outside a trace."""
+    return nnx.merge(model_graph(cfg, _is_unrolled(params)), params)
+
+
+def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch, backend: str = "xla"):
+    """Runs all layers over the flat batch; returns final-normed hidden states [T, D] and the updated pool.
+    backend: the attention backend (jaxpage.attention.BACKENDS, resolved), static under jit."""
+    return bind(cfg, params)(pool, batch, backend)
+
+
+def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """float32 logits [N, V] for hidden states [N, D]."""
+    return bind(cfg, params).logits(hidden)
+
+
+def unstack_layers(params: dict) -> dict:
+    """The same weights with the layers unrolled (``{i: layer i}``), so that every layer is compiled and reads
+    its own buffers: a scan slices each layer's weights out of the stack at run time, and XLA:CPU copies every
+    slice before its matmul (11-15 % slower SmolLM2 steps there), for about 4x the compile time. The engine's
+    ``scan_layers=False``."""
+    if _is_unrolled(params):
+        return params
+    layers = params["layers"]
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": {i: jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num_layers)}}
+
+
+def stack_layers(params: dict) -> dict:
+    """The inverse of ``unstack_layers``."""
+    if not _is_unrolled(params):
+        return params
+    layers = [params["layers"][i] for i in range(len(params["layers"]))]
+    return {**params, "layers": jax.tree.map(lambda *a: np.stack(a) if isinstance(a[0], np.ndarray)
+                                             else jnp.stack(a), *layers)}
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> dict:
+    """The stacked weights as shapes only (``jax.ShapeDtypeStruct``), for ahead-of-time compilation."""
+    state = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg)))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)), nnx.to_pure_dict(state))
+
+
+def partition_specs(cfg: ModelConfig) -> dict:
+    """Each stacked weight's ``PartitionSpec`` over the mesh axis ``MODEL_AXIS``, from the parameters' names."""
+    state = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg)))
+    return nnx.to_pure_dict(nnx.get_partition_spec(state))

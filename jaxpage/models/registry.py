@@ -1,0 +1,34 @@
+"""Which module implements each architecture (Hugging Face ``model_type`` -> module under jaxpage.models)."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from jaxpage.config import ModelConfig
+
+# An architecture module gives: MODEL_TYPES; read_config(hf_config) -> ModelConfig; DecoderLayer (an nnx.Module
+# called as layer(x, pool, LayerConstants, StepContext) -> (x, pool)); layer_weights(cfg) and top_weights(cfg)
+# (param path -> (transformers tensor name, transform)); GGUF_LAYER_NAMES (llama.cpp -> transformers names) and
+# gguf_permuted(cfg) (whether llama.cpp interleaved the q/k rotary halves). Optional: SCALE_EMBEDDINGS.
+_MODULES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "llama",
+}
+SUPPORTED_MODEL_TYPES = tuple(_MODULES)
+
+
+def architecture(model_type: str) -> ModuleType:
+    if model_type not in _MODULES:
+        raise ValueError(f"unsupported model architecture {model_type!r}; jaxpage supports: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return importlib.import_module(f"jaxpage.models.{_MODULES[model_type]}")
+
+
+def config_from_hf(hf_config) -> ModelConfig:
+    """The engine's ModelConfig of a transformers config; refuses what jaxpage cannot run, naming it."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _MODULES:
+        raise ValueError(
+            f"unsupported model architecture {model_type!r} "
+            f"(architectures={getattr(hf_config, 'architectures', None)}); "
+            f"jaxpage supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return architecture(model_type).read_config(hf_config)

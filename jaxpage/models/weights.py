@@ -1,0 +1,78 @@
+"""Checkpoint tensors to the model's weights: transformers-named tensors (from safetensors, or from a GGUF file
+renamed through the architecture's llama.cpp name map) into the pure-dict layout of jaxpage.models.causal_lm."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxpage.config import ModelConfig
+from jaxpage.models.registry import architecture
+
+
+def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray]) -> dict:
+    """transformers-named tensors ([out, in] matrices) to jaxpage's stacked, head-explicit weights."""
+    arch = architecture(cfg.model_type)
+    params: dict = {}
+    for path, (name, fn) in arch.top_weights(cfg).items():
+        _put(params, path, fn(_take(state, name)))
+    for path, (name, fn) in arch.layer_weights(cfg).items():
+        stacked = np.stack([fn(_take(state, f"model.layers.{i}.{name}")) for i in range(cfg.num_layers)])
+        _put(params, ("layers", *path), stacked)
+    return params
+
+
+def _take(state: dict, name: str) -> np.ndarray:
+    if name not in state:
+        raise ValueError(f"the checkpoint has no tensor {name!r}")
+    return state[name]
+
+
+def _put(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_state_from_gguf(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Dequantizes every tensor and renames it to transformers' names, undoing llama.cpp's q/k row permutation
+    where its converter applied one."""
+    import gguf
+
+    arch = architecture(cfg.model_type)
+    permuted = arch.gguf_permuted(cfg)
+    reader = gguf.GGUFReader(path)
+    state = {}
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF", leave=False):
+        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        array = array.reshape([int(d) for d in reversed(t.shape)])
+        name = gguf_to_hf_name(t.name, arch.GGUF_LAYER_NAMES)
+        if permuted and ".q_proj." in name:
+            array = _unpermute_rope_rows(array, cfg.num_heads)
+        elif permuted and ".k_proj." in name:
+            array = _unpermute_rope_rows(array, cfg.num_kv_heads)
+        state[name] = array
+    return state
+
+
+def gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    blk, index, part, kind = name.split(".")
+    if blk != "blk" or part not in layer_names:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{index}.{layer_names[part]}.{kind}"
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp interleaves each head's rotary halves; transformers keeps them as two halves."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
