@@ -23,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seqs-per-request", type=int, default=None,
                         help="most sequences (n, best_of, beams) one request may hold, so that no request takes "
                              "every batch slot (default: max-num-seqs; `serve`: half of it)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size,
+                        help="devices the weights and the KV pool are split over, by attention head")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=defaults.scan_layers,
                         help="--no-scan-layers unrolls the layers: about 4x the compile time at start-up, "
                              "11-15 %% faster decode steps on a CPU")

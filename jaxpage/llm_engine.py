@@ -46,6 +46,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
     scan_layers: bool = True  # False unrolls the layers: ~4x the compile time, faster CPU steps (model.unstack_layers)
+    tensor_parallel_size: int = 1  # devices the weights and the KV pool are split over (by attention head)
     preemption_mode: str = "recompute"
     swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
     max_seqs_per_request: int | None = None  # bound on n / best_of of one request (None: max_num_seqs)
@@ -122,7 +123,8 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend, scan_layers=args.scan_layers)
+            attention_backend=args.attention_backend, scan_layers=args.scan_layers,
+            tensor_parallel_size=args.tensor_parallel_size)
         per_block = bytes_per_block(config.model, config.block_size, config.dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)
