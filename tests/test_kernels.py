@@ -199,7 +199,7 @@ def test_tpu_decode_matches_reference(case):
 
 
 SIM_DECODE_CASES = [
-    (DecodeCase("float32", 16, 4, 64, 2, 3, tpu=(("pages_per_compute_block", 2),)), SIM_2_CORES),
+    (DecodeCase("float32", 16, 4, 64, 2, 3, tpu=(("pages_per_compute_block", 2),), windows=(20,)), SIM_2_CORES),
     (DecodeCase("bfloat16", 16, 3, 128, 1, 2), SIM),
 ]
 
@@ -369,7 +369,8 @@ def test_gpu_ragged_matches_reference(case):
 
 
 SIM_RAGGED_CASES = [
-    (RaggedCase("float32", 16, 2, 64, 2, 2, kw=(("kv_heads_per_block", 1), ("queries_per_block", 8))), SIM_2_CORES),
+    (RaggedCase("float32", 16, 2, 64, 2, 2, kw=(("kv_heads_per_block", 1), ("queries_per_block", 8)),
+                windows=(20,)), SIM_2_CORES),  # the other cases simulate window 0
     (RaggedCase("bfloat16", 16, 4, 128, 1, 2, padding="engine", kw=(("pages_per_compute_block", 1),)), SIM),
 ]
 
