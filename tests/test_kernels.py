@@ -475,6 +475,30 @@ def test_engine_attention_with_per_layer_windows_and_soft_cap():
     assert num_chunks[1] < num_chunks[0], f"the window's plan walks fewer pairs; {msg}"
 
 
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+def test_write_and_attend_passes_window_and_soft_cap_to_the_kernels(backend):
+    """The engine's entry point, jitted with a traced window, equals the reference (kernels interpreted here)."""
+    from jaxpage.attention import write_and_attend
+
+    rng, msg = fresh_rng()
+    case = RaggedCase("float32", 16, 2, 64, 2, 4)
+    args, num_valid = make_ragged_inputs(case, rng)
+    q, k, v, pool, layer, token_seq, positions, slots, tables = args
+    pool = jnp.nan_to_num(pool)
+
+    def engine(window, pool):
+        return write_and_attend(backend, q, k, v, pool, layer, token_seq, positions, slots, tables, 0.125,
+                                window=window, soft_cap=1.5)
+
+    out, _ = run_jitted(engine, jnp.int32(20), pool)
+    ref, _ = ragged_paged_attention_reference(q, k, v, pool, layer, token_seq, positions, slots, tables,
+                                              scale=0.125, soft_cap=1.5, window=20)
+    full, _ = ragged_paged_attention_reference(q, k, v, pool, layer, token_seq, positions, slots, tables,
+                                               scale=0.125)
+    assert_matches(out, ref, jnp.float32, msg, rows=slice(num_valid))
+    assert not np.allclose(np.asarray(ref[:num_valid]), np.asarray(full[:num_valid]), atol=1e-3), msg
+
+
 def test_kernels_take_a_traced_layer_inside_scan():
     """As in the model: the pool is carried through lax.scan over layers, the layer index is traced."""
     rng, msg = fresh_rng()
