@@ -17,7 +17,7 @@ from jaxpage.compile_cache import enable_compilation_cache
 from jaxpage.config import EngineConfig, build_engine_config
 from jaxpage.models import config_from_hf
 from jaxpage.detokenizer import IncrementalDetokenizer
-from jaxpage.kv_cache import bytes_per_block
+from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.kv_cache_manager import KVCacheManager
 from jaxpage.model_loader import default_cache_dir, load_model
 from jaxpage.model_runner import ModelRunner
@@ -98,7 +98,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
         self.block_pool = BlockPool(config.num_kv_blocks, enable_prefix_caching)
-        self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks)
+        window = config.model.sliding_window if config.model.every_layer_windowed else 0
+        self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks, window)
         self.scheduler = Scheduler(config, self.kv, preemption_mode)
         self.scheduler.max_wide_seqs = self.max_seqs_per_request
         self._seq_ids = itertools.count()
@@ -441,18 +442,21 @@ class LLMEngine:
 
     # --- stats ----------------------------------------------------------------------------------------
     def _kv_occupancy(self) -> tuple[int, int]:
-        """(tokens stored, slots allocated) over the blocks that sequences hold, each block counted once."""
-        bs = self.config.block_size
+        """(tokens stored that a query can still see, slots allocated) over the blocks that sequences hold, each
+        block counted once."""
+        bs, visible = self.config.block_size, self.kv.visible_tokens
         if not self.block_pool.num_shared:  # every block has one holder: no block can be counted twice
-            stored = sum([s.num_computed_tokens for g in self.scheduler.running for s in g.seqs
-                          if s.finish_reason is None])  # the live sequences
+            stored = sum(hi - lo for lo, hi in (visible(s) for g in self.scheduler.running for s in g.seqs
+                                                if s.finish_reason is None))  # the live sequences
             return stored, self.block_pool.num_used * bs
         filled: dict[int, int] = {}
         for group in self.scheduler.running:
             for seq in group.live_seqs:
+                lo, hi = visible(seq)
                 for i, block in enumerate(seq.block_table):
-                    n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                    n = max(0, min(hi, (i + 1) * bs) - max(lo, i * bs))
                     filled[block] = max(filled.get(block, 0), n)
+        filled.pop(NULL_BLOCK, None)
         return sum(filled.values()), self.block_pool.num_used * bs
 
     def _track_peak_kv(self) -> None:

@@ -6,7 +6,7 @@ import logging
 import os
 
 from jaxpage.config import EngineConfig
-from jaxpage.kv_cache_manager import DeviceOps, KVCacheManager
+from jaxpage.kv_cache_manager import NULL_HOST, DeviceOps, KVCacheManager
 from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Scheduler:
                     if seq is not live[0] and live[0].num_computed_tokens < live[0].num_prompt_tokens:
                         continue  # a recomputing sibling waits until the first has cached the shared prompt
                     self.kv.match_prefix(seq)  # a sequence recomputing after preemption
+                self.kv.free_dead_blocks(seq)  # sliding window: blocks no query can see again
                 computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
                 num_new = min(num_tokens - computed, budget)
                 if num_new == 0:
@@ -168,6 +169,8 @@ class Scheduler:
         grow = []
         for s in rows:
             seq = s.seq
+            if self.kv.window:
+                self.kv.free_dead_blocks(seq)
             computed = seq.num_computed_tokens
             if len(seq.token_ids) != computed + 1:
                 return None  # not exactly one new token (an engine step did not run; or it finished)
@@ -277,7 +280,7 @@ class Scheduler:
         group.status = SequenceStatus.FINISHED
 
     def _drop_host_slots(self, seqs: list[Sequence]) -> None:
-        slots = {b for s in seqs for b in s.block_table}
+        slots = {b for s in seqs for b in s.block_table} - {NULL_HOST}
         still_used = {b for g in self.swapped for s in g.live_seqs if s not in seqs for b in s.block_table}
         self.kv.host_free.extend(slots - still_used)
         for s in seqs:
