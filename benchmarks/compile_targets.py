@@ -191,13 +191,13 @@ def llama3_8b_config():
         num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0))
 
 
-def llama3_70b_config(num_layers: int = 80):
+def llama3_70b_config():
     from transformers import LlamaConfig
 
     from jaxpage.models import config_from_hf
 
     return config_from_hf(LlamaConfig(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=num_layers,
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False,
         rope_theta=500000.0))
 
@@ -215,7 +215,8 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
               max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096, gpu_memory_utilization=0.9,
               attention_backend=backend)
     shapes = MODELS[model]()
-    shapes = dataclasses.replace(shapes, num_layers=num_layers) if num_layers else shapes
+    if num_layers:
+        shapes = dataclasses.replace(shapes, num_layers=num_layers, layer_types=shapes.layer_types[:num_layers])
     return build_engine_config(shapes, **{**kw, **options})
 
 
@@ -269,18 +270,24 @@ STEP_TARGETS = {"smollm2-135m": ("v5e", "v6e", "v5p"), "llama-3-8b": ("v5e", "v6
 TP_STEP_TARGETS = {"llama-3-70b": ("v5e", "v6e")}  # at tensor_parallel_size=8, on 8 chips
 
 
-def run(chips: list[str], quick: bool) -> list[Compiled]:
+def run(chips: list[str], quick: bool, tp_only: bool = False) -> list[Compiled]:
     results = []
-    for chip in chips:
+    for chip in [] if tp_only else chips:
         for shape in kernel_shapes(quick):
             results.append(_report(compile_kernel(chip, shape)))
-    for model, model_chips in STEP_TARGETS.items():
+    for model, model_chips in {} if tp_only else STEP_TARGETS.items():
         config = engine_config(model)
         buckets = config.token_buckets()
         for chip in (c for c in chips if c in model_chips):
             for num_tokens in ([buckets[0], buckets[-1]] if quick else buckets):
                 results.append(_report(compile_step(chip, model, num_tokens, config)))
             results += [_report(r) for r in compile_block_moves(chip, model, config)]
+    return results + run_tp(chips)
+
+
+def run_tp(chips: list[str]) -> list[Compiled]:
+    """The tensor-parallel steps (TP=8), at the smallest and the largest bucket."""
+    results = []
     for model, model_chips in TP_STEP_TARGETS.items():
         config = engine_config(model, tensor_parallel_size=8)
         for chip in (c for c in chips if c in model_chips):
@@ -302,10 +309,11 @@ def main() -> None:
     parser.add_argument("--chips", nargs="+", default=list(TPU_CHIPS), choices=list(TPU_CHIPS))
     parser.add_argument("--quick", action="store_true", help="a few kernel shapes, first and last bucket only")
     parser.add_argument("--json", help="write every result here")
+    parser.add_argument("--tp-only", action="store_true", help="only the tensor-parallel (TP=8) steps")
     args = parser.parse_args()
     print("| chip | kernel / step | shape | result | compile | memory per chip (arguments incl. weights and "
           "pool; temporaries) |\n| --- | --- | --- | --- | --- | --- |")
-    results = run(args.chips, args.quick)
+    results = run(args.chips, args.quick, args.tp_only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"} for r in results], f, indent=1)
