@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpage.arg_utils import EngineArgs  # noqa: F401 (re-exported: jaxpage.llm_engine.EngineArgs)
 from jaxpage.beam_search import beam_search_step, final_beams
 from jaxpage.block_pool import BlockPool
 from jaxpage.compile_cache import enable_compilation_cache
@@ -27,29 +28,6 @@ from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxpage.structured_matcher import StructuredOutputManager
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class EngineArgs:
-    """The engine's options, as `LLM(...)`, the CLI and the server take them."""
-
-    model: str | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
-    scan_layers: bool = True  # False unrolls the layers: ~4x the compile time, faster CPU steps (model.unstack_layers)
-    preemption_mode: str = "recompute"
-    swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
-    max_seqs_per_request: int | None = None  # bound on n / best_of of one request (None: max_num_seqs)
-    cache_dir: str | None = None
-    progress: bool = True
 
 
 @dataclasses.dataclass

@@ -11,6 +11,8 @@ from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
 
+PREEMPTION_MODES = ("recompute", "swap")
+
 
 @dataclasses.dataclass(slots=True)
 class ScheduledSeq:
@@ -29,7 +31,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, preemption_mode: str = "recompute"):
-        if preemption_mode not in ("recompute", "swap"):
+        if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.config = config
         self.kv = kv
