@@ -12,10 +12,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("jaxpage", "serving")
 
 
-def _module_names() -> dict[str, Path]:
-    return {".".join(path.relative_to(ROOT).with_suffix("").parts): path
-            for package in PACKAGES for path in sorted((ROOT / package).glob("*.py"))
-            if path.name != "__init__.py" and not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
+def _module_names(root: Path = ROOT) -> dict[str, Path]:
+    """Every module, subpackages' too (a subpackage's __init__ is the subpackage; the top packages' own
+    __init__ files, which only re-export, are left out)."""
+    names = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if len(parts) > 1 and not path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                names[".".join(parts)] = path
+    return names
 
 
 def _type_checking_only(node: ast.AST) -> bool:
