@@ -78,17 +78,11 @@ def spec_fitting(spec: P, shape: tuple[int, ...], tp: int) -> P:
     return P(*(None if name == MODEL_AXIS and dim % tp else name for name, dim in zip(spec, shape)))
 
 
-def param_shardings(model: ModelConfig, mesh: Mesh, unrolled: bool = False) -> dict:
-    """Each weight's NamedSharding on ``mesh``, as a tree matching the stacked (or unrolled) params."""
-    from jaxpage.models import abstract_params, partition_specs
-
+def spec_shardings(specs: dict, shapes: dict, mesh: Mesh) -> dict:
+    """NamedShardings on ``mesh`` from a tree of PartitionSpecs and one of shapes (``spec_fitting`` applied)."""
     tp = mesh.shape[MODEL_AXIS]
-    specs = jax.tree.map(lambda s, a: spec_fitting(s, a.shape, tp), partition_specs(model),
-                         abstract_params(model, np.float32), is_leaf=lambda x: isinstance(x, P))
-    if unrolled:
-        layer = jax.tree.map(lambda s: P(*s[1:]), specs["layers"], is_leaf=lambda x: isinstance(x, P))
-        specs = {**specs, "layers": {i: layer for i in range(model.num_layers)}}
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s, a: NamedSharding(mesh, spec_fitting(s, a.shape, tp)), specs, shapes,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def place_params(params: dict, shardings: dict, dtype) -> dict:
