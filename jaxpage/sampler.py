@@ -17,8 +17,9 @@ class SamplingBatch:
     """Per-sequence sampling settings, padded to the sequence bucket [S].
 
     temperature 0 means greedy; top_k 0 and top_p 1 mean off. The key of a request's n-th token is
-    fold_in(key(seed), n), whatever else is in the batch. history [S, max_model_len] holds each row's token ids
-    (prompt then output, -1 after) and is read only when a row has a penalty; banned [S, MAX_BANNED] (-1 padded)
+    fold_in(key(seed), n), whatever else is in the batch. history [slots, max_model_len] holds token ids (prompt
+    then output, -1 after) of the sequences with penalties, on the device between steps (PenaltyHistory); row i's
+    are history[history_rows[i]] (slot 0: none), read only when a row has a penalty; banned [S, MAX_BANNED] (-1 padded)
     lists token ids that may not be sampled. want_top [] says whether any row needs the top log-probabilities.
     allowed [S, ceil(vocab / 32)] int32 is each row's bitmask of tokens it may sample (bit j of word i: token
     32 i + j), all ones for rows without structured outputs.
@@ -34,6 +35,7 @@ class SamplingBatch:
     frequency_penalty: jax.Array
     repetition_penalty: jax.Array
     history: jax.Array
+    history_rows: jax.Array
     num_prompt_tokens: jax.Array
     banned: jax.Array
     want_top: jax.Array
@@ -84,9 +86,10 @@ def unpack_bitmask(words: jax.Array, vocab: int) -> jax.Array:
 def _apply_penalties(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """vLLM's penalties: repetition over prompt and output tokens, presence and frequency over output tokens."""
     num_seqs, vocab = logits.shape
-    valid = sp.history >= 0
-    ids = jnp.where(valid, sp.history, vocab)
-    is_output = valid & (jnp.arange(sp.history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
+    history = sp.history[sp.history_rows]
+    valid = history >= 0
+    ids = jnp.where(valid, history, vocab)
+    is_output = valid & (jnp.arange(history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], ids.shape)
     seen = jnp.zeros((num_seqs, vocab), bool).at[rows, ids].set(True, mode="drop")
     counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32),
