@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxpage.beam_search import beam_search_step, final_beams
@@ -121,7 +122,8 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend, scan_layers=args.scan_layers)
+            attention_backend=args.attention_backend, scan_layers=args.scan_layers,
+            single_token_bucket=jax.default_backend() == "cpu")
         per_block = bytes_per_block(config.model, config.block_size, config.dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)
