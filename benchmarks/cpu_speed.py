@@ -166,7 +166,9 @@ def run(args) -> dict:
                 rows[name].append({"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds})
                 print(f"streams {n} repeat {r} {name}: {tokens / seconds:.1f} tok/s", flush=True)
         results["runs"][n] = {"mean_prompt_tokens": sum(map(len, prompts)) / n, "repeats": rows}
-    results["table"] = table(results)
+        results["table"] = table(results)
+        if args.json:  # after every stream count: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -225,8 +227,6 @@ def main(argv=None) -> dict:
     results = run(args)
     text = markdown(results)
     print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
     if args.markdown:
         Path(args.markdown).write_text(text)
     return results
