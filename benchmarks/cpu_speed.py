@@ -100,7 +100,7 @@ class Transformers:
 MODES = {
     "jaxpage-f32": Jaxpage({"dtype": "float32"}),
     "jaxpage-f32-unrolled": Jaxpage({"dtype": "float32", "scan_layers": False}),
-    "jaxpage-f32-bucket8": Jaxpage({"dtype": "float32", "single_token_bucket": False}),  # before: 8-token minimum
+    "jaxpage-f32-bucket1": Jaxpage({"dtype": "float32", "single_token_bucket": True}),  # one-token bucket (see RESULTS)
     "jaxpage-bf16": Jaxpage({"dtype": "bfloat16"}),
     "hf-f32": Transformers("float32"),
     "hf-bf16": Transformers("bfloat16"),

@@ -150,7 +150,7 @@ class EngineConfig:
     attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
     # A bucket of one token under the others: a lone decode step's matmuls are then matrix-vector products, which
-    # XLA:CPU runs about twice as fast as the same weights at 8 rows (the engine's CPU default; see from_args)
+    # XLA:CPU runs about twice as fast as the same weights at 8 rows (in plain JAX; EngineArgs.single_token_bucket)
     single_token_bucket: bool = False
 
     @property

@@ -46,7 +46,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
     scan_layers: bool = True  # False unrolls the layers: ~4x the compile time, faster CPU steps (model.unstack_layers)
-    single_token_bucket: bool | None = None  # a one-token bucket for lone decode steps (None: on the CPU)
+    # A one-token bucket for lone decode steps (CPU, XLA attention only). Off: in the engine its step ran far
+    # slower than the 8-token bucket's (RESULTS.md, "CPU speed against transformers"), cause not yet found
+    single_token_bucket: bool = False
     preemption_mode: str = "recompute"
     swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
     max_seqs_per_request: int | None = None  # bound on n / best_of of one request (None: max_num_seqs)
@@ -124,8 +126,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend, scan_layers=args.scan_layers,
-            single_token_bucket=(jax.default_backend() == "cpu" if args.single_token_bucket is None
-                                 else args.single_token_bucket))
+            single_token_bucket=args.single_token_bucket and jax.default_backend() == "cpu")
         per_block = bytes_per_block(config.model, config.block_size, config.dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)
