@@ -12,6 +12,7 @@ from jaxpage.config import ModelConfig
 # gguf_permuted(cfg) (whether llama.cpp interleaved the q/k rotary halves). Optional: SCALE_EMBEDDINGS.
 _MODULES = {
     "llama": "llama", "mistral": "llama", "qwen2": "llama",
+    "qwen3": "qwen3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
 }
 SUPPORTED_MODEL_TYPES = tuple(_MODULES)
 
