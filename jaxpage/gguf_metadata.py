@@ -76,7 +76,10 @@ def gguf_config(gguf_path: str):
     for key, name in _TOKEN_IDS.items():
         if f"tokenizer.ggml.{key}" in metadata:
             kwargs[name] = metadata[f"tokenizer.ggml.{key}"]
-    return AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if "blk.0.attn_q.bias" in tensor_names and hasattr(config, "attention_bias"):  # not in the metadata
+        config.attention_bias = True
+    return config
 
 
 def _torch_importable() -> bool:
