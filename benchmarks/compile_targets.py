@@ -7,8 +7,7 @@ For each chip: every TPU kernel over the shapes the engine can produce, then the
 config, and a Qwen3-30B-A3B-shaped MoE block. The arguments are shapes placed on a device of a TPU topology
 (``jax.experimental.topologies``), so nothing is allocated and no weights are needed. Prints one table row per
 compile: compiled or the compiler's message, compile time, and for engine steps the per-chip memory from
-``memory_analysis()``. Needs the TPU
-runtime: ``pip install "jax[tpu]==<installed jax>"`` (the test extra has it).
+``memory_analysis()``. Needs the TPU runtime: ``pip install "jax[tpu]==<installed jax>"`` (the test extra has it).
 """
 from __future__ import annotations
 
