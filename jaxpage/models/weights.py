@@ -77,9 +77,10 @@ def hf_state_from_gguf(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
 def gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
-    blk, index, part, kind = name.split(".")
-    if blk != "blk" or part not in layer_names:
+    parts = name.split(".")  # llama.cpp's older per-expert tensors (blk.N.ffn_gate.E.weight) have five
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
+    _, index, part, kind = parts
     return f"model.layers.{index}.{layer_names[part]}.{kind}"
 
 
