@@ -8,8 +8,8 @@ weights in llama.cpp's layout (a Pallas backend, interpreted, unrolled layers):
 - greedy tokens through `LLM.generate` equal transformers' up to the reference's first near-tie;
 - teacher-forced logits through the paged path agree with transformers' to REL_TOL, row by row;
 - both loads give the same config and the same weights.
-The MoE block alone (top-3 of 8, Qwen3-MoE without renormalised weights) matches transformers' block, and
-Qwen3-MoE configs with dense layers are refused.
+Mixtral with a sliding window shorter than the sequence matches too. The MoE block alone (top-3 of 8, Qwen3-MoE
+without renormalised weights) matches transformers' block, and Qwen3-MoE configs with dense layers are refused.
 """
 from __future__ import annotations
 
@@ -164,6 +164,19 @@ def test_gguf_pallas_teacher_forced_logits(built):
     got = paged_logits(built.gguf_llm, seq, seed=built.seed, backend=built.case.pallas)
     built.check_logits(got, hf_logits(built.hf, seq))
 
+
+def test_mixtral_sliding_window_matches_transformers(cache_dir, tmp_path):
+    """A window of 8 tokens, shorter than the 27-token sequence, in every layer (Hugging Face directory, XLA)."""
+    case = dataclasses.replace(CASES[1], id="mixtral-window8", kwargs={**CASES[1].kwargs, "sliding_window": 8})
+    hf_config = MixtralConfig(**case.kwargs)
+    model = save_random_model(hf_config, tmp_path, SEED)
+    llm = LLM(model=str(tmp_path), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
+    assert llm.engine.config.model.layer_windows().tolist() == [8, 8]
+    prompt = [int(t) for t in np.random.default_rng(SEED).integers(0, hf_config.vocab_size, PROMPT_LEN)]
+    built = Built(case, SEED, model, llm, None, prompt, *hf_greedy(model, prompt, NEW_TOKENS))
+    built.check_tokens(_greedy(llm, prompt))
+    seq = prompt + built.ref_tokens
+    built.check_logits(paged_logits(llm, seq, seed=SEED), hf_logits(model, seq))
 
 MOE_BLOCKS = {  # top-3 of 8 experts; Qwen3-MoE without renormalised top-k weights
     "mixtral": (MixtralConfig, dict(intermediate_size=48, num_local_experts=8)),
