@@ -43,7 +43,7 @@ def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[np.n
     assert len(ours) == len(ref), f"{context}: {len(ours)} tokens, reference {len(ref)}"
 
 
-def paged_logits(llm, token_ids: list[int], seed: int = 0) -> np.ndarray:
+def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla") -> np.ndarray:
     """Teacher-forced logits of the engine's model for one sequence, through a shuffled block table."""
     cfg, params = llm.engine.config, llm.engine.runner.params
     bs, n = cfg.block_size, len(token_ids)
@@ -58,7 +58,7 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0) -> np.ndarray:
     pool = jnp.zeros_like(llm.engine.runner.kv_pool)
 
     def logits(params, pool, batch):
-        hidden, _ = forward_hidden(cfg.model, params, pool, batch, cfg.attention_backend)
+        hidden, _ = forward_hidden(cfg.model, params, pool, batch, backend)
         return compute_logits(cfg.model, params, hidden)
     # traced under the runner's tensor-parallel mesh, if any, as its step is
     return np.asarray(jax.jit(with_mesh(logits, llm.engine.runner.mesh))(params, pool, batch))
