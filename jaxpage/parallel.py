@@ -1,7 +1,8 @@
 """Tensor parallelism on JAX's sharding machinery: a mesh with one ``model`` axis, the sizes a model allows, and
 where the weights and the KV pool live on it.
 
-The weights are split by their ``nnx.Param`` names (attention heads, MLP columns/rows, LM head columns) and GSPMD
+The weights are split by their ``nnx.Param`` names (attention heads, MLP columns/rows, LM head columns, embedding
+rows; a dimension the TP size does not divide stays whole) and GSPMD
 partitions the matmuls (the o and down projections end in an all-reduce); the attention call runs under
 ``shard_map`` (``over_heads``), each device running the single-device code on its own heads and its slice of the
 pool (split by KV head). When the TP size exceeds the KV heads, each KV head is repeated ``tp // kv_heads`` times
