@@ -80,13 +80,10 @@ def mix_lengths(scale: float, max_len: int) -> np.ndarray:
 
 
 def measure(budget: int, block_size: int) -> list[dict]:
-    rows = []
-    for name, cfg in shapes().items():
-        for n in CONTEXTS:
-            rows.append(row(name, cfg, str(n), np.array([n]), block_size, budget))
-        for label, scale in MIXES:
-            rows.append(row(name, cfg, label, mix_lengths(scale, max(CONTEXTS)), block_size, budget))
-    return rows
+    lengths = {str(n): np.array([n]) for n in CONTEXTS}
+    lengths.update({label: mix_lengths(scale, max(CONTEXTS)) for label, scale in MIXES})
+    return [row(name, cfg, label, n, block_size, budget) for name, cfg in shapes().items()
+            for label, n in lengths.items()]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -62,7 +62,7 @@ CASES = [
         "pallas_tpu", "gemma2"),
     Case("gemma3-qknorm-localrope-linear-mqa-untied", Gemma3TextConfig, dict(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
+        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=48, sliding_window=WINDOW,
         layer_types=[SLIDING, SLIDING, SLIDING, FULL], max_position_embeddings=128, rms_norm_eps=EPS,
         rope_parameters={FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                          SLIDING: {"rope_type": "default", "rope_theta": 10000.0}},
@@ -245,3 +245,28 @@ def _gguf_tensors(model, layer_names: dict):
         else:
             _, _, i, *part, kind = name.split(".")
             yield f"blk.{i}.{to_gguf['.'.join(part)]}.{kind}", array
+
+
+@pytest.mark.parametrize("arch,layers,full_layers,scalar", [
+    ("gemma2", 4, [1, 3], 32), ("gemma2", 46, list(range(1, 46, 2)), 64 // 4),
+    ("gemma3", 12, [5, 11], 32), ("gemma3", 62, list(range(5, 62, 6)), 64 // 4)])
+def test_gguf_fields_follow_llama_cpp_without_keys(arch, layers, full_layers, scalar):
+    """Files without a pattern key: llama.cpp's every 2nd (Gemma 2) or 6th (Gemma 3) layer global, as
+    transformers' default layer_types; the 27B models (46, 62 layers) scale queries by hidden_size / heads."""
+    metadata = {f"{arch}.block_count": layers, f"{arch}.attention.head_count": 4, f"{arch}.embedding_length": 64,
+                f"{arch}.attention.key_length": 32}
+    fields = architecture("gemma2" if arch == "gemma2" else "gemma3_text").gguf_fields(metadata)
+    assert [i for i, t in enumerate(fields["layer_types"]) if t == FULL] == full_layers
+    assert fields["query_pre_attn_scalar"] == scalar
+    config_cls = Gemma2Config if arch == "gemma2" else Gemma3TextConfig
+    assert fields["layer_types"] == config_cls(num_hidden_layers=layers).layer_types
+
+
+def test_hybrid_kv_benchmark_bounds():
+    """Per-group pools save nothing up to the window and approach layers / global layers beyond it."""
+    from benchmarks import hybrid_kv
+
+    rows = {(r["model"], r["lengths"]): r for r in hybrid_kv.measure(32 << 30, 16)}
+    assert rows["gemma3-12b", "1024"]["per_group_gain"] == rows["gemma2-9b", "4096"]["per_group_gain"] == 1.0
+    assert 5 < rows["gemma3-12b", "32768"]["per_group_gain"] < 6
+    assert 1.5 < rows["gemma2-9b", "32768"]["per_group_gain"] < 2

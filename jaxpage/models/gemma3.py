@@ -26,10 +26,9 @@ GGUF_LAYER_NAMES = {**gemma2.GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm"
 
 def gguf_fields(metadata: dict) -> dict:
     """Gemma 2's, and RoPE per layer type: llama.cpp's local base is 10000 unless the file says otherwise."""
-    key = lambda name: f"gemma3.{name}"  # noqa: E731
-    full = {"rope_type": "default", "rope_theta": float(metadata.get(key("rope.freq_base"), 1e6))}
-    if metadata.get(key("rope.scaling.type")) == "linear":
-        full.update(rope_type="linear", factor=float(metadata[key("rope.scaling.factor")]))
-    local = {"rope_type": "default", "rope_theta": float(metadata.get(key("rope.freq_base_swa"), 10000.0))}
+    full = {"rope_type": "default", "rope_theta": float(metadata.get("gemma3.rope.freq_base", 1e6))}
+    if metadata.get("gemma3.rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(metadata["gemma3.rope.scaling.factor"]))
+    local = {"rope_type": "default", "rope_theta": float(metadata.get("gemma3.rope.freq_base_swa", 10000.0))}
     return {**gemma2.gguf_fields(metadata, "gemma3"),
             "rope_parameters": {"full_attention": full, "sliding_attention": local}}
