@@ -19,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=["auto", "int8", "fp8"],
+                        help="the KV cache's dtype: auto (the model's), int8 (per-token scales) or fp8 (e4m3)")
     parser.add_argument("--cache-dir", default=None, help="converted weights and compiled steps (default ~/.cache/jaxpage)")
     parser.add_argument("--max-seqs-per-request", type=int, default=None,
                         help="most sequences (n, best_of, beams) one request may hold, so that no request takes "

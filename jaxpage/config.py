@@ -64,6 +64,14 @@ class EngineConfig:
     max_num_batched_tokens: int
     attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see pallas_kernels.quant
+
+    @property
+    def kv_dtype(self) -> str:
+        """The pool's stored dtype."""
+        from jaxpage.kv_cache import kv_storage_dtype
+
+        return kv_storage_dtype(self.kv_cache_dtype, self.dtype).name
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -100,6 +108,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -116,7 +125,8 @@ def resolve_dtype(dtype: str) -> str:
 def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_cache_memory: int | None,
                         num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
                         max_model_len: int | None, gpu_memory_utilization: float,
-                        attention_backend: str = "auto", scan_layers: bool = True) -> EngineConfig:
+                        attention_backend: str = "auto", scan_layers: bool = True,
+                        kv_cache_dtype: str = "auto") -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     import jax
 
@@ -125,12 +135,15 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     from pallas_kernels.kv_write_tpu import tile_rows
 
     dtype = resolve_dtype(dtype)
+    _require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
+             f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
+    kv_dtype = kv_cache.kv_storage_dtype(kv_cache_dtype, dtype)
     _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     backend = resolve_backend(attention_backend)
     if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
-        _require(block_size % tile_rows(dtype) == 0, "block_size", block_size,
-                 f"must be a multiple of {tile_rows(dtype)} for a {dtype} KV cache on TPU (its K/V write moves "
-                 f"whole ({tile_rows(dtype)}, 128) tiles of a page)")
+        _require(block_size % tile_rows(kv_dtype) == 0, "block_size", block_size,
+                 f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
+                 f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
     if backend == "pallas_tpu":
         _require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
                  "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
@@ -149,11 +162,11 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     else:
         budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization)
         budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
-        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, dtype, budget, max_model_len)
+        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len)
     return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
-                        attention_backend=backend, scan_layers=scan_layers)
+                        attention_backend=backend, scan_layers=scan_layers, kv_cache_dtype=kv_cache_dtype)
 
 
 def _require(ok: bool, field: str, value, rule: str) -> None:

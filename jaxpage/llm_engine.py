@@ -42,6 +42,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" | "fp8" (e4m3)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
@@ -123,8 +124,9 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend, scan_layers=args.scan_layers)
-        per_block = bytes_per_block(config.model, config.block_size, config.dtype)
+            attention_backend=args.attention_backend, scan_layers=args.scan_layers,
+            kv_cache_dtype=args.kv_cache_dtype)
+        per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))

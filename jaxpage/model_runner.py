@@ -11,7 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import EngineConfig, pick_bucket
-from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape
+from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, host_kv_pool, jit_on_pool
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden, unstack_layers
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
@@ -33,15 +33,20 @@ def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
 def jit_step(config: EngineConfig, device=None):
     """``step`` jitted for one device with the pool donated and in its one format: the engine's step, and what
     the compile lane compiles ahead of time for other targets."""
-    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", device)
+    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", device, config.kv_dtype)
 
 
-def _gather_blocks(pool: jax.Array, blocks: jax.Array) -> jax.Array:
-    return pool[:, blocks]
+def _gather_blocks(pool, blocks: jax.Array):
+    return jax.tree.map(lambda a: a[:, blocks], pool)  # an int8 pool's scales move with their blocks
 
 
-def _scatter_blocks(pool: jax.Array, blocks: jax.Array, data: jax.Array) -> jax.Array:
-    return pool.at[:, blocks].set(data)
+def _scatter_blocks(pool, blocks: jax.Array, data):
+    return jax.tree.map(lambda a, d: a.at[:, blocks].set(d), pool, data)
+
+
+def _store_blocks(host: np.ndarray, gathered: jax.Array, blocks: np.ndarray) -> None:
+    """A swap-out into host memory: the first len(blocks) gathered blocks (the rest is padding)."""
+    host[:, blocks] = np.asarray(gathered)[:, :len(blocks)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +59,11 @@ class BlockMoves:
     scatter: object
 
     @classmethod
-    def jit(cls, device=None) -> "BlockMoves":
-        return cls(jit_on_pool(copy_blocks, 3, 0, "pool", device), jit_on_pool(_gather_blocks, 2, 0, "result", device),
-                   jit_on_pool(_scatter_blocks, 3, 0, "pool", device))
+    def jit(cls, device=None, dtype=None) -> "BlockMoves":
+        """dtype: the pool's stored dtype (an int8 pool is values and scales)."""
+        on_pool = functools.partial(jit_on_pool, device=device, dtype=dtype)
+        return cls(on_pool(copy_blocks, 3, 0, "pool"), on_pool(_gather_blocks, 2, 0, "result"),
+                   on_pool(_scatter_blocks, 3, 0, "pool"))
 
 
 class ModelRunner:
@@ -66,13 +73,14 @@ class ModelRunner:
         if not config.scan_layers:
             params = unstack_layers(params)
         self.params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, dtype)
-        shape = kv_pool_shape(config.model, num_host_blocks, config.block_size)
-        self.host_pool = np.zeros(shape, dtype) if num_host_blocks else None
+        kv_dtype = jnp.dtype(config.kv_dtype)
+        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype)
+        self.host_pool = (host_kv_pool(config.model, num_host_blocks, config.block_size, kv_dtype)
+                          if num_host_blocks else None)
         self._step = jit_step(config)
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
-        moves = BlockMoves.jit()
+        moves = BlockMoves.jit(dtype=kv_dtype)
         self._copy, self._gather, self._scatter = moves.copy, moves.gather, moves.scatter
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
@@ -108,9 +116,10 @@ class ModelRunner:
                 if kind == COPY:
                     self.kv_pool = self._copy(self.kv_pool, s, d)
                 elif kind == SWAP_OUT:
-                    self.host_pool[:, d[:n]] = np.asarray(self._gather(self.kv_pool, s))[:, :n]
+                    jax.tree.map(functools.partial(_store_blocks, blocks=d[:n]), self.host_pool,
+                                 self._gather(self.kv_pool, s))
                 elif kind == SWAP_IN:
-                    self.kv_pool = self._scatter(self.kv_pool, d, self.host_pool[:, s])
+                    self.kv_pool = self._scatter(self.kv_pool, d, jax.tree.map(lambda h: h[:, s], self.host_pool))
                 else:
                     raise ValueError(kind)
 
