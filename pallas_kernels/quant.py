@@ -41,7 +41,7 @@ def pool_parts(pool) -> tuple[jax.Array, jax.Array | None]:
     return (pool.values, pool.scales) if isinstance(pool, ScaledPool) else (pool, None)
 
 
-def with_parts(values, scales):
+def with_parts(values, scales=None):
     return values if scales is None else ScaledPool(values, scales)
 
 
@@ -67,3 +67,14 @@ def dequantize(values: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
     if scales is None:
         return values.astype(dtype)
     return (values.astype(jnp.float32) * scales[..., None].astype(jnp.float32)).astype(dtype)
+
+
+def split_scales(refs: tuple, quantized: bool) -> tuple:
+    """A kernel's refs after the pool: (the scales' ref or None, the rest). A kernel takes the scales right
+    after the pool, and only when the pool has them."""
+    return (refs[0], refs[1:]) if quantized else (None, refs)
+
+
+def scale_operands(scales) -> tuple:
+    """The scales as the kernel operands that follow the pool: none for a pool without them."""
+    return () if scales is None else (scales,)
