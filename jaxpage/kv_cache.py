@@ -101,6 +101,11 @@ def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype
     return jax.jit(zeros, out_shardings=pool_format(device, dtype))()
 
 
+def abstract_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype):
+    """The pool's shapes and dtypes (ShapeDtypeStructs; a ScaledPool of them for int8), for ahead-of-time lowering."""
+    return jax.eval_shape(functools.partial(_zeros_pool, jnp, kv_pool_shape(model, num_blocks, block_size), dtype))
+
+
 def host_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype):
     """The swap space in host memory: the device pool's arrays (scales included) as numpy zeros."""
     return _zeros_pool(np, kv_pool_shape(model, num_blocks, block_size), dtype)

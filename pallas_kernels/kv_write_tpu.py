@@ -114,7 +114,8 @@ def write_kv_tpu(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(num_tokens // tokens,),
-            in_specs=[pl.BlockSpec((tokens,) + x.shape[1:], lambda t, *_: (t,) + (0,) * (x.ndim - 1)) for x in new]
+            in_specs=[pl.BlockSpec((tokens,) + x.shape[1:], lambda t, *_, n=x.ndim: (t,) + (0,) * (n - 1))
+                      for x in new]
             + [pl.BlockSpec(memory_space=ANY) for _ in pools],
             out_specs=[pl.BlockSpec(memory_space=ANY) for _ in pools],
             scratch_shapes=scratch,
