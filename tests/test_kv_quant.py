@@ -102,11 +102,12 @@ def test_copy_and_swap_move_the_scales_with_their_blocks():
 
 
 # --- quality on SmolLM2 ------------------------------------------------------------------------------------
-# Measured (2,048 teacher-forced tokens of four kinds of text; see the report in benchmarks/RESULTS.md):
-# the thresholds leave a margin under the measured values.
+# Measured on 2,048 teacher-forced tokens of four kinds of text (benchmarks/RESULTS.md): int8 KV top-1 agreement
+# 98.4 %, mean KL 0.00079 nats; fp8 KV (scale 1.0) 94.1 %, 0.0078. Thresholds: about 1.5 and 3 points under the
+# measured agreement, 5x and 2.5x the measured KL.
 VARIANTS = {
-    "int8_kv": ({"kv_cache_dtype": "int8"}, 0.97, 0.01),  # (options, min top-1 agreement, max mean KL)
-    "fp8_kv": ({"kv_cache_dtype": "fp8"}, 0.93, 0.05),
+    "int8_kv": ({"kv_cache_dtype": "int8"}, 0.97, 0.004),  # (options, min top-1 agreement, max mean KL)
+    "fp8_kv": ({"kv_cache_dtype": "fp8"}, 0.92, 0.02),
 }
 
 
@@ -117,7 +118,9 @@ def smollm2_quality():
     from tests import quality
 
     loaded = load_model(None, default_cache_dir())
-    config = engine_config(config_from_hf(loaded.hf_config), num_kv_blocks=200, max_model_len=quality.SEGMENT)
+    # 64-token blocks: the XLA path walks (token, page) pairs, 4x fewer than with 16 (quality does not depend on it)
+    config = engine_config(config_from_hf(loaded.hf_config), num_kv_blocks=64, block_size=64,
+                           max_model_len=quality.SEGMENT)
     params = jax.tree.map(jnp.asarray, loaded.params)
     segments = quality.varied_segments(loaded.tokenizer)
     return config, params, segments, quality.teacher_forced_hidden(config, params, segments, {})
