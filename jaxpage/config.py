@@ -108,6 +108,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
@@ -117,7 +118,7 @@ def resolve_dtype(dtype: str) -> str:
 
     if dtype == "auto":
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
     return dtype
 

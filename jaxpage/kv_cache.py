@@ -16,6 +16,7 @@ pytree: allocated, donated, laid out, copied and swapped together.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,11 @@ import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
-from jaxpage.config import ModelConfig
 from pallas_kernels.quant import STORED_DTYPES, ScaledPool
 from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
+
+if TYPE_CHECKING:  # annotations only: config imports this module to size the pool
+    from jaxpage.config import ModelConfig
 
 NULL_BLOCK = 0
 
