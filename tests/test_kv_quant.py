@@ -72,9 +72,10 @@ def test_a_bad_kv_cache_dtype_names_the_field():
 
 
 def test_the_cli_takes_kv_cache_dtype():
-    from jaxpage.cli import build_parser, engine_args_from
+    from jaxpage.arg_utils import EngineArgs
+    from jaxpage.cli import build_parser
 
-    args = engine_args_from(build_parser().parse_args(["generate", "--kv-cache-dtype", "fp8", "hello"]))
+    args = EngineArgs.from_cli_args(build_parser().parse_args(["generate", "--kv-cache-dtype", "fp8", "hello"]))
     assert args.kv_cache_dtype == "fp8"
 
 
