@@ -234,7 +234,8 @@ def print_table(title: str, result: dict) -> None:
     head = (f"{'system':<18} {'req/s':>7} {'out tok/s':>9} {'tok/cpu-s':>9} {'peak seqs':>9} {'mean seqs':>9} "
             f"{'KV waste':>8} {'@peak':>6} {'preempt':>7} {'done':>5} {'wall s':>7} {'load':>5}")
     print(head)
-    for name in (n for n in result if isinstance(result[n], dict) and "requests_per_s" in result[n]):
+    for name in (n for n in result if isinstance(result[n], dict) and "peak_concurrency" in result[n]
+                 and not n.endswith("_vs_paged")):
         r = result[name]
         print(f"{name:<18} {r['requests_per_s']:>7.3f} {r['output_tokens_per_s']:>9.1f} "
               f"{r['output_tokens_per_cpu_s']:>9.1f} {r['peak_concurrency']:>9d} {r['mean_concurrency']:>9.1f} "
@@ -404,7 +405,7 @@ def main(argv=None) -> dict:
 
     main_result = results["runs"][main_workload.name]
     for name in main_result:
-        if isinstance(main_result[name], dict) and "requests_per_s" in main_result[name]:
+        if isinstance(main_result[name], dict) and "trace" in main_result[name]:
             results[name] = {k: v for k, v in main_result[name].items() if k != "trace"}
     results["total_seconds"] = time.perf_counter() - started
     for title, r in results["runs"].items():
