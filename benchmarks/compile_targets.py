@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -111,18 +112,22 @@ class KernelShape:
     width: int = 32
     num_blocks: int = 512
     windowed: bool = False  # a traced sliding window (an extra int32 argument) and Gemma 2's soft cap
+    kv: str = "auto"  # the KV cache's dtype: auto (dtype), int8 (with scales) or fp8
 
     def __str__(self):
         return (f"{self.dtype} bs{self.block_size} d{self.head_dim} kvh{self.kv_heads} g{self.group} "
-                f"T{self.tokens}" + (" window softcap" if self.windowed else ""))
+                f"T{self.tokens}" + (" window softcap" if self.windowed else "")
+                + ("" if self.kv == "auto" else f" kv {self.kv}"))
 
     def call(self):
         """(fn, abstract args, donated argnums) of this kernel call, as the engine makes it."""
         import pallas_kernels
+        from jaxpage.kv_cache import abstract_kv_pool, kv_storage_dtype
 
         dtype, i32 = jnp.dtype(self.dtype), jnp.int32
         s = jax.ShapeDtypeStruct
-        pool = s((2, self.num_blocks, 2, self.kv_heads, self.block_size, self.head_dim), dtype)
+        model = SimpleNamespace(num_layers=2, num_kv_heads=self.kv_heads, head_dim=self.head_dim)
+        pool = abstract_kv_pool(model, self.num_blocks, self.block_size, kv_storage_dtype(self.kv, dtype))
         q = s((self.tokens, self.kv_heads * self.group, self.head_dim), dtype)
         tables = s((self.tokens, self.width), i32)
         scale = self.head_dim ** -0.5
@@ -148,7 +153,8 @@ def kernel_shapes(quick: bool = False) -> list[KernelShape]:
         shapes += [KernelShape(kernel, "bfloat16", 16, 128, 8, 4, 64),  # Llama-3-8B
                    KernelShape(kernel, "bfloat16", 16, 64, 3, 3, 48),  # SmolLM2
                    KernelShape(kernel, "float32", 16, 64, 3, 3, 16),
-                   KernelShape(kernel, "bfloat16", 16, 128, 8, 2, 64, windowed=True)]  # Mistral/Gemma-like
+                   KernelShape(kernel, "bfloat16", 16, 128, 8, 2, 64, windowed=True),  # Mistral/Gemma-like
+                   KernelShape(kernel, "bfloat16", 32, 64, 3, 3, 48, kv="int8")]  # 8-bit pools: 32-row tiles
         if quick:
             continue
         shapes += [KernelShape(kernel, "bfloat16", 32, 128, 1, 8, 8),
@@ -157,7 +163,9 @@ def kernel_shapes(quick: bool = False) -> list[KernelShape]:
                    KernelShape(kernel, "float32", 64, 128, 2, 2, 256),
                    KernelShape(kernel, "bfloat16", 16, 64, 1, 6, 512),
                    KernelShape(kernel, "float32", 16, 128, 2, 5, 24),
-                   KernelShape(kernel, "bfloat16", 64, 128, 8, 7, 96)]
+                   KernelShape(kernel, "bfloat16", 64, 128, 8, 7, 96),
+                   KernelShape(kernel, "bfloat16", 32, 128, 8, 4, 64, kv="fp8"),
+                   KernelShape(kernel, "bfloat16", 32, 128, 8, 4, 64, kv="int8")]
     return shapes
 
 
@@ -223,7 +231,7 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
 def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:
     """The whole jitted engine step of one bucket (the runner's own function and inputs), pool donated; at the
     config's tensor_parallel_size > 1, over that many chips of an 8-chip topology."""
-    from jaxpage.kv_cache import kv_pool_shape
+    from jaxpage.kv_cache import abstract_kv_pool
     from jaxpage.models import abstract_params
     from jaxpage.model_runner import abstract_step_inputs, jit_step
 
@@ -231,25 +239,24 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     tp = config.tensor_parallel_size
     where = tpu_mesh(chip, tp) if tp > 1 else tpu_device(chip)
     params = abstract_params(config.model, config.dtype)
-    pool = jax.ShapeDtypeStruct(kv_pool_shape(config.model, config.num_kv_blocks, config.block_size),
-                                jnp.dtype(config.dtype))
+    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype)
     batch, sampling = abstract_step_inputs(config, num_tokens)
     shape = (f"{config.attention_backend} T{num_tokens} pool {pool_gib(config) / tp:.2f} GiB/chip"
-             + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else ""))
+             + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else "")
+             + ("" if config.kv_cache_dtype == "auto" else f" kv {config.kv_cache_dtype}"))
     return compile_for(where, chip, f"step {model}", shape, jit_step(config, where), (params, pool, batch, sampling))
 
 
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
     """The runner's copy-on-write copy and swap gather/scatter of whole blocks, on the pool in its format."""
-    from jaxpage.kv_cache import kv_pool_shape
+    from jaxpage.kv_cache import abstract_kv_pool
     from jaxpage.model_runner import BlockMoves
 
     config = config or engine_config(model)
-    moves = BlockMoves.jit(tpu_device(chip))
-    pool = jax.ShapeDtypeStruct(kv_pool_shape(config.model, config.num_kv_blocks, config.block_size),
-                                jnp.dtype(config.dtype))
+    moves = BlockMoves.jit(tpu_device(chip), config.kv_dtype)
+    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype)
     ids = jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32)
-    data = jax.ShapeDtypeStruct(kv_pool_shape(config.model, config.max_num_seqs, config.block_size), pool.dtype)
+    data = abstract_kv_pool(config.model, config.max_num_seqs, config.block_size, config.kv_dtype)
     return [compile_for(tpu_device(chip), chip, f"{name} {model}", f"{config.max_num_seqs} blocks", fn, args)
             for name, fn, args in (("copy blocks", moves.copy, (pool, ids, ids)),
                                    ("swap-out gather", moves.gather, (pool, ids)),
@@ -285,7 +292,7 @@ def compile_moe_layer(chip: str, num_tokens: int, dtype: str = "bfloat16") -> Co
 def pool_gib(config) -> float:
     from jaxpage.kv_cache import bytes_per_block
 
-    return bytes_per_block(config.model, config.block_size, config.dtype, lanes=128) * config.num_kv_blocks / 2**30
+    return bytes_per_block(config.model, config.block_size, config.kv_dtype, lanes=128) * config.num_kv_blocks / 2**30
 
 
 # ---------------------------------------------------------------------------------------------------- the table

@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import jax
@@ -131,7 +132,22 @@ def kernel_cases() -> list[LoweringCase]:
             cases.append(LoweringCase("ragged_paged_attention_gpu", shape, ragged,
                                       (arr(n, kvh * ratio, hd), arr(n, kvh, hd), arr(n, kvh, hd), pool, i32(),
                                        i32(n), i32(n), i32(n), i32(seqs, WIDTH))))
-    return cases + windowed_cases(cases)
+    return cases + windowed_cases(cases) + quantized_cases(cases)
+
+
+def quantized_cases(cases: list[LoweringCase]) -> list[LoweringCase]:
+    """int8 (with scales) and fp8 KV pools, on SmolLM2's heads at 48 tokens."""
+    from jaxpage.kv_cache import abstract_kv_pool, kv_storage_dtype
+
+    out = []
+    for case, kv in ((c, kv) for c in cases if c.shape == "bs16 d64 kvh3 g3 bfloat16 n48" for kv in ("int8", "fp8")):
+        pool = case.args[1 if case.what == "paged_decode_attention_gpu" else 3]
+        _, blocks, _, kvh, bs, hd = pool.shape
+        model = SimpleNamespace(num_layers=2, num_kv_heads=kvh, head_dim=hd)
+        quantized = abstract_kv_pool(model, blocks, bs, kv_storage_dtype(kv, pool.dtype))
+        args = tuple(quantized if a is pool else a for a in case.args)
+        out.append(LoweringCase(case.what, f"{case.shape} kv {kv}", case.fn, args))
+    return out
 
 
 def windowed_cases(cases: list[LoweringCase]) -> list[LoweringCase]:
@@ -152,21 +168,27 @@ def step_cases(buckets=None) -> list[LoweringCase]:
     the smallest, a middle and the largest token bucket."""
     from benchmarks.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes
     from jaxpage.config import build_engine_config
-    from jaxpage.kv_cache import kv_pool_shape
+    from jaxpage.kv_cache import abstract_kv_pool
     from jaxpage.model_runner import abstract_step_inputs, step
 
     cases = []
-    for name, model, dtype, max_len, seqs, tokens in (("SmolLM2-135M", SMOLLM2_135M, "bfloat16", 2048, 64, 256),
-                                                      ("SmolLM2-135M", SMOLLM2_135M, "float32", 2048, 64, 256),
-                                                      ("Llama-3-8B", LLAMA3_8B, "bfloat16", 8192, 256, 512)):
+    for name, model, dtype, max_len, seqs, tokens, kv in (
+            ("SmolLM2-135M", SMOLLM2_135M, "bfloat16", 2048, 64, 256, "auto"),
+            ("SmolLM2-135M", SMOLLM2_135M, "float32", 2048, 64, 256, "auto"),
+            ("Llama-3-8B", LLAMA3_8B, "bfloat16", 8192, 256, 512, "auto"),
+            ("SmolLM2-135M", SMOLLM2_135M, "bfloat16", 2048, 64, 256, "int8")):
         config = build_engine_config(model, dtype=dtype, block_size=16, kv_cache_memory=None, num_kv_blocks=8192,
                                      max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len,
-                                     gpu_memory_utilization=0.9, attention_backend="pallas_gpu")
-        pool = jax.ShapeDtypeStruct(kv_pool_shape(model, config.num_kv_blocks, 16), jnp.dtype(dtype))
+                                     gpu_memory_utilization=0.9, attention_backend="pallas_gpu", kv_cache_dtype=kv)
+        pool = abstract_kv_pool(model, config.num_kv_blocks, 16, config.kv_dtype)
         all_buckets = config.token_buckets()
-        for num_tokens in buckets or (all_buckets[0], all_buckets[len(all_buckets) // 2], all_buckets[-1]):
+        default = (all_buckets[0],) if kv != "auto" else (all_buckets[0], all_buckets[len(all_buckets) // 2],
+                                                          all_buckets[-1])
+        for num_tokens in buckets or default:
             batch, sampling = abstract_step_inputs(config, num_tokens)
-            cases.append(LoweringCase("step", f"{name} {dtype} T{num_tokens} S{config.num_seqs_for(num_tokens)}",
+            kv_name = "" if kv == "auto" else f" kv {kv}"
+            cases.append(LoweringCase("step", f"{name} {dtype}{kv_name} T{num_tokens} "
+                                      f"S{config.num_seqs_for(num_tokens)}",
                                       functools.partial(step, config),
                                       (param_shapes(model, jnp.dtype(dtype)), pool, batch, sampling)))
     return cases

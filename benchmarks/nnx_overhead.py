@@ -1,10 +1,11 @@
 """What the Flax NNX model layer costs against the plain functions it replaced: compile time and step time of
 SmolLM2's jitted engine step, the two code bases side by side in one run.
 
-    python -m benchmarks.nnx_overhead [--baseline 904b85e] [--repeats 3] [--json benchmarks/nnx_overhead.json]
+    python -m benchmarks.nnx_overhead [--baseline 14e4871] [--candidate ae71b61] [--repeats 3] [--json F]
 
-The baseline is a git revision from before the model layer (its plain-function jaxpage/model.py), checked out
-into a temporary worktree; each measurement runs in a fresh process of one code base or the other, alternating,
+The baseline is a git revision from just before the model layer (its plain-function jaxpage/model.py), the
+candidate the revision that replaced it by the NNX layer and nothing else (default) or, with ``--candidate
+HEAD-TREE``, this working tree; both are checked out into temporary worktrees. Each measurement runs in a fresh process of one code base or the other, alternating,
 so that both see the same machine load. Per process: lower + compile the step at the decode bucket (8 tokens)
 and a prefill bucket (256 tokens) with the compilation cache off, then time 30 runs of each compiled step on
 the real weights (median).
@@ -74,24 +75,32 @@ def run(root: Path) -> dict:
     return {int(k): v for k, v in json.loads(line[7:]).items()}
 
 
+def _checkout(path: Path, rev: str) -> Path:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
+                   capture_output=True)
+    (path / "benchmarks" / "nnx_overhead.py").write_text(Path(__file__).read_text())
+    return path
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", default="904b85e", help="a git revision with the plain-function model")
+    parser.add_argument("--baseline", default="14e4871", help="a git revision with the plain-function model")
+    parser.add_argument("--candidate", default="ae71b61",
+                        help="the revision with the NNX model layer, or HEAD-TREE for this working tree")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-                       check=True, capture_output=True)
-        (base / "benchmarks" / "nnx_overhead.py").write_text(Path(__file__).read_text())
+        base = _checkout(Path(tmp) / "baseline", args.baseline)
+        cand = ROOT if args.candidate == "HEAD-TREE" else _checkout(Path(tmp) / "candidate", args.candidate)
         try:
             runs = {"plain": [], "nnx": []}
             for _ in range(args.repeats):
                 runs["plain"].append(run(base))
-                runs["nnx"].append(run(ROOT))
+                runs["nnx"].append(run(cand))
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+            for tree in {base, cand} - {ROOT}:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     rows = []
     for n in BUCKETS:
         med = {k: {m: statistics.median(r[n][m] for r in v) for m in ("trace_lower_s", "compile_s", "step_ms")}
@@ -107,7 +116,8 @@ def main(argv=None) -> None:
               f"{r['plain_compile_s']:.2f} | {r['nnx_compile_s']:.2f} | {r['compile_ratio']:.3f} | "
               f"{r['plain_trace_lower_s']:.2f} | {r['nnx_trace_lower_s']:.2f} | {r['trace_ratio']:.3f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"baseline": args.baseline, "rows": rows, "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"baseline": args.baseline, "candidate": args.candidate,
+                                               "rows": rows, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -60,16 +60,25 @@ SYSTEMS = ("paged", "static_contiguous", "slot_contiguous")
 
 
 # --- the paged engine -------------------------------------------------------------------------------------
+def paged_systems(args) -> dict[str, str]:
+    """The paged engine once per --kv-cache-dtype: system name -> kv_cache_dtype ("paged" is auto)."""
+    if "paged" not in args.systems:
+        return {}
+    return {"paged" if kv == "auto" else f"paged_{kv}": kv for kv in args.kv_cache_dtype}
+
+
 def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: int, max_num_seqs: int,
-                 budget_bytes: int | None = None) -> ModelRunner:
-    """The engine's own runner over the shared weights, its pool sized from the byte budget when given."""
+                 budget_bytes: int | None = None, kv_cache_dtype: str = "auto") -> ModelRunner:
+    """The engine's own runner over the shared weights, its pool sized from the byte budget when given (a
+    quantized KV cache gets more blocks from the same bytes)."""
     config = build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=budget_bytes,
         num_kv_blocks=None if budget_bytes else num_kv_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_len, gpu_memory_utilization=0.9,
-        scan_layers=args.scan_layers)
-    assert config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
-    runner = ModelRunner(config, params, num_host_blocks=num_kv_blocks if args.preemption_mode == "swap" else 0)
+        scan_layers=args.scan_layers, kv_cache_dtype=kv_cache_dtype)
+    assert kv_cache_dtype != "auto" or config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
+    num_host_blocks = config.num_kv_blocks if args.preemption_mode == "swap" else 0
+    runner = ModelRunner(config, params, num_host_blocks=num_host_blocks)
     runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
     runner.warm_up(progress=False)
     return runner
@@ -162,7 +171,7 @@ def contiguous_caches(model, params, args, slots: int, attention_backend: str, s
     """One compiled contiguous cache per baseline: interleaved, they must not write each other's slots."""
     caches = {}
     for name in systems or args.systems:
-        if name != "paged":
+        if not name.startswith("paged"):
             caches[name] = ContiguousCache(model, params, args.dtype, slots, args.max_len, args.block_size,
                                            args.max_num_batched_tokens, attention_backend)
             caches[name].warm_up()
@@ -170,13 +179,14 @@ def contiguous_caches(model, params, args, slots: int, attention_backend: str, s
 
 
 # --- one comparison ---------------------------------------------------------------------------------------
-def compare(loaded, args, workload, runner, caches: dict, systems, duration=None, warmup=0.0) -> dict:
-    """All systems on one workload, interleaved step by step (each on its own clock) unless --sequential."""
+def compare(loaded, args, workload, runners: dict, caches: dict, systems, duration=None, warmup=0.0) -> dict:
+    """All systems on one workload, interleaved step by step (each on its own clock) unless --sequential.
+    runners: the paged systems' runners by name."""
     runs, engines = {}, {}
     for name in systems:
         stats = RunStats.for_workload(workload, duration, warmup)
-        if name == "paged":
-            engine = paged_engine(loaded, runner, args.preemption_mode)
+        if name in runners:
+            engine = paged_engine(loaded, runners[name], args.preemption_mode)
             counters = {"completed": 0, "finished_tokens": 0, "execute": 0.0, "build_batch": 0.0}
             engines[name] = (engine, counters)
             runs[name] = (paged_steps(engine, workload, stats, counters), stats)
@@ -210,6 +220,10 @@ def compare(loaded, args, workload, runner, caches: dict, systems, duration=None
         result["paged_speedup_vs_best_baseline"] = result["paged"]["requests_per_s"] / best["requests_per_s"]
         result["paged_speedup_vs_best_baseline_cpu"] = (result["paged"]["output_tokens_per_cpu_s"]
                                                          / max(b["output_tokens_per_cpu_s"] for b in baselines))
+    for name in [n for n in result if n.startswith("paged_") and "paged" in result]:  # quantized KV vs auto
+        result[f"{name}_vs_paged"] = {k: result[name][k] / max(result["paged"][k], 1e-9)
+                                      for k in ("requests_per_s", "output_tokens_per_s", "peak_concurrency",
+                                                "mean_concurrency")}
     return result
 
 
@@ -220,9 +234,8 @@ def print_table(title: str, result: dict) -> None:
     head = (f"{'system':<18} {'req/s':>7} {'out tok/s':>9} {'tok/cpu-s':>9} {'peak seqs':>9} {'mean seqs':>9} "
             f"{'KV waste':>8} {'@peak':>6} {'preempt':>7} {'done':>5} {'wall s':>7} {'load':>5}")
     print(head)
-    for name in SYSTEMS:
-        if name not in result:
-            continue
+    for name in (n for n in result if isinstance(result[n], dict) and "peak_concurrency" in result[n]
+                 and not n.endswith("_vs_paged")):
         r = result[name]
         print(f"{name:<18} {r['requests_per_s']:>7.3f} {r['output_tokens_per_s']:>9.1f} "
               f"{r['output_tokens_per_cpu_s']:>9.1f} {r['peak_concurrency']:>9d} {r['mean_concurrency']:>9.1f} "
@@ -230,6 +243,8 @@ def print_table(title: str, result: dict) -> None:
               f"{r['completed_requests']:>5d} {r['seconds']:>7.1f} {np.mean(r['load_average']):>5.1f}")
     if not all(result[n]["drained"] for n in SYSTEMS if n in result):
         print("(a time window of a larger backlog: req/s = output tokens/s / mean output tokens per request)")
+    for key in (k for k in result if k.endswith("_vs_paged")):
+        print(f"{key}: " + ", ".join(f"{k} {v:.2f}x" for k, v in result[key].items()))
     if "paged_speedup_vs_best_baseline" in result:
         print(f"paged / best baseline: {result['paged_speedup_vs_best_baseline']:.2f}x requests/s "
               f"({result['paged_speedup_vs_best_baseline_cpu']:.2f}x output tokens per CPU second)")
@@ -309,6 +324,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--stream-prompt", type=int, default=32)
     parser.add_argument("--stream-output", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "int8", "fp8"],
+                        help="the paged engine's KV cache dtype(s): one paged system each (paged, paged_int8, "
+                             "paged_fp8), all on the same KV byte budget")
     parser.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap"],
                         help="the paged engine's; swap gets a host pool as large as the KV budget (on a CPU a "
                              "swap is a copy within the same RAM, cheaper than recomputing)")
@@ -338,7 +356,8 @@ def main(argv=None) -> dict:
     budget_blocks = args.slots * blocks_per_seq
     budget_bytes = (budget_blocks + 1) * bytes_per_block(model, args.block_size, args.dtype)
     results = {"machine": platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
-               "model": loaded.name, "dtype": args.dtype, "max_len": args.max_len, "block_size": args.block_size,
+               "model": loaded.name, "dtype": args.dtype, "kv_cache_dtypes": args.kv_cache_dtype,
+               "max_len": args.max_len, "block_size": args.block_size,
                "slots": args.slots, "budget_blocks": budget_blocks, "budget_tokens": budget_blocks * args.block_size,
                "budget_bytes": budget_bytes, "max_num_batched_tokens": args.max_num_batched_tokens,
                "paged_max_num_seqs": args.max_num_seqs, "quick": args.quick, "runs": {}}
@@ -346,8 +365,11 @@ def main(argv=None) -> dict:
           f"tokens = {budget_bytes / 2**20:.1f} MiB, the same for every system", flush=True)
 
     t = time.perf_counter()
-    runner = paged_runner(loaded, model, params, args, budget_blocks + 1, args.max_num_seqs, budget_bytes)
-    caches = contiguous_caches(model, params, args, args.slots, runner.config.attention_backend)
+    runners = {name: paged_runner(loaded, model, params, args, budget_blocks + 1, args.max_num_seqs, budget_bytes,
+                                  kv) for name, kv in paged_systems(args).items()}
+    systems = [s for s in args.systems if s != "paged"] + list(runners)
+    backend = next(iter(runners.values())).config.attention_backend if runners else "xla"
+    caches = contiguous_caches(model, params, args, args.slots, backend, systems)
     assert all(c.reserved_blocks == budget_blocks for c in caches.values())  # floor(budget / M) slots: = budget
     results["warmup_seconds"] = time.perf_counter() - t
 
@@ -359,14 +381,15 @@ def main(argv=None) -> dict:
     main_workload = make(args.workload, args.num_requests)
     results["main"] = main_workload.name
     print(f"{main_workload.name}: {main_workload.describe()}", flush=True)
-    results["runs"][main_workload.name] = compare(loaded, args, main_workload, runner, caches, args.systems,
+    results["runs"][main_workload.name] = compare(loaded, args, main_workload, runners, caches, systems,
                                                   args.duration, args.warmup)
     for name in args.extra_workloads:
         w = make(name, args.extra_requests)
         print(f"{w.name}: {w.describe()}", flush=True)
-        results["runs"][w.name] = compare(loaded, args, w, runner, caches, args.systems, args.extra_duration,
+        results["runs"][w.name] = compare(loaded, args, w, runners, caches, systems, args.extra_duration,
                                           args.extra_warmup)
-    del runner, caches
+    results["num_kv_blocks"] = {name: r.config.num_kv_blocks for name, r in runners.items()}
+    del runners, caches
 
     if args.streams:
         n = args.streams
@@ -377,12 +400,12 @@ def main(argv=None) -> dict:
         stream_systems = [s for s in ("paged", "slot_contiguous") if s in args.systems]
         stream_caches = contiguous_caches(model, params, args, n, stream_runner.config.attention_backend,
                                           stream_systems)
-        results["streams"] = compare(loaded, args, w, stream_runner, stream_caches, stream_systems)
+        results["streams"] = compare(loaded, args, w, {"paged": stream_runner}, stream_caches, stream_systems)
         del stream_runner, stream_caches
 
     main_result = results["runs"][main_workload.name]
-    for name in SYSTEMS:
-        if name in main_result:
+    for name in main_result:
+        if isinstance(main_result[name], dict) and "trace" in main_result[name]:
             results[name] = {k: v for k, v in main_result[name].items() if k != "trace"}
     results["total_seconds"] = time.perf_counter() - started
     for title, r in results["runs"].items():

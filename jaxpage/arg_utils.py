@@ -8,7 +8,7 @@ import re
 import typing
 
 from jaxpage.attention import BACKENDS
-from jaxpage.config import DTYPES
+from jaxpage.config import DTYPES, KV_CACHE_DTYPES
 from jaxpage.scheduler import PREEMPTION_MODES
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -44,6 +44,9 @@ class EngineArgs:
         "longest sequence, prompt and output (default: the model's)"))
     dtype: str = dataclasses.field(default="auto", metadata=_option(
         "weights and KV cache (auto: float32 on the CPU, bfloat16 on accelerators)", choices=DTYPES))
+    kv_cache_dtype: str = dataclasses.field(default="auto", metadata=_option(
+        "the KV cache's dtype: auto (dtype's), int8 (a scale per token and KV head) or fp8 (e4m3, scale 1)",
+        choices=KV_CACHE_DTYPES))
     gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata=_option(
         "fraction of the device memory free after the weights that the KV pool takes (without "
         "--kv-cache-memory or --num-kv-blocks, on a device that reports its memory)"))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.kv_cache import write_kv
+from pallas_kernels.quant import dequantize, pool_parts
 from pallas_kernels.reference import soft_cap_logits, window_start
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
@@ -69,9 +70,11 @@ def _write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, po
 def _write_kv_for_platform(pool, layer, k, v, slot_mapping):
     """XLA's scatter, but on a TPU the K/V write kernel: XLA:TPU relayouts the whole pool around a scatter."""
     from pallas_kernels import write_kv_tpu
+    from pallas_kernels.kv_write_tpu import tile_rows
 
-    return jax.lax.platform_dependent(pool, layer, k.astype(pool.dtype), v.astype(pool.dtype), slot_mapping,
-                                      tpu=write_kv_tpu, default=write_kv)
+    if pool.shape[4] % tile_rows(pool.dtype):  # not lowerable for a TPU (build_engine_config refuses it there)
+        return write_kv(pool, layer, k, v, slot_mapping)
+    return jax.lax.platform_dependent(pool, layer, k, v, slot_mapping, tpu=write_kv_tpu, default=write_kv)
 
 
 _MASKED = -1e30
@@ -153,14 +156,17 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     if pairs is None:
         pairs = page_pairs(token_seq, positions, block_tables, block_size, window)
     pair_row = pairs.block + layer * num_blocks
-    pages = pool.reshape(num_layers * num_blocks, 2, kv_heads, block_size, head_dim)
+    values, scales = pool_parts(pool)
+    pages = values.reshape(num_layers * num_blocks, 2, kv_heads, block_size, head_dim)
+    page_scales = None if scales is None else scales.reshape(num_layers * num_blocks, 2, kv_heads, block_size)
     q_g = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * scale
 
     def body(c, carry):
         m, l, acc = carry
         rows, tok, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
                                   for a in (pair_row, pairs.token, pairs.page, pairs.valid))
-        kv = jnp.take(pages, rows, axis=0, mode="clip").astype(jnp.float32)  # [C, 2, kvh, bs, hd]
+        kv = dequantize(jnp.take(pages, rows, axis=0, mode="clip"),  # [C, 2, kvh, bs, hd]
+                        None if scales is None else jnp.take(page_scales, rows, axis=0, mode="clip"), jnp.float32)
         scores = soft_cap_logits(jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0]), soft_cap)
         key_pos = page[:, None] * block_size + jnp.arange(block_size)
         pos = positions[tok][:, None]

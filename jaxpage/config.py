@@ -65,6 +65,14 @@ class EngineConfig:
     attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
     tensor_parallel_size: int = 1  # devices the model is split over (model's KV heads already replicated to fit)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see pallas_kernels.quant
+
+    @property
+    def kv_dtype(self) -> str:
+        """The pool's stored dtype."""
+        from jaxpage.kv_cache import kv_storage_dtype
+
+        return kv_storage_dtype(self.kv_cache_dtype, self.dtype).name
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -102,6 +110,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -119,7 +128,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
                         max_model_len: int | None, gpu_memory_utilization: float,
                         attention_backend: str = "auto", scan_layers: bool = True,
-                        tensor_parallel_size: int = 1) -> EngineConfig:
+                        tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     import jax
 
@@ -130,12 +139,15 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
 
     dtype = resolve_dtype(dtype)
     model = model_for_tp(model, tensor_parallel_size)
+    _require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
+             f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
+    kv_dtype = kv_cache.kv_storage_dtype(kv_cache_dtype, dtype)
     _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     backend = resolve_backend(attention_backend)
     if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
-        _require(block_size % tile_rows(dtype) == 0, "block_size", block_size,
-                 f"must be a multiple of {tile_rows(dtype)} for a {dtype} KV cache on TPU (its K/V write moves "
-                 f"whole ({tile_rows(dtype)}, 128) tiles of a page)")
+        _require(block_size % tile_rows(kv_dtype) == 0, "block_size", block_size,
+                 f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
+                 f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
     if backend == "pallas_tpu":
         _require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
                  "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
@@ -155,13 +167,13 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
         devices = make_mesh(tensor_parallel_size).devices.flat
         budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
         budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
-        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, dtype, budget, max_model_len,
+        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len,
                                                        tensor_parallel_size)
     return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         attention_backend=backend, scan_layers=scan_layers,
-                        tensor_parallel_size=tensor_parallel_size)
+                        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
 
 
 def _require(ok: bool, field: str, value, rule: str) -> None:

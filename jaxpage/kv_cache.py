@@ -7,9 +7,15 @@ Layout: ``[num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]``.
   GPU split-K decode kernel loads per head.
 - The layer axis leads so the model's ``lax.scan`` over layers carries the whole pool and updates it in place.
 Block 0 is the null block: padding tokens write there and padded block-table entries point there.
+
+Quantized (``kv_cache_dtype`` int8 or fp8, see pallas_kernels.quant): the values keep this layout in the
+stored dtype; int8's per-(token, KV head) float32 scales are a second array of the same layout less head_dim,
+``[num_layers, num_blocks, 2, num_kv_heads, block_size]``, travelling with the values as one ``ScaledPool``
+pytree: allocated, donated, laid out, copied and swapped together.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -18,6 +24,7 @@ import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from pallas_kernels.quant import STORED_DTYPES, ScaledPool
 from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
 
 if TYPE_CHECKING:  # annotations only: config imports this module to size the pool
@@ -30,11 +37,25 @@ def kv_pool_shape(model: ModelConfig, num_blocks: int, block_size: int) -> tuple
     return (model.num_layers, num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
 
 
+def kv_storage_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
+    """The pool's stored dtype: the model's for "auto", else int8 or float8_e4m3fn."""
+    return jnp.dtype(STORED_DTYPES.get(kv_cache_dtype, dtype))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def bytes_per_block(model: ModelConfig, block_size: int, dtype, lanes: int = 1) -> int:
-    """A block's bytes in memory, each row of head_dim values padded to a multiple of ``lanes`` (on a TPU, 128:
-    the pool's row-major layout tiles [block_size, head_dim] by (8, 128), so head_dim 64 takes 128 lanes)."""
-    padded = model.num_layers * 2 * model.num_kv_heads * block_size * (-(-model.head_dim // lanes) * lanes)
-    return padded * jnp.dtype(dtype).itemsize
+    """A block's bytes in memory (an int8 pool's scales included), the minor axis padded to a multiple of
+    ``lanes`` (on a TPU, 128: the row-major layout tiles the last two axes by (8, 128), so head_dim 64 takes 128
+    lanes, and a page's int8 scales ``[KVH, block_size]`` take whole (8, 128) tiles)."""
+    padded = model.num_layers * 2 * model.num_kv_heads * block_size * _round_up(model.head_dim, lanes)
+    scales = 0
+    if jnp.dtype(dtype) == jnp.int8:
+        sublanes = 8 if lanes > 1 else 1
+        scales = model.num_layers * 2 * _round_up(model.num_kv_heads, sublanes) * _round_up(block_size, lanes) * 4
+    return padded * jnp.dtype(dtype).itemsize + scales
 
 
 def memory_lanes() -> int:
@@ -69,40 +90,70 @@ def device_kv_budget(memory_fraction: float, devices=None) -> int | None:
     return int(min(free) * memory_fraction)
 
 
-def _shardings(where) -> tuple[object, object]:
-    """(the pool's sharding, other arrays' sharding) on ``where``: a device (None: the default one), or a mesh
-    (the pool split by KV head over its model axis, everything else replicated)."""
+def _shardings(where, dtype=None) -> tuple[object, object]:
+    """(the pool's sharding -- a ScaledPool of two for an int8 pool --, other arrays' sharding) on ``where``: a
+    device (None: the default one), or a mesh (the pool split by KV head over its model axis, everything else
+    replicated)."""
     if isinstance(where, Mesh):
-        from jaxpage.parallel import POOL_SPEC
+        from jaxpage.parallel import pool_spec
 
-        return NamedSharding(where, POOL_SPEC), NamedSharding(where, PartitionSpec())
+        pool = jax.tree.map(lambda spec: NamedSharding(where, spec), pool_spec(dtype),
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return pool, NamedSharding(where, PartitionSpec())
     device = SingleDeviceSharding(where or jax.devices()[0])
-    return device, device
+    return (ScaledPool(device, device) if _scaled(dtype) else device), device
 
 
-def pool_format(where=None) -> Format:
+def _scaled(dtype) -> bool:
+    return dtype is not None and jnp.dtype(dtype) == jnp.int8
+
+
+def pool_format(where=None, dtype=None):
     """Where the pool lives and its layout in memory: row-major, which the TPU kernels' DMAs address. Every
     function that takes the pool is compiled with this format (``jit_on_pool``): left to choose, XLA:TPU picks
     another layout for a small head_dim and relayouts the whole pool around each kernel call. ``where``: a
-    device or a tensor-parallel mesh (each device's shard row-major)."""
-    return Format(Layout(major_to_minor=tuple(range(6))), _shardings(where)[0])
+    device or a tensor-parallel mesh (each device's shard row-major). For an int8 pool (``dtype``), a
+    ScaledPool of the values' and the scales' formats."""
+    sharding = _shardings(where, dtype)[0]
+    if not _scaled(dtype):
+        return Format(Layout(major_to_minor=tuple(range(6))), sharding)
+    return ScaledPool(Format(Layout(major_to_minor=tuple(range(6))), sharding.values),
+                      Format(Layout(major_to_minor=tuple(range(5))), sharding.scales))
 
 
-def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype, where=None) -> jax.Array:
-    shape = kv_pool_shape(model, num_blocks, block_size)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_format(where))()
+def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype, where=None):
+    """Zeros in ``dtype`` (the stored dtype: int8 gives a ScaledPool with float32 scales)."""
+    zeros = functools.partial(_zeros_pool, jnp, kv_pool_shape(model, num_blocks, block_size), dtype)
+    return jax.jit(zeros, out_shardings=pool_format(where, dtype))()
 
 
-def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, where=None, arg_shardings: dict | None = None):
-    """``jax.jit(fn)`` with argument ``pool_arg`` (of ``num_args``) the pool in ``pool_format``. returns:
-    "pool" (fn returns the updated pool), "pair" (returns ``(result, pool)``), both with the pool donated,
-    "result" (fn only reads the pool) or "blocks" (returns blocks of the pool, sharded as it is). where: a
-    device or a mesh (fn then traced under it); arg_shardings: other arguments' shardings by position (else on
-    the device, or replicated)."""
+def abstract_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype):
+    """The pool's shapes and dtypes (ShapeDtypeStructs; a ScaledPool of them for int8), for ahead-of-time lowering."""
+    return jax.eval_shape(functools.partial(_zeros_pool, jnp, kv_pool_shape(model, num_blocks, block_size), dtype))
+
+
+def host_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype):
+    """The swap space in host memory: the device pool's arrays (scales included) as numpy zeros."""
+    return _zeros_pool(np, kv_pool_shape(model, num_blocks, block_size), dtype)
+
+
+def _zeros_pool(xp, shape, dtype):
+    if _scaled(dtype):
+        return ScaledPool(xp.zeros(shape, jnp.int8), xp.zeros(shape[:-1], jnp.float32))
+    return xp.zeros(shape, dtype)
+
+
+def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, where=None, arg_shardings: dict | None = None,
+                dtype=None):
+    """``jax.jit(fn)`` with argument ``pool_arg`` (of ``num_args``) the pool (of stored ``dtype``) in
+    ``pool_format``. returns: "pool" (fn returns the updated pool), "pair" (returns ``(result, pool)``), both with
+    the pool donated, "result" (fn only reads the pool) or "blocks" (returns blocks of the pool, sharded as it
+    is). where: a device or a mesh (fn then traced under it); arg_shardings: other arguments' shardings by
+    position (else on the device, or replicated)."""
     from jaxpage.parallel import with_mesh
 
-    pool_sharding, other = _shardings(where)
-    pool, arg_shardings = pool_format(where), arg_shardings or {}
+    pool_sharding, other = _shardings(where, dtype)
+    pool, arg_shardings = pool_format(where, dtype), arg_shardings or {}
     in_shardings = tuple(pool if i == pool_arg else arg_shardings.get(i, other) for i in range(num_args))
     out_shardings = {"pool": pool, "pair": (other, pool), "result": other, "blocks": pool_sharding}[returns]
     donate = () if returns in ("result", "blocks") else (pool_arg,)
@@ -110,6 +161,6 @@ def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, where=None, arg_
     return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
 
 
-def copy_blocks(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """Copies whole pages ``src[i] -> dst[i]`` in every layer (copy-on-write, swap-in)."""
-    return pool.at[:, dst].set(pool[:, src])
+def copy_blocks(pool, src: jax.Array, dst: jax.Array):
+    """Copies whole pages ``src[i] -> dst[i]`` (with their scales) in every layer (copy-on-write, swap-in)."""
+    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)

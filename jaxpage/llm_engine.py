@@ -78,8 +78,8 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend, scan_layers=args.scan_layers,
-            tensor_parallel_size=args.tensor_parallel_size)
-        per_block = bytes_per_block(config.model, config.block_size, config.dtype)
+            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+        per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))

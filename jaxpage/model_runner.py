@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from tqdm.auto import tqdm
 
 from jaxpage.config import EngineConfig, pick_bucket
-from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape, pool_format
+from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, host_kv_pool, jit_on_pool, pool_format
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.models import (TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs,
                             unstack_layers)
@@ -39,7 +39,7 @@ def jit_step(config: EngineConfig, where=None):
     compiles ahead of time for other targets. where: a device, or the mesh of a tensor-parallel config (the
     weights split as ``weight_shardings`` says)."""
     arg_shardings = {0: weight_shardings(config, where)} if isinstance(where, Mesh) else None
-    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings)
+    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings, config.kv_dtype)
 
 
 def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None):
@@ -65,12 +65,17 @@ def replicated(config: EngineConfig):
     return NamedSharding(make_mesh(tp), PartitionSpec()) if tp > 1 else None
 
 
-def _gather_blocks(pool: jax.Array, blocks: jax.Array) -> jax.Array:
-    return pool[:, blocks]
+def _gather_blocks(pool, blocks: jax.Array):
+    return jax.tree.map(lambda a: a[:, blocks], pool)  # an int8 pool's scales move with their blocks
 
 
-def _scatter_blocks(pool: jax.Array, blocks: jax.Array, data: jax.Array) -> jax.Array:
-    return pool.at[:, blocks].set(data)
+def _scatter_blocks(pool, blocks: jax.Array, data):
+    return jax.tree.map(lambda a, d: a.at[:, blocks].set(d), pool, data)
+
+
+def _store_blocks(host: np.ndarray, gathered: jax.Array, blocks: np.ndarray) -> None:
+    """A swap-out into host memory: the first len(blocks) gathered blocks (the rest is padding)."""
+    host[:, blocks] = np.asarray(gathered)[:, :len(blocks)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +88,14 @@ class BlockMoves:
     scatter: object
 
     @classmethod
-    def jit(cls, where=None) -> "BlockMoves":
-        """On a device or a mesh; swapped blocks travel split as the pool is (each device's KV heads)."""
-        blocks = {2: pool_format(where).sharding}
-        return cls(jit_on_pool(copy_blocks, 3, 0, "pool", where), jit_on_pool(_gather_blocks, 2, 0, "blocks", where),
-                   jit_on_pool(_scatter_blocks, 3, 0, "pool", where, blocks))
+    def jit(cls, where=None, dtype=None) -> "BlockMoves":
+        """On a device or a mesh; swapped blocks travel split as the pool is (each device's KV heads). dtype:
+        the pool's stored dtype (an int8 pool is values and scales)."""
+        blocks = {2: jax.tree.map(lambda f: f.sharding, pool_format(where, dtype),
+                                  is_leaf=lambda x: hasattr(x, "sharding"))}
+        on_pool = functools.partial(jit_on_pool, where=where, dtype=dtype)
+        return cls(on_pool(copy_blocks, 3, 0, "pool"), on_pool(_gather_blocks, 2, 0, "blocks"),
+                   on_pool(_scatter_blocks, 3, 0, "pool", arg_shardings=blocks))
 
 
 class ModelRunner:
@@ -100,13 +108,14 @@ class ModelRunner:
             params = unstack_layers(params)
         params = replicate_kv_heads(params, config.model.num_kv_heads)
         self.params = place_params(params, weight_shardings(config, self.mesh), dtype)
-        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, dtype, self.mesh)
-        shape = kv_pool_shape(config.model, num_host_blocks, config.block_size)
-        self.host_pool = np.zeros(shape, dtype) if num_host_blocks else None
+        kv_dtype = jnp.dtype(config.kv_dtype)
+        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, self.mesh)
+        self.host_pool = (host_kv_pool(config.model, num_host_blocks, config.block_size, kv_dtype)
+                          if num_host_blocks else None)
         self._step = jit_step(config, self.mesh)
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
-        moves = BlockMoves.jit(self.mesh)
+        moves = BlockMoves.jit(self.mesh, kv_dtype)
         self._copy, self._gather, self._scatter = moves.copy, moves.gather, moves.scatter
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
@@ -142,9 +151,10 @@ class ModelRunner:
                 if kind == COPY:
                     self.kv_pool = self._copy(self.kv_pool, s, d)
                 elif kind == SWAP_OUT:
-                    self.host_pool[:, d[:n]] = np.asarray(self._gather(self.kv_pool, s))[:, :n]
+                    jax.tree.map(functools.partial(_store_blocks, blocks=d[:n]), self.host_pool,
+                                 self._gather(self.kv_pool, s))
                 elif kind == SWAP_IN:
-                    self.kv_pool = self._scatter(self.kv_pool, d, self.host_pool[:, s])
+                    self.kv_pool = self._scatter(self.kv_pool, d, jax.tree.map(lambda h: h[:, s], self.host_pool))
                 else:
                     raise ValueError(kind)
 

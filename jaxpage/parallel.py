@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
     from jaxpage.config import ModelConfig
 
 POOL_SPEC = P(None, None, None, MODEL_AXIS, None, None)  # the pool's KV head axis
+SCALES_SPEC = P(None, None, None, MODEL_AXIS, None)  # an int8 pool's scales: its layout less head_dim
+
+
+def pool_spec(dtype=None):
+    """The pool's PartitionSpec: a ScaledPool of the values' and the scales' for an int8 pool."""
+    from pallas_kernels.quant import ScaledPool
+
+    return ScaledPool(POOL_SPEC, SCALES_SPEC) if dtype is not None and jnp.dtype(dtype) == jnp.int8 else POOL_SPEC
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # q/k/v and attention outputs [T, heads, head_dim]
 
 
@@ -100,9 +109,10 @@ def model_axis_size() -> int:
 def over_heads(fn, q, k, v, pool, shared: dict):
     """``fn(q, k, v, pool, **shared) -> (out, pool)`` on every device of the model axis, over its own heads: q/k/v
     split by heads, the pool by KV head slots, ``shared`` (arrays or None) replicated."""
+    spec = pool_spec(jax.tree.leaves(pool)[0].dtype)
     return jax.shard_map(lambda q, k, v, pool, shared: fn(q, k, v, pool, **shared),
-                         in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, P()),
-                         out_specs=(HEADS_SPEC, POOL_SPEC), check_vma=False)(q, k, v, pool, shared)
+                         in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, spec, P()),
+                         out_specs=(HEADS_SPEC, spec), check_vma=False)(q, k, v, pool, shared)
 
 
 def with_mesh(fn, mesh: Mesh | None):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.quant import dequantize, pool_parts, scale_operands, split_scales
 from pallas_kernels.reference import MASK_VALUE, check_decode_args, soft_cap_logits, window_start
 
 try:  # the Triton flavour's compiler params; their presence selects the Triton lowering on GPU
@@ -100,18 +101,24 @@ def init_carry(rows: int, head_dim: int):
             jnp.zeros((rows, head_dim), jnp.float32))
 
 
+def load_pages(pool_ref, scales_ref, layer, pages, kv: int, kv_head, dtype) -> jax.Array:
+    """K (kv 0) or V (kv 1) of one KV head on ``pages`` [P], as [P * block_size, D] in ``dtype`` (dequantized)."""
+    values = pool_ref[layer, pages, kv, kv_head, :, :]
+    scales = None if scales_ref is None else scales_ref[layer, pages, kv, kv_head, :]
+    return dequantize(values, scales, dtype).reshape(-1, values.shape[-1])
+
+
 def paged_keys_loop(q, pool_ref, layer, kv_head, page_at, first_page, num_pages, length, carry, *, block_size,
-                    pages_per_block, lowest=0, row_lowest=None, **step):
+                    pages_per_block, lowest=0, row_lowest=None, scales_ref=None, **step):
     """The online softmax over pages ``first_page .. first_page + num_pages - 1`` (``page_at(i)`` gives the block
     ids of this loop's i-th chunk of ``pages_per_block`` pages), keys at positions ``>= length`` or ``< lowest``
-    masked (chunks wholly below ``lowest`` skipped), and per row below ``row_lowest`` [R] when given."""
+    masked (chunks wholly below ``lowest`` skipped), and per row below ``row_lowest`` [R] when given.
+    scales_ref: a quantized pool's scales (None: no scales)."""
     block_tokens = pages_per_block * block_size
-    head_dim = q.shape[1]
 
     def body(c, carry):
         pages = page_at(c)  # [P]
-        k = pool_ref[layer, pages, 0, kv_head, :, :].reshape(block_tokens, head_dim)
-        v = pool_ref[layer, pages, 1, kv_head, :, :].reshape(block_tokens, head_dim)
+        k, v = (load_pages(pool_ref, scales_ref, layer, pages, kv, kv_head, q.dtype) for kv in (0, 1))
         key_pos = (first_page + c * pages_per_block) * block_size + jnp.arange(block_tokens)
         row_visible = None if row_lowest is None else key_pos[None, :] >= row_lowest[:, None]
         return online_softmax_step(q, k, v, (key_pos < length) & (key_pos >= lowest), carry,
@@ -129,8 +136,9 @@ def finish_carry(carry):
     return acc / l_safe[:, None], jnp.where(empty, MASK_VALUE, m + jnp.log(l_safe))
 
 
-def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_ref, o_ref, lse_ref, *, block_size,
-                   pages_per_block, pages_per_split, **step):
+def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_ref, *refs, block_size,
+                   pages_per_block, pages_per_split, quantized, **step):
+    scales_ref, (o_ref, lse_ref) = split_scales(refs, quantized)
     kv_head, split = pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], lens_ref[0]
     lowest = window_start(length - 1, window_ref[0])  # splits wholly before it do no work
@@ -140,7 +148,7 @@ def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_ref,
     carry = paged_keys_loop(q, pool_ref, layer, kv_head,
                             lambda c: tables_ref[pl.ds(c * pages_per_block, pages_per_block)],
                             first_page, num_pages, length, init_carry(*q.shape), block_size=block_size,
-                            pages_per_block=pages_per_block, lowest=lowest, **step)
+                            pages_per_block=pages_per_block, lowest=lowest, scales_ref=scales_ref, **step)
     o_ref[...], lse_ref[...] = finish_carry(carry)
 
 
@@ -177,9 +185,10 @@ def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_table
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
+    values, scales = pool_parts(pool)
     kernel = functools.partial(_decode_kernel, scale=float(scale), soft_cap=soft_cap, block_size=block_size,
                                pages_per_block=pages_per_block, pages_per_split=pages_per_split,
-                               precision=precision)
+                               precision=precision, quantized=scales is not None)
     params = triton_params(num_warps, num_stages)
     o, lse = pl.pallas_call(
         kernel,
@@ -191,7 +200,7 @@ def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_table
             pl.BlockSpec((None, pages_per_split), lambda s, h, k: (s, k)),  # this split's table entries
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),  # q
             pl.BlockSpec(pool.shape, lambda s, h, k: (0,) * 6),  # the whole pool: indexed by page in-kernel
-        ],
+        ] + [pl.BlockSpec(x.shape, lambda s, h, k: (0,) * 5) for x in scale_operands(scales)],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
@@ -201,7 +210,8 @@ def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_table
         interpret=interpret,
         name="paged_decode_attention_gpu",
         **params,
-    )(layer_arr, jnp.asarray(window, jnp.int32).reshape(1), context_lens, tables, q_g, pool)
+    )(layer_arr, jnp.asarray(window, jnp.int32).reshape(1), context_lens, tables, q_g, values,
+      *scale_operands(scales))
     if num_splits == 1:
         out = o[:, :, 0]
     else:  # combine the splits' partial softmaxes: weights exp(lse_i - max_j lse_j), exact and stable

@@ -14,31 +14,47 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_decode as gpu
+from pallas_kernels.quant import dequantize, pool_parts, quantize, with_parts
 from pallas_kernels.reference import check_ragged_args, window_start
 
 
-def _write_kv(layer, kv_head, first, count, slot_ref, k_ref, v_ref, pool_out_ref, block_size):
-    """The block's tokens' K/V into their slots; nobody in this call reads those slots from the pool."""
+def _write_kv(layer, kv_head, first, count, slot_ref, k_ref, v_ref, pool_out_ref, block_size, new_scales_ref=None,
+              scales_out_ref=None):
+    """The block's tokens' K/V (quantized by the wrapper, with their scales when the pool has them) into their
+    slots; nobody in this call reads those slots from the pool."""
     def body(i, carry):
         token = first + i
         slot = slot_ref[token]
         block, offset = slot // block_size, slot % block_size
         pool_out_ref[layer, block, 0, kv_head, offset, :] = k_ref[token, kv_head, :]
         pool_out_ref[layer, block, 1, kv_head, offset, :] = v_ref[token, kv_head, :]
+        if scales_out_ref is not None:
+            for kv in (0, 1):
+                scales_out_ref[layer, block, kv, kv_head, offset] = new_scales_ref[token, kv, kv_head]
         return carry
 
     jax.lax.fori_loop(0, count, body, jnp.int32(0))
 
 
+def _unpack_refs(refs, quantized):
+    """(new K/V scales, pool scales, out, pool out, pool scales out) after the pool; None where not quantized."""
+    if quantized:
+        return refs
+    o_ref, pool_out_ref = refs
+    return None, None, o_ref, pool_out_ref, None
+
+
 def _ragged_gpu_kernel(layer_ref, window_ref, tseq_ref, pos_ref, slot_ref, run_ref, first_ref, count_ref,
-                       tables_ref, q_ref, k_ref, v_ref, pool_ref, o_ref, pool_out_ref, *, block_size,
-                       pages_per_block, new_block, queries, **step):
+                       tables_ref, q_ref, k_ref, v_ref, pool_ref, *refs, block_size,
+                       pages_per_block, new_block, queries, quantized, **step):
+    new_scales_ref, scales_ref, o_ref, pool_out_ref, scales_out_ref = _unpack_refs(refs, quantized)
     qblock, kv_head = pl.program_id(0), pl.program_id(1)
     layer, first, count = layer_ref[0], first_ref[qblock], count_ref[qblock]  # count 0: an unused program
     seq, start = tseq_ref[first], run_ref[first]
     last = first + count - 1  # the block's last token; the run's keys this call brings are tokens start .. last
     start_pos = pos_ref[start]  # keys below the run's first position were in the pool before this call
-    _write_kv(layer, kv_head, first, count, slot_ref, k_ref, v_ref, pool_out_ref, block_size)
+    _write_kv(layer, kv_head, first, count, slot_ref, k_ref, v_ref, pool_out_ref, block_size, new_scales_ref,
+              scales_out_ref)
 
     group, head_dim = q_ref.shape[2:]
     q = q_ref[pl.ds(first, queries), kv_head, :, :].reshape(queries * group, head_dim)  # row = token * G + head
@@ -48,12 +64,13 @@ def _ragged_gpu_kernel(layer_ref, window_ref, tseq_ref, pos_ref, slot_ref, run_r
     carry = gpu.paged_keys_loop(
         q, pool_ref, layer, kv_head, lambda c: tables_ref[seq, pl.ds(c * pages_per_block, pages_per_block)],
         0, jnp.where(count > 0, pl.cdiv(start_pos, block_size), 0), start_pos, gpu.init_carry(*q.shape),
-        block_size=block_size, pages_per_block=pages_per_block, lowest=lowest, row_lowest=row_lowest, **step)
+        block_size=block_size, pages_per_block=pages_per_block, lowest=lowest, row_lowest=row_lowest,
+        scales_ref=scales_ref, **step)
 
     def new_keys(c, carry):  # the run's keys from this call, straight from the inputs, causal by token index
         key0 = start + c * new_block
-        k = k_ref[pl.ds(key0, new_block), kv_head, :]
-        v = v_ref[pl.ds(key0, new_block), kv_head, :]
+        k, v = (_load_new(ref, new_scales_ref, pl.ds(key0, new_block), kv, kv_head, q.dtype)
+                for kv, ref in enumerate((k_ref, v_ref)))
         key = key0 + jnp.arange(new_block)
         row_visible = (key[None, :] <= row_token[:, None]) & (start_pos + key[None, :] - start >= row_lowest[:, None])
         return gpu.online_softmax_step(q, k, v, key <= last, carry, row_visible=row_visible, **step)
@@ -64,6 +81,12 @@ def _ragged_gpu_kernel(layer_ref, window_ref, tseq_ref, pos_ref, slot_ref, run_r
     out = gpu.finish_carry(carry)[0].reshape(queries, group, head_dim).astype(o_ref.dtype)
     in_block = jax.lax.broadcasted_iota(jnp.int32, out.shape, 0) < count
     gpu.masked_store(o_ref.at[pl.ds(first, queries), kv_head, :, :], out, in_block)
+
+
+def _load_new(ref, new_scales_ref, tokens, kv: int, kv_head, dtype):
+    """This call's K (kv 0) or V (kv 1) of ``tokens`` for one KV head, dequantized as the pool holds them."""
+    scales = None if new_scales_ref is None else new_scales_ref[tokens, kv, kv_head]
+    return dequantize(ref[tokens, kv_head, :], scales, dtype)
 
 
 def query_blocks(token_seq: jax.Array, queries: int, max_blocks: int):
@@ -122,23 +145,29 @@ def ragged_paged_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     q_g = jnp.pad(q.reshape(num_tokens, kv_heads, group, head_dim),
                   ((0, queries), (0, 0), (0, padded_group - group), (0, 0)))
     tables = jnp.pad(block_tables, ((0, 0), (0, -width % pages_per_block)))
-    k_pad, v_pad = (jnp.pad(x, ((0, new_tokens_per_block), (0, 0), (0, 0))) for x in (k, v))
+    values, scales = pool_parts(pool)
+    (kv_new, new_scales), pad = quantize(jnp.stack([k, v], axis=1), pool.dtype), ((0, new_tokens_per_block),)
+    k_pad, v_pad = (jnp.pad(kv_new[:, i], pad + ((0, 0), (0, 0))) for i in (0, 1))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     kernel = functools.partial(_ragged_gpu_kernel, scale=float(scale), soft_cap=soft_cap, precision=precision,
                                block_size=block_size, pages_per_block=pages_per_block,
-                               new_block=new_tokens_per_block, queries=queries)
+                               new_block=new_tokens_per_block, queries=queries, quantized=scales is not None)
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h: (0,) * x.ndim)  # noqa: E731 (indexed in-kernel)
     operands = (jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(window, jnp.int32).reshape(1), token_seq, positions, slot_mapping, run_start, first,
-                count, tables, q_g, k_pad, v_pad, pool)
-    out, pool = pl.pallas_call(
+                count, tables, q_g, k_pad, v_pad, values)
+    pools = (values,)
+    if scales is not None:  # the new K/V's scales, then the pool's, written in place like the values
+        operands, pools = operands + (jnp.pad(new_scales, pad + ((0, 0), (0, 0))), scales), (values, scales)
+    aliases = {12: 1} if scales is None else {12: 1, 14: 2}
+    out, *pools = pl.pallas_call(
         kernel,
         grid=(max_blocks, kv_heads),
         in_specs=[whole(x) for x in operands],
-        out_specs=[whole(q_g), whole(pool)],
-        out_shape=[jax.ShapeDtypeStruct(q_g.shape, q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-        input_output_aliases={len(operands) - 1: 1},
+        out_specs=[whole(q_g)] + [whole(x) for x in pools],
+        out_shape=[jax.ShapeDtypeStruct(q_g.shape, q.dtype)] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools],
+        input_output_aliases=aliases,
         interpret=interpret,
         name="ragged_paged_attention_gpu",
         **gpu.triton_params(num_warps, num_stages),
     )(*operands)
-    return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim), pool
+    return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim), with_parts(*pools)

@@ -33,16 +33,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kv_write_tpu import write_kv_tpu
+from pallas_kernels.quant import pool_parts, scale_operands
 from pallas_kernels.reference import check_ragged_args, window_start
-from pallas_kernels.tpu_decode import (ANY, ARBITRARY, PARALLEL, PageCopies, _CompilerParams, attend_chunk,
-                                       finish_state, init_state)
+from pallas_kernels.tpu_decode import (ANY, ARBITRARY, PARALLEL, _CompilerParams, attend_chunk, chunk_copies,
+                                       finish_state, init_state, kv_scratch, load_kv, unpack_refs)
 
 
 def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, tables_ref,  # scalar prefetch (SMEM)
-                   q_ref, row_pos_ref, pool_hbm,  # inputs
-                   o_ref,  # output
-                   kv_buf, sems,  # scratch
-                   *, scale, soft_cap, width, num_tokens, tokens_per_block, pages_per_block, precision):
+                   q_ref, row_pos_ref, pool_hbm,  # inputs (then the pool's scales when quantized)
+                   *refs,  # output, scratch (kv_buf, sems, then the scales' buffers when quantized)
+                   scale, soft_cap, width, num_tokens, tokens_per_block, pages_per_block, precision, quantized):
+    scales_hbm, o_ref, kv_buf, sems, scale_buf, scale_sems = unpack_refs(refs, quantized)
     head_block, q_block = pl.program_id(0), pl.program_id(1)
     _, _, _, kv_heads, block_size, head_dim = kv_buf.shape  # kv heads of this head block
     rows = q_ref.shape[1]
@@ -78,9 +79,12 @@ def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, tables_ref,  # scal
         row_in_run = jnp.logical_and(row >= (start - t0) * group, row < (end - t0) * group)
 
         def copies(chunk, slot):
-            return PageCopies(lambda page: pool_hbm.at[layer, page, :, heads],
-                              lambda j: tables_ref[seq * width + jnp.minimum(j, width - 1)],
-                              kv_buf.at[slot], sems.at[slot], chunk, num_pages, pages_per_block, first_page)
+            bufs = [(kv_buf.at[slot], sems.at[slot])]
+            bufs += [(scale_buf.at[slot], scale_sems.at[slot])] if quantized else []
+            refs = (pool_hbm, scales_hbm)[:len(bufs)]
+            return chunk_copies(lambda page: [ref.at[layer, page, :, heads] for ref in refs],
+                                lambda j: tables_ref[seq * width + jnp.minimum(j, width - 1)],
+                                bufs, chunk, num_pages, pages_per_block, first_page)
 
         copies(0, 0).start()
 
@@ -102,8 +106,7 @@ def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, tables_ref,  # scal
             written = jnp.logical_and(key_col <= max_pos, key_col >= run_lowest)
             new_states = []
             for h in range(kv_heads):
-                k = kv_buf[slot, :, 0, h].reshape(block_tokens, head_dim)
-                v = kv_buf[slot, :, 1, h].reshape(block_tokens, head_dim)
+                k, v = (load_kv(kv_buf, scale_buf, slot, kv, h, q_ref.dtype) for kv in (0, 1))
                 v = jnp.where(written, v, jnp.zeros_like(v))
                 new_states.append(attend_chunk(q_ref[h], k, v, visible, states[h],
                                                scale=scale, soft_cap=soft_cap, precision=precision))
@@ -148,9 +151,10 @@ def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     group = num_heads // kv_heads
     rows = tokens_per_block * group
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    values, scales = pool_parts(pool)
     kernel = functools.partial(_ragged_kernel, scale=float(scale), soft_cap=soft_cap, width=width,
                                num_tokens=num_tokens, tokens_per_block=tokens_per_block,
-                               pages_per_block=pages_per_block, precision=precision)
+                               pages_per_block=pages_per_block, precision=precision, quantized=scales is not None)
     # q as [KVH, T * G, D]: a KV head's query rows are one 2-D tile, taken by indexing the ref, never reshaped
     q_rows = q.reshape(num_tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_rows = q_rows.reshape(kv_heads, num_tokens * group, head_dim)
@@ -162,17 +166,16 @@ def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(kv_heads // kv_heads_per_block, num_tokens // tokens_per_block),
-            in_specs=[q_spec, pl.BlockSpec((rows, 1), lambda hb, qb, *_: (qb, 0)), pl.BlockSpec(memory_space=ANY)],
+            in_specs=[q_spec, pl.BlockSpec((rows, 1), lambda hb, qb, *_: (qb, 0))]
+            + [pl.BlockSpec(memory_space=ANY)] * (1 + len(scale_operands(scales))),
             out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, pages_per_block, 2, kv_heads_per_block, block_size, head_dim), pool.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
-            ],
+            scratch_shapes=kv_scratch(pages_per_block, kv_heads_per_block, block_size, head_dim, pool.dtype,
+                                      scales is not None),
         ),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=_CompilerParams(dimension_semantics=(PARALLEL, PARALLEL)),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*scalars, q_rows, row_positions, pool)
+    )(*scalars, q_rows, row_positions, values, *scale_operands(scales))
     out = out.reshape(kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(num_tokens, num_heads, head_dim), pool

@@ -6,7 +6,8 @@ The references define the semantics; each kernel takes the same data arguments (
     pool: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]   (axis 2: 0 = K, 1 = V)
 
 taken whole together with a ``layer`` index (an int32 scalar, possibly traced inside ``lax.scan``). Block 0 is the
-null block. Keys are masked by position, and masked values never reach a product (``where`` on V, not ``0 * V``),
+null block. A quantized pool (int8 with its scales, a ``quant.ScaledPool``, or fp8) holds K/V quantized by
+``quant.quantize`` on write, and every read dequantizes a page (``quant.dequantize``) to q's dtype. Keys are masked by position, and masked values never reach a product (``where`` on V, not ``0 * V``),
 so whatever stale data or NaN sits past a sequence's length cannot leak into its output.
 
 Sliding window: ``window`` (an int32 scalar, possibly traced: the model scans over layers with a per-layer window)
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quant import dequantize, is_quantized, pool_parts, quantize, with_parts
 
 MASK_VALUE = -1e30  # finite, so a fully masked row gives exp(MASK - MASK) = 1 rather than NaN
 
@@ -39,6 +42,11 @@ def check_window(window) -> None:
         raise ValueError(f"window must be an integer scalar, got {jnp.asarray(window).dtype}{jnp.shape(window)}")
 
 
+def check_pool_dtype(q_dtype, pool_dtype) -> None:
+    if not (q_dtype == pool_dtype or is_quantized(pool_dtype)):
+        raise ValueError(f"the pool ({pool_dtype}) must have q's dtype ({q_dtype}) or be quantized (int8, fp8)")
+
+
 def window_start(last_pos, window):
     """The first key position a query at ``last_pos`` sees: 0 for full attention (window 0)."""
     return jnp.where(window > 0, jnp.maximum(last_pos - window + 1, 0), 0)
@@ -56,8 +64,7 @@ def check_decode_args(q, pool, layer, block_tables, context_lens, scale, soft_ca
     num_seqs, num_heads, _ = q.shape
     if num_heads % kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of kv_heads={kv_heads}")
-    if q.dtype != pool.dtype:
-        raise ValueError(f"q ({q.dtype}) and pool ({pool.dtype}) must have one dtype")
+    check_pool_dtype(q.dtype, pool.dtype)
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or not _is_int32(block_tables):
         raise ValueError(f"block_tables must be int32 [{num_seqs}, W], got {block_tables.dtype}{block_tables.shape}")
     if context_lens.shape != (num_seqs,) or not _is_int32(context_lens):
@@ -87,8 +94,9 @@ def check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, 
     for name, x in (("k", k), ("v", v)):
         if x.shape != (num_tokens, kv_heads, head_dim):
             raise ValueError(f"{name} must be [{num_tokens}, {kv_heads}, {head_dim}], got {x.shape}")
-    if not q.dtype == k.dtype == v.dtype == pool.dtype:
-        raise ValueError(f"q, k, v and pool must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {pool.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_pool_dtype(q.dtype, pool.dtype)
     for name, x in (("token_seq", token_seq), ("positions", positions), ("slot_mapping", slot_mapping)):
         if x.shape != (num_tokens,) or not _is_int32(x):
             raise ValueError(f"{name} must be int32 [{num_tokens}], got {x.dtype}{x.shape}")
@@ -118,9 +126,10 @@ def paged_decode_attention_reference(q: jax.Array, pool: jax.Array, layer, block
     num_seqs, num_heads, head_dim, kv_heads, block_size, width = check_decode_args(
         q, pool, layer, block_tables, context_lens, scale, soft_cap, window)
     group = num_heads // kv_heads
-    kv = pool[layer, block_tables]  # [S, W, 2, KVH, bs, D]: a gather, not a copy of the layer
+    values, scales = pool_parts(pool)
+    kv = dequantize(values[layer, block_tables], None if scales is None else scales[layer, block_tables],
+                    jnp.float32)  # [S, W, 2, KVH, bs, D]: a gather, not a copy of the layer
     kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_seqs, 2, kv_heads, width * block_size, head_dim)
-    kv = kv.astype(jnp.float32)
     q_g = q.reshape(num_seqs, kv_heads, group, head_dim).astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("skgd,skld->skgl", q_g, kv[:, 0], precision=hi) * scale
@@ -138,10 +147,12 @@ def paged_decode_attention_reference(q: jax.Array, pool: jax.Array, layer, block
 
 def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatters new K/V [T, KVH, D] into their slots (block * block_size + offset) of ``layer``: the one K/V write
-    of the XLA path, the TPU kernel and the references."""
+    of the XLA path and the references (quantized when the pool is)."""
     block_size = pool.shape[4]
-    kv = jnp.stack([k, v], axis=1).astype(pool.dtype)  # [T, 2, KVH, D]
-    return pool.at[layer, slot_mapping // block_size, :, :, slot_mapping % block_size, :].set(kv)
+    values, scales = pool_parts(pool)
+    kv, kv_scales = quantize(jnp.stack([k, v], axis=1), pool.dtype)  # [T, 2, KVH, D], [T, 2, KVH]
+    at = (layer, slot_mapping // block_size, slice(None), slice(None), slot_mapping % block_size)
+    return with_parts(values.at[at].set(kv), None if scales is None else scales.at[at].set(kv_scales))
 
 
 def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,

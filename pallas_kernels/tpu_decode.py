@@ -11,6 +11,8 @@
   skipped and their buffer rows masked (``where``), never multiplied. The window is scalar prefetch too.
 - Online softmax in float32 per KV head (a static loop; the G query heads of one KV head form one matmul).
   Loaded values are reshaped, refs never are; every copy has a static shape.
+- A quantized pool: pages are copied as stored (int8 or fp8; an int8 pool's page scales by a second copy into
+  their own buffer) and dequantized to q's dtype as they are loaded from VMEM (``load_kv``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.quant import dequantize, pool_parts, scale_operands
 from pallas_kernels.reference import MASK_VALUE, check_decode_args, soft_cap_logits, window_start
 
 ANY = getattr(pl, "ANY", None) or pltpu.ANY  # HBM, left where it is
@@ -54,6 +57,52 @@ class PageCopies:
             pl.when(needed)(copy.wait)
 
 
+class CopyGroup:
+    """Several PageCopies (a chunk's values, and its scales) started and waited together."""
+
+    def __init__(self, *copies):
+        self._copies = copies
+
+    def start(self):
+        for c in self._copies:
+            c.start()
+
+    def wait(self):
+        for c in self._copies:
+            c.wait()
+
+
+def load_kv(kv_buf, scale_buf, slot, kv: int, h: int, dtype) -> jax.Array:
+    """K (kv 0) or V (kv 1) of KV head h from buffer ``slot``, [P * block_size, D] in ``dtype`` (dequantized)."""
+    values = kv_buf[slot, :, kv, h]  # [P, block_size, D]
+    scales = None if scale_buf is None else scale_buf[slot, :, kv, h]  # [P, block_size]
+    return dequantize(values, scales, dtype).reshape(-1, values.shape[-1])
+
+
+def kv_scratch(pages_per_block: int, kv_heads: int, block_size: int, head_dim: int, dtype, quantized: bool):
+    """Double-buffered chunk buffers and their DMA semaphores (then the scales' when ``quantized``)."""
+    shape = (2, pages_per_block, 2, kv_heads, block_size)
+    scratch = [pltpu.VMEM(shape + (head_dim,), dtype), pltpu.SemaphoreType.DMA((2,))]
+    return scratch + ([pltpu.VMEM(shape, jnp.float32), pltpu.SemaphoreType.DMA((2,))] if quantized else [])
+
+
+def unpack_refs(refs, quantized: bool):
+    """(scales in HBM, output, kv_buf, sems, scale_buf, scale_sems) from the refs after the pool; the scales'
+    None where the pool has none."""
+    if quantized:
+        scales_hbm, o_ref, kv_buf, sems, scale_buf, scale_sems = refs
+        return scales_hbm, o_ref, kv_buf, sems, scale_buf, scale_sems
+    o_ref, kv_buf, sems = refs
+    return None, o_ref, kv_buf, sems, None, None
+
+
+def chunk_copies(src_page, page_at, bufs, chunk, num_pages, pages_per_block, first):
+    """A CopyGroup of one chunk's copies: ``src_page(page)`` gives the HBM refs (values, scales...) of a page,
+    ``bufs`` the (buffer, semaphore) pairs they go to."""
+    return CopyGroup(*(PageCopies(lambda page, i=i: src_page(page)[i], page_at, buf, sem, chunk, num_pages,
+                                  pages_per_block, first) for i, (buf, sem) in enumerate(bufs)))
+
+
 def attend_chunk(q_rows, k, v, visible, state, *, scale, soft_cap, precision):
     """One online-softmax step: q_rows [R, D], k and v [K, D] (values), visible [R, K] or broadcastable."""
     m, l, acc = state
@@ -78,8 +127,9 @@ def finish_state(state):
     return acc / jnp.where(l == 0.0, 1.0, l)
 
 
-def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_hbm, o_ref, kv_buf, sems, *, scale,
-                   soft_cap, width, pages_per_block, precision):
+def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_hbm, *refs, scale,
+                   soft_cap, width, pages_per_block, precision, quantized):
+    scales_hbm, o_ref, kv_buf, sems, scale_buf, scale_sems = unpack_refs(refs, quantized)
     seq = pl.program_id(0)
     _, _, kv_heads, block_size, head_dim = kv_buf.shape[1:]
     group = q_ref.shape[1]
@@ -91,9 +141,10 @@ def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_hbm,
     block_tokens = pages_per_block * block_size
 
     def copies(chunk, slot):
-        return PageCopies(lambda page: pool_hbm.at[layer, page],
-                          lambda j: tables_ref[seq * width + jnp.minimum(j, width - 1)],
-                          kv_buf.at[slot], sems.at[slot], chunk, num_pages, pages_per_block, first_page)
+        bufs = [(kv_buf.at[slot], sems.at[slot])] + ([(scale_buf.at[slot], scale_sems.at[slot])] if quantized else [])
+        return chunk_copies(lambda page: [ref.at[layer, page] for ref in (pool_hbm, scales_hbm)[:len(bufs)]],
+                            lambda j: tables_ref[seq * width + jnp.minimum(j, width - 1)],
+                            bufs, chunk, num_pages, pages_per_block, first_page)
 
     copies(0, 0).start()  # starts nothing when the row is empty
 
@@ -112,8 +163,7 @@ def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_hbm,
         visible_kv = jnp.logical_and(key_col < length, key_col >= lowest)
         new_states = []
         for h in range(kv_heads):
-            k = kv_buf[slot, :, 0, h].reshape(block_tokens, head_dim)
-            v = kv_buf[slot, :, 1, h].reshape(block_tokens, head_dim)
+            k, v = (load_kv(kv_buf, scale_buf, slot, kv, h, q_ref.dtype) for kv in (0, 1))
             v = jnp.where(visible_kv, v, jnp.zeros_like(v))
             new_states.append(attend_chunk(q_ref[h], k, v, visible, states[h],
                                            scale=scale, soft_cap=soft_cap, precision=precision))
@@ -145,23 +195,24 @@ def paged_decode_attention_tpu(q: jax.Array, pool: jax.Array, layer, block_table
     group = num_heads // kv_heads
     pages_per_block = pages_per_compute_block or max(1, min(width, 128 // block_size))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    values, scales = pool_parts(pool)
     kernel = functools.partial(_decode_kernel, scale=float(scale), soft_cap=soft_cap, width=width,
-                               pages_per_block=pages_per_block, precision=precision)
+                               pages_per_block=pages_per_block, precision=precision, quantized=scales is not None)
     seq_block = pl.BlockSpec((None, kv_heads, group, head_dim), lambda s, *_: (s, 0, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_seqs,),
-            in_specs=[seq_block, pl.BlockSpec(memory_space=ANY)],
+            in_specs=[seq_block] + [pl.BlockSpec(memory_space=ANY)] * (1 + len(scale_operands(scales))),
             out_specs=seq_block,
-            scratch_shapes=[pltpu.VMEM((2, pages_per_block, 2, kv_heads, block_size, head_dim), pool.dtype),
-                            pltpu.SemaphoreType.DMA((2,))],
+            scratch_shapes=kv_scratch(pages_per_block, kv_heads, block_size, head_dim, pool.dtype,
+                                      scales is not None),
         ),
         out_shape=jax.ShapeDtypeStruct((num_seqs, kv_heads, group, head_dim), q.dtype),
         compiler_params=_CompilerParams(dimension_semantics=(PARALLEL,)),
         interpret=interpret,
         name="paged_decode_attention_tpu",
     )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(window, jnp.int32).reshape(1), context_lens, block_tables.reshape(-1),
-      q.reshape(num_seqs, kv_heads, group, head_dim), pool)
+      q.reshape(num_seqs, kv_heads, group, head_dim), values, *scale_operands(scales))
     return out.reshape(q.shape)

@@ -186,6 +186,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxpage"
     max_model_len: int | None = None
+    kv_cache_dtype: str | None = None  # jaxpage's own: "auto", "int8" or "fp8"
 
 
 class ModelList(BaseModel):

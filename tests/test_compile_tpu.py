@@ -90,6 +90,12 @@ def test_smollm2_step_compiles_for_other_chips(chip):
     assert_compiled(check_step(chip, "smollm2-135m", smollm2().token_buckets()[-1], smollm2()))
 
 
+def test_int8_kv_step_compiles_for_v5e():
+    """An int8 KV cache (values and scales, both donated and aliased) at the smallest bucket."""
+    config = ct.engine_config("smollm2-135m", block_size=32, kv_cache_dtype="int8")
+    assert_compiled(check_step("v5e", "smollm2-135m", config.token_buckets()[0], config))
+
+
 def test_xla_path_step_holds_no_pool_copy():
     """The XLA attention path on a TPU writes K/V with the TPU write kernel: XLA's scatter relayouts the pool."""
     check_step("v5e", "smollm2-135m", 8, smollm2("xla"))

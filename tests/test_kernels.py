@@ -13,6 +13,9 @@ Windowed cases run one compiled kernel over several sliding windows (shorter tha
 boundaries, longer than every context) and, as the sliding-window memory manager does, put the null block (NaN)
 in the table for every page wholly before the window, so a kernel that reads one fails.
 Tolerances: float32 1e-5, bfloat16 1e-2 (relative and absolute, on outputs of magnitude ~1).
+Quantized KV cases (``kv`` int8 or fp8) quantize the poisoned pool with quant.quantize (a NaN row gives a NaN
+int8 scale, a NaN fp8 value), and the reference reads it dequantizing first; the same tolerances apply, as
+kernel and reference read the same quantized values.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference, paged_decode_attention_tpu,
                             ragged_paged_attention_gpu, ragged_paged_attention_reference, ragged_paged_attention_tpu,
                             write_kv_tpu)
+from pallas_kernels.quant import STORED_DTYPES, pool_parts, quantize, with_parts
 from pallas_kernels.reference import write_kv
 
 _InterpretParams = getattr(pltpu, "InterpretParams", None) or pltpu.TPUInterpretParams
@@ -87,6 +91,17 @@ def random_pool(rng, num_blocks, kv_heads, block_size, head_dim, dtype):
     return rng.standard_normal(shape).astype(np.float32), np.zeros(shape[1:2] + shape[4:5], bool)
 
 
+def as_pool(pool: np.ndarray, dtype, kv: str):
+    """The float pool in q's dtype ("auto"), or quantized to int8 (with scales) or fp8."""
+    if kv == "auto":
+        return jnp.asarray(pool, dtype)
+    return with_parts(*quantize(jnp.asarray(pool, jnp.float32), STORED_DTYPES[kv]))
+
+
+def kv_suffix(kv: str) -> str:
+    return "" if kv == "auto" else f"-kv_{kv}"
+
+
 def assign_pages(rng, lengths, block_size, width, num_spare=3):
     """Distinct random blocks for each sequence's pages (a permutation), 0 past them; ``owned[b, off]`` marks
     the slots some sequence holds below its length."""
@@ -125,13 +140,14 @@ class DecodeCase:
     gpu: tuple = ()  # extra keywords for the GPU kernel: split-K shapes
     tpu: tuple = ()  # extra keywords for the TPU kernel
     windows: tuple = (0,)  # sliding windows, each run through the one compiled kernel
+    kv: str = "auto"  # the KV cache's dtype: auto (q's), int8 or fp8
 
     def __str__(self):
         extra = "".join(f"-{k}{v}" for k, v in self.gpu + self.tpu)
         cap = f"-cap{self.soft_cap}" if self.soft_cap else ""
         win = "-windows" if self.windows != (0,) else ""
         return (f"{self.dtype}-bs{self.block_size}-g{self.ratio}-d{self.head_dim}-kvh{self.kv_heads}"
-                f"-w{self.width}{cap}{win}{extra}")
+                f"-w{self.width}{cap}{win}{kv_suffix(self.kv)}{extra}")
 
     def lengths(self, rng):
         bs, w = self.block_size, self.width
@@ -156,6 +172,11 @@ DECODE_CASES = [
     DecodeCase("float32", 16, 4, 64, 2, 6, windows=WINDOWS,
                gpu=(("pages_per_split", 2), ("pages_per_compute_block", 1)), tpu=(("pages_per_compute_block", 2),)),
     DecodeCase("bfloat16", 16, 2, 64, 1, 5, soft_cap=2.0, windows=WINDOWS),
+    DecodeCase("float32", 16, 4, 64, 2, 5, kv="int8", gpu=(("pages_per_split", 2), ("pages_per_compute_block", 1)),
+               tpu=(("pages_per_compute_block", 2),)),
+    DecodeCase("bfloat16", 32, 3, 128, 1, 3, kv="int8", soft_cap=2.0, windows=WINDOWS),
+    DecodeCase("bfloat16", 16, 4, 64, 2, 4, kv="fp8"),
+    DecodeCase("float32", 32, 2, 64, 1, 3, kv="fp8", windows=WINDOWS, tpu=(("pages_per_compute_block", 1),)),
 ]
 
 
@@ -165,8 +186,8 @@ def make_decode_inputs(case: DecodeCase, rng):
     tables, owned, num_blocks = assign_pages(rng, lengths, case.block_size, case.width)
     pool, _ = random_pool(rng, num_blocks, case.kv_heads, case.block_size, case.head_dim, dtype)
     q = rng.standard_normal((len(lengths), case.kv_heads * case.ratio, case.head_dim))
-    return (jnp.asarray(q, dtype), jnp.asarray(poison(pool, owned), dtype), jnp.int32(LAYER), jnp.asarray(tables),
-            jnp.asarray(lengths, jnp.int32))
+    return (jnp.asarray(q, dtype), as_pool(poison(pool, owned), dtype, case.kv), jnp.int32(LAYER),
+            jnp.asarray(tables), jnp.asarray(lengths, jnp.int32))
 
 
 def check_decode(kernel, case: DecodeCase, **kw):
@@ -237,13 +258,14 @@ class RaggedCase:
     kw: tuple = ()  # extra keywords for the TPU kernel
     gpu: tuple = ()  # extra keywords for the GPU kernel
     windows: tuple = (0,)  # sliding windows, each run through the one compiled kernel
+    kv: str = "auto"  # the KV cache's dtype: auto (q's), int8 or fp8
 
     def __str__(self):
         extra = "".join(f"-{k}{v}" for k, v in self.kw + self.gpu)
         cap = f"-cap{self.soft_cap}" if self.soft_cap else ""
         win = "-windows" if self.windows != (0,) else ""
         return (f"{self.dtype}-bs{self.block_size}-g{self.ratio}-d{self.head_dim}-kvh{self.kv_heads}"
-                f"-w{self.width}{cap}{win}-pad_{self.padding}-{self.mix}{extra}")
+                f"-w{self.width}{cap}{win}-pad_{self.padding}-{self.mix}{kv_suffix(self.kv)}{extra}")
 
     def sequences(self, rng):
         """(tokens already in the pool, new tokens) per sequence: decodes first, then prompt chunks."""
@@ -277,6 +299,11 @@ RAGGED_CASES = [
     RaggedCase("float32", 16, 4, 64, 2, 5, windows=WINDOWS, kw=(("queries_per_block", 8), ("pages_per_compute_block", 2)),
                gpu=(("pages_per_compute_block", 1), ("new_tokens_per_block", 4))),
     RaggedCase("bfloat16", 16, 2, 64, 1, 4, soft_cap=1.5, padding="engine", windows=WINDOWS),
+    # 8-bit pools on TPU: block_size a multiple of 32 (write_kv_tpu moves whole (32, 128) tiles)
+    RaggedCase("float32", 32, 4, 64, 2, 3, kv="int8", kw=(("queries_per_block", 8),), gpu=(("new_tokens_per_block", 4),)),
+    RaggedCase("bfloat16", 32, 2, 128, 1, 3, kv="int8", soft_cap=1.5, padding="engine", windows=WINDOWS),
+    RaggedCase("bfloat16", 32, 4, 64, 2, 3, kv="fp8", kw=(("pages_per_compute_block", 1),)),
+    RaggedCase("float32", 32, 1, 64, 1, 3, kv="fp8", padding="engine", windows=WINDOWS),
 ]
 
 
@@ -287,6 +314,7 @@ LONG_RAGGED_CASES = [
                gpu=(("queries_per_block", 16), ("new_tokens_per_block", 8))),
     RaggedCase("float32", 16, 1, 64, 1, 4, soft_cap=1.5, mix="long", gpu=(("pages_per_compute_block", 2),)),
     RaggedCase("float32", 16, 2, 64, 1, 5, mix="long", windows=WINDOWS, gpu=(("queries_per_block", 8),)),
+    RaggedCase("float32", 16, 4, 64, 2, 5, mix="long", kv="int8", gpu=(("queries_per_block", 8),)),
 ]
 
 
@@ -317,7 +345,7 @@ def make_ragged_inputs(case: RaggedCase, rng, tokens_multiple=16):
     t, h = len(token_seq), case.kv_heads * case.ratio
     q, k, v = (rng.standard_normal((t, heads, case.head_dim)) for heads in (h, case.kv_heads, case.kv_heads))
     args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(poison(pool, owned_before), dtype), jnp.int32(LAYER), jnp.asarray(token_seq, jnp.int32),
+            as_pool(poison(pool, owned_before), dtype, case.kv), jnp.int32(LAYER), jnp.asarray(token_seq, jnp.int32),
             jnp.asarray(positions, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(tables))
     return args, num_valid
 
@@ -347,10 +375,18 @@ def compare_ragged(case, kernel, ours, ref, dtype, num_valid, msg):
     kernel's padding tokens (all at position 0 of one run) attend each other, unlike the reference's."""
     (out, pool), (ref_out, ref_pool) = ours, ref
     compare_padding = case.padding == "distinct" and kernel is ragged_paged_attention_tpu
-    assert out.shape == ref_out.shape and pool.shape == ref_pool.shape and pool.dtype == ref_pool.dtype
-    pool, ref_pool = np.asarray(pool.astype(jnp.float32)), np.asarray(ref_pool.astype(jnp.float32))
+    assert out.shape == ref_out.shape
     assert_matches(out, ref_out, dtype, msg, rows=slice(None if compare_padding else num_valid))
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all(), f"padding outputs not finite; {msg}"
+    assert jax.tree.structure(pool) == jax.tree.structure(ref_pool), msg
+    for part, ref_part in zip(pool_parts(pool), pool_parts(ref_pool)):  # values, then an int8 pool's scales
+        if part is not None:
+            compare_pools(case, part, ref_part, msg)
+
+
+def compare_pools(case, pool, ref_pool, msg):
+    assert pool.shape == ref_pool.shape and pool.dtype == ref_pool.dtype, msg
+    pool, ref_pool = np.asarray(pool.astype(jnp.float32)), np.asarray(ref_pool.astype(jnp.float32))
     if case.padding == "distinct":  # every slot of the pool is determined
         np.testing.assert_array_equal(pool, ref_pool, err_msg=f"pool differs; {msg}")
     else:  # padding tokens collide on null slot 0: that slot is unspecified
@@ -383,15 +419,17 @@ def test_tpu_ragged_in_tpu_simulator(case, params):
 
 # ------------------------------------------------------------------------------------- semantics and plumbing
 
-def test_ragged_reference_is_the_engines_attention():
-    """The references (NaN-safe masking) equal jaxpage's own write_kv + paged_attention_xla on finite inputs."""
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_ragged_reference_is_the_engines_attention(kv):
+    """The references (NaN-safe masking) equal jaxpage's own write_kv + paged_attention_xla on finite inputs,
+    quantized pools included."""
     from jaxpage.attention import paged_attention_xla
     from jaxpage.kv_cache import write_kv
 
     rng, msg = fresh_rng()
-    case = RaggedCase("float32", 16, 4, 64, 2, 3)
+    case = RaggedCase("float32", 16, 4, 64, 2, 3, kv=kv)
     args, num_valid = make_ragged_inputs(case, rng)
-    pool = jnp.nan_to_num(args[3])
+    pool = jax.tree.map(jnp.nan_to_num, args[3])
     ref_out, ref_pool = run_jitted(functools.partial(ragged_paged_attention_reference, scale=0.125), *args[:3], pool,
                                    *args[4:])
 
@@ -400,7 +438,9 @@ def test_ragged_reference_is_the_engines_attention():
         return paged_attention_xla(q, pool, layer, token_seq, positions, tables, scale=0.125), pool
 
     engine_out, engine_pool = run_jitted(engine, *args[:3], pool, *args[4:])
-    np.testing.assert_array_equal(np.asarray(ref_pool), np.asarray(engine_pool), err_msg=msg)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                                            np.asarray(b.astype(jnp.float32)), err_msg=msg),
+                 ref_pool, engine_pool)
     np.testing.assert_allclose(np.asarray(ref_out), np.asarray(engine_out), rtol=1e-5, atol=1e-5, err_msg=msg)
 
 
@@ -557,7 +597,8 @@ def test_bad_arguments_are_refused_at_the_call():
             kernel(args[0], args[1][:, :1], *args[2:], scale=0.125)
 
 
-@pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("bfloat16", 16), ("bfloat16", 32)])
+@pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("bfloat16", 16), ("bfloat16", 32), ("int8", 32),
+                                              ("fp8", 32)])
 @pytest.mark.parametrize("interpret", [True, SIM], ids=["interpret", "tpu_simulator"])
 def test_tpu_kv_write_matches_reference(dtype, block_size, interpret):
     """Random slots, many sharing a tile of rows (runs of a prompt chunk) and some the same slot (padding):
@@ -573,9 +614,12 @@ def test_tpu_kv_write_matches_reference(dtype, block_size, interpret):
                             np.zeros(4, int)]).astype(np.int32)  # then scattered decodes, then padding in slot 0
     k, v = (rng.standard_normal((len(slots), kv_heads, head_dim)) for _ in range(2))
     k[-4:] = v[-4:] = 1.0  # padding tokens write equal rows, so the scatter's "some one wins" is determined
-    args = tuple(jnp.asarray(x, dtype) for x in (pool, k, v))
-    args = (args[0], jnp.int32(LAYER), args[1], args[2], jnp.asarray(slots))
+    kv, dtype = (dtype, "float32") if dtype in STORED_DTYPES else ("auto", dtype)  # int8, fp8: float32 K/V
+    args = (as_pool(pool, dtype, kv), jnp.int32(LAYER), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(slots))
     ours = run_jitted(functools.partial(write_kv_tpu, interpret=interpret), *args)
     ref = run_jitted(write_kv, *args)
-    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)),
-                                  err_msg=f"slots={slots.tolist()}; {msg}")
+    for part, ref_part in zip(pool_parts(ours), pool_parts(ref)):  # values, then an int8 pool's scales
+        if part is not None:
+            np.testing.assert_array_equal(np.asarray(part.astype(jnp.float32)), np.asarray(ref_part.astype(jnp.float32)),
+                                          err_msg=f"slots={slots.tolist()}; {msg}")

@@ -354,7 +354,8 @@ def open_streams(http: httpx.Client, n: int) -> list:
 
 def test_a_full_queue_is_429_and_the_default_model_name(stand_in):
     with httpx.Client(base_url=stand_in.base + "/v1", timeout=30) as http:
-        assert [m["id"] for m in http.get("/models").json()["data"]] == ["stand-in"]
+        models = http.get("/models").json()["data"]
+        assert [m["id"] for m in models] == ["stand-in"] and models[0]["kv_cache_dtype"] == "auto"
         streams = open_streams(http, 4)
         r = http.post("/completions", json={"model": "stand-in", "prompt": [1], "max_tokens": 2})
         assert r.status_code == 429 and "--max-queue 4" in r.json()["error"]["message"]
