@@ -19,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="int8: int8 weights with a scale per output channel, made at load (cached)")
     parser.add_argument("--cache-dir", default=None, help="converted weights and compiled steps (default ~/.cache/jaxpage)")
     parser.add_argument("--max-seqs-per-request", type=int, default=None,
                         help="most sequences (n, best_of, beams) one request may hold, so that no request takes "

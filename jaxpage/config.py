@@ -38,6 +38,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    quantization: str | None = None  # None or "int8" (jaxpage.models.quant): the engine's, not the checkpoint's
 
     def layer_windows(self) -> np.ndarray:
         """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""
@@ -116,7 +117,8 @@ def resolve_dtype(dtype: str) -> str:
 def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_cache_memory: int | None,
                         num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
                         max_model_len: int | None, gpu_memory_utilization: float,
-                        attention_backend: str = "auto", scan_layers: bool = True) -> EngineConfig:
+                        attention_backend: str = "auto", scan_layers: bool = True,
+                        quantization: str | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     import jax
 
@@ -124,7 +126,11 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     from jaxpage.attention import resolve_backend
     from pallas_kernels.kv_write_tpu import tile_rows
 
+    from jaxpage.models.quant import check_quantization
+
     dtype = resolve_dtype(dtype)
+    check_quantization(quantization)
+    model = dataclasses.replace(model, quantization=quantization)
     _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     backend = resolve_backend(attention_backend)
     if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu

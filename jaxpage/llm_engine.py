@@ -45,6 +45,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
+    quantization: str | None = None  # None | "int8": int8 weights per output channel (jaxpage.models.quant)
     scan_layers: bool = True  # False unrolls the layers: ~4x the compile time, faster CPU steps (model.unstack_layers)
     preemption_mode: str = "recompute"
     swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
@@ -115,14 +116,14 @@ class LLMEngine:
         cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
         enable_compilation_cache(cache_dir)
         started = time.perf_counter()
-        loaded = load_model(args.model, cache_dir)
+        loaded = load_model(args.model, cache_dir, args.quantization)
         load_seconds = time.perf_counter() - started
         config = build_engine_config(
             config_from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend, scan_layers=args.scan_layers)
+            attention_backend=args.attention_backend, scan_layers=args.scan_layers, quantization=args.quantization)
         per_block = bytes_per_block(config.model, config.block_size, config.dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
-from jaxpage.models import TokenBatch, compute_logits, forward_hidden, unstack_layers
+from jaxpage.models import TokenBatch, cast_weights, compute_logits, forward_hidden, unstack_layers
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
 from jaxpage.sequence import Sequence
@@ -65,7 +65,7 @@ class ModelRunner:
         dtype = jnp.dtype(config.dtype)
         if not config.scan_layers:
             params = unstack_layers(params)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+        self.params = cast_weights(params, dtype)
         self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, dtype)
         shape = kv_pool_shape(config.model, num_host_blocks, config.block_size)
         self.host_pool = np.zeros(shape, dtype) if num_host_blocks else None
