@@ -145,7 +145,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "dtype", "vocab_size")
+    __slots__ = ("model_name", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "dtype", "vocab_size", "quantization")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -162,4 +163,5 @@ class GetModelInfoResponse(_message.Message):
     max_num_batched_tokens: int
     dtype: str
     vocab_size: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    quantization: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...

@@ -248,8 +248,10 @@ class OpenAIServing:
         return await self._respond(raw, outputs, body.stream, render, _include_usage(body))
 
     async def models(self) -> oai.ModelList:
-        max_len = self._engine().engine.config.max_model_len
-        return oai.ModelList(data=[oai.ModelCard(id=name, max_model_len=max_len) for name in self.model_names()])
+        cfg = self._engine().engine.config
+        return oai.ModelList(data=[oai.ModelCard(id=name, max_model_len=cfg.max_model_len,
+                                                 quantization=cfg.model.quantization)
+                                   for name in self.model_names()])
 
     async def health(self) -> Response:
         engine = self.service.engine

@@ -186,6 +186,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxpage"
     max_model_len: int | None = None
+    quantization: str | None = None  # the weights' (jaxpage): None or "int8"
 
 
 class ModelList(BaseModel):
