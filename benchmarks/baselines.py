@@ -209,7 +209,7 @@ class ContiguousCache:
             f, i = np.zeros(num_seqs, np.float32), np.zeros(num_seqs, np.int32)
             self._greedy[num_seqs] = SamplingBatch(
                 f, i, np.ones(num_seqs, np.float32), f, np.zeros(num_seqs, np.uint32), i, f, f,
-                np.ones(num_seqs, np.float32), np.full((num_seqs, self.max_len), -1, np.int32), i,
+                np.ones(num_seqs, np.float32), np.full((1, self.max_len), -1, np.int32), i, i,
                 np.full((num_seqs, MAX_BANNED), -1, np.int32), np.bool_(False),
                 np.full((num_seqs, bitmask_words(self.config.model.vocab_size)), -1, np.int32))
         return self._greedy[num_seqs]

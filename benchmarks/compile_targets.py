@@ -96,10 +96,11 @@ class KernelShape:
     tokens: int
     width: int = 32
     num_blocks: int = 512
+    windowed: bool = False  # a traced sliding window (an extra int32 argument) and Gemma 2's soft cap
 
     def __str__(self):
         return (f"{self.dtype} bs{self.block_size} d{self.head_dim} kvh{self.kv_heads} g{self.group} "
-                f"T{self.tokens}")
+                f"T{self.tokens}" + (" window softcap" if self.windowed else ""))
 
     def call(self):
         """(fn, abstract args, donated argnums) of this kernel call, as the engine makes it."""
@@ -112,12 +113,17 @@ class KernelShape:
         tables = s((self.tokens, self.width), i32)
         scale = self.head_dim ** -0.5
         if self.kernel == "decode":
-            fn = functools.partial(pallas_kernels.paged_decode_attention_tpu, scale=scale)
-            return fn, (q, pool, s((), i32), tables, s((self.tokens,), i32)), ()
-        kv = s((self.tokens, self.kv_heads, self.head_dim), dtype)
-        vec = s((self.tokens,), i32)
-        fn = functools.partial(pallas_kernels.ragged_paged_attention_tpu, scale=scale)
-        return fn, (q, kv, kv, pool, s((), i32), vec, vec, vec, tables), (3,)
+            fn, args, donate = pallas_kernels.paged_decode_attention_tpu, (q, pool, s((), i32), tables,
+                                                                         s((self.tokens,), i32)), ()
+        else:
+            kv = s((self.tokens, self.kv_heads, self.head_dim), dtype)
+            vec = s((self.tokens,), i32)
+            fn, args, donate = pallas_kernels.ragged_paged_attention_tpu, (q, kv, kv, pool, s((), i32), vec, vec,
+                                                                          vec, tables), (3,)
+        if not self.windowed:
+            return functools.partial(fn, scale=scale), args, donate
+        windowed = lambda *a: fn(*a[:-1], window=a[-1], scale=scale, soft_cap=50.0)  # noqa: E731
+        return windowed, args + (s((), i32),), donate
 
 
 def kernel_shapes(quick: bool = False) -> list[KernelShape]:
@@ -127,7 +133,8 @@ def kernel_shapes(quick: bool = False) -> list[KernelShape]:
     for kernel in ("ragged", "decode"):
         shapes += [KernelShape(kernel, "bfloat16", 16, 128, 8, 4, 64),  # Llama-3-8B
                    KernelShape(kernel, "bfloat16", 16, 64, 3, 3, 48),  # SmolLM2
-                   KernelShape(kernel, "float32", 16, 64, 3, 3, 16)]
+                   KernelShape(kernel, "float32", 16, 64, 3, 3, 16),
+                   KernelShape(kernel, "bfloat16", 16, 128, 8, 2, 64, windowed=True)]  # Mistral/Gemma-like
         if quick:
             continue
         shapes += [KernelShape(kernel, "bfloat16", 32, 128, 1, 8, 8),

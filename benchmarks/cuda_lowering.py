@@ -131,7 +131,20 @@ def kernel_cases() -> list[LoweringCase]:
             cases.append(LoweringCase("ragged_paged_attention_gpu", shape, ragged,
                                       (arr(n, kvh * ratio, hd), arr(n, kvh, hd), arr(n, kvh, hd), pool, i32(),
                                        i32(n), i32(n), i32(n), i32(seqs, WIDTH))))
-    return cases
+    return cases + windowed_cases(cases)
+
+
+def windowed_cases(cases: list[LoweringCase]) -> list[LoweringCase]:
+    """A traced sliding window (one more int32 argument) and Gemma 2's soft cap, on SmolLM2's and Llama-3-8B's
+    heads at 48 tokens."""
+    out = []
+    for case in cases:
+        if case.shape in ("bs16 d64 kvh3 g3 bfloat16 n48", "bs16 d128 kvh8 g4 bfloat16 n48"):
+            fn = case.fn  # a partial with scale set
+            windowed = lambda *a, fn=fn: fn(*a[:-1], window=a[-1], soft_cap=50.0)  # noqa: E731
+            out.append(LoweringCase(case.what, case.shape + " window softcap", windowed,
+                                    case.args + (jax.ShapeDtypeStruct((), jnp.int32),)))
+    return out
 
 
 def step_cases(buckets=None) -> list[LoweringCase]:

@@ -17,8 +17,8 @@ S, V, W = 32, 49152, 1536  # rows, SmolLM2's vocabulary, bitmask words
 def batch(mask: np.ndarray) -> SamplingBatch:
     f = lambda v: np.full(S, v, np.float32)  # noqa: E731
     return SamplingBatch(f(1.0), np.zeros(S, np.int32), f(1.0), f(0.0), np.arange(S, dtype=np.uint32),
-                         np.zeros(S, np.int32), f(0), f(0), f(1), np.full((S, 8), -1, np.int32),
-                         np.zeros(S, np.int32), np.full((S, MAX_BANNED), -1, np.int32), np.bool_(False), mask)
+                         np.zeros(S, np.int32), f(0), f(0), f(1), np.full((1, 8), -1, np.int32),
+                         np.zeros(S, np.int32), np.zeros(S, np.int32), np.full((S, MAX_BANNED), -1, np.int32), np.bool_(False), mask)
 
 
 def main() -> None:

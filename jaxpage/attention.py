@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.kv_cache import write_kv
+from pallas_kernels.reference import soft_cap_logits, window_start
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 
@@ -23,22 +24,25 @@ def resolve_backend(name: str) -> str:
 
 def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer: jax.Array,
                      token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array, block_tables: jax.Array,
-                     scale: float, pairs: "PagePairs | None" = None) -> tuple[jax.Array, jax.Array]:
+                     scale: float, pairs: "PagePairs | None" = None, window=0,
+                     soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Writes this step's K/V into the pool and attends through the block tables; returns (out, pool).
 
     Every backend has these semantics (pallas_kernels.reference.ragged_paged_attention_reference). A step
     lowered for the CPU runs the Pallas backends through the Pallas interpreter (so the whole engine can be
     exercised here); lowered for a TPU or GPU, even ahead of time from a CPU, it runs them compiled. ``pairs``:
-    the XLA path's per-step plan (``page_pairs``), made once per step rather than once per layer.
+    the XLA path's per-step plan (``page_pairs``, built for the same ``window``), made once per step rather than
+    once per layer. window: an int32 scalar, traced or not (0: full causal attention); soft_cap: a static float.
     """
     if backend == "xla":
         pool = _write_kv_for_platform(pool, layer, k, v, slot_mapping)
-        return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale, pairs), pool
+        return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale, pairs,
+                                   window=window, soft_cap=soft_cap), pool
     import pallas_kernels
 
     kernel = {"pallas_gpu": pallas_kernels.ragged_paged_attention_gpu,
               "pallas_tpu": pallas_kernels.ragged_paged_attention_tpu}[backend]
-    kernel = functools.partial(kernel, scale=scale)
+    kernel = functools.partial(kernel, scale=scale, soft_cap=soft_cap, window=jnp.asarray(window, jnp.int32))
     return jax.lax.platform_dependent(  # the kernel mode follows the platform the step is lowered for
         q, k.astype(q.dtype), v.astype(q.dtype), pool, layer, token_seq, positions, slot_mapping, block_tables,
         cpu=functools.partial(kernel, interpret=True), default=functools.partial(kernel, interpret=False))
@@ -58,8 +62,9 @@ PAIRS_PER_CHUNK = 64  # (token, page) pairs read per loop iteration: 1.5 MiB of 
 
 @dataclasses.dataclass(frozen=True)
 class PagePairs:
-    """The ragged list of (token, page) pairs the XLA attention walks, token t owning ``positions[t] //
-    block_size + 1`` pages, in token order; padded to a static ``T * W + PAIRS_PER_CHUNK`` entries.
+    """The ragged list of (token, page) pairs the XLA attention walks, token t owning its pages from the one
+    holding its window's first key to ``positions[t] // block_size``, in token order; padded to a static
+    ``T * W + PAIRS_PER_CHUNK`` entries.
 
     token: the query token of each pair; page: its index in the token's block-table row; block: the physical
     block (0 past the end); valid: inside the real list; num_chunks: chunks of PAIRS_PER_CHUNK to walk.
@@ -76,29 +81,45 @@ jax.tree_util.register_dataclass(
     PagePairs, data_fields=[f.name for f in dataclasses.fields(PagePairs)], meta_fields=[])
 
 
-def page_pairs(token_seq: jax.Array, positions: jax.Array, block_tables: jax.Array, block_size: int) -> PagePairs:
-    """The step's attention plan for the XLA path: the same for every layer, so the model makes it once."""
+def page_pairs(token_seq: jax.Array, positions: jax.Array, block_tables: jax.Array, block_size: int,
+               window=0) -> PagePairs:
+    """The step's attention plan for the XLA path: the same for every layer of one window, so the model makes
+    it once per window (``page_pairs_by_window`` for several, ``select_pairs`` to pick a layer's)."""
     token_seq, positions, block_tables = (jnp.asarray(a) for a in (token_seq, positions, block_tables))
     num_tokens, width = positions.shape[0], block_tables.shape[1]
-    num_pages = positions // block_size + 1
+    first_page = window_start(positions, window) // block_size
+    num_pages = positions // block_size + 1 - first_page
     ends = jnp.cumsum(num_pages)
     pair = jnp.arange(num_tokens * width + PAIRS_PER_CHUNK)  # static bound on the pairs, plus a chunk of slack
     token = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_tokens - 1).astype(jnp.int32)
-    page = jnp.clip(pair - (ends - num_pages)[token], 0, width - 1)
+    page = jnp.clip(pair - (ends - num_pages)[token] + first_page[token], 0, width - 1)
     valid = pair < ends[-1]
     block = jnp.where(valid, block_tables[token_seq[token], page], 0)
     return PagePairs(token, page, block, valid, (ends[-1] + PAIRS_PER_CHUNK - 1) // PAIRS_PER_CHUNK)
 
 
+def page_pairs_by_window(token_seq, positions, block_tables, block_size: int, windows) -> PagePairs:
+    """One plan per window of ``windows`` (int32 [K], e.g. a model's distinct layer windows), stacked on a
+    leading axis; a layer takes its own with ``select_pairs``."""
+    return jax.vmap(lambda w: page_pairs(token_seq, positions, block_tables, block_size, w))(
+        jnp.asarray(windows, jnp.int32))
+
+
+def select_pairs(plans: PagePairs, index) -> PagePairs:
+    """Plan ``index`` (traced or not) of ``page_pairs_by_window``'s stack: a dynamic slice of each field."""
+    return jax.tree.map(lambda a: a[index], plans)
+
+
 def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_seq: jax.Array,
                         positions: jax.Array, block_tables: jax.Array, scale: float,
-                        pairs: PagePairs | None = None) -> jax.Array:
+                        pairs: PagePairs | None = None, window=0, soft_cap: float | None = None) -> jax.Array:
     """Causal attention of each query token over its own sequence's pages (split-K over pages, XLA ops only).
 
     q: ``[T, num_heads, head_dim]``; pool: the whole KV pool (see jaxpage.kv_cache), already holding this step's
     K/V, read at ``layer`` page by page (never sliced whole, which would copy a layer per call); token_seq: ``[T]``,
     the row of ``block_tables`` ``[S, W]`` that each token belongs to; positions: ``[T]``. Token t attends to key
-    positions ``<= positions[t]``. Returns ``[T, num_heads, head_dim]`` in q's dtype.
+    positions ``<= positions[t]`` and, with ``window`` W > 0 (an int32 scalar, traced or not), ``> positions[t] - W``;
+    logits are soft-capped when ``soft_cap`` is set. ``pairs`` must be a plan for the same window. Returns ``[T, num_heads, head_dim]`` in q's dtype.
 
     The work is the ragged list of (token, page) pairs (``page_pairs``; pass it to share it between layers),
     walked in chunks up to its real length (a dynamic trip count): the cost is the sum of the tokens' contexts,
@@ -112,7 +133,7 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     chunk = PAIRS_PER_CHUNK
     positions = jnp.asarray(positions)
     if pairs is None:
-        pairs = page_pairs(token_seq, positions, block_tables, block_size)
+        pairs = page_pairs(token_seq, positions, block_tables, block_size, window)
     pair_row = pairs.block + layer * num_blocks
     pages = pool.reshape(num_layers * num_blocks, 2, kv_heads, block_size, head_dim)
     q_g = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * scale
@@ -122,9 +143,10 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
         rows, tok, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
                                   for a in (pair_row, pairs.token, pairs.page, pairs.valid))
         kv = jnp.take(pages, rows, axis=0, mode="clip").astype(jnp.float32)  # [C, 2, kvh, bs, hd]
-        scores = jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0])
+        scores = soft_cap_logits(jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0]), soft_cap)
         key_pos = page[:, None] * block_size + jnp.arange(block_size)
-        visible = ((key_pos <= positions[tok][:, None]) & valid[:, None])[:, None, None, :]
+        pos = positions[tok][:, None]
+        visible = ((key_pos <= pos) & (key_pos >= window_start(pos, window)) & valid[:, None])[:, None, None, :]
         scores = jnp.where(visible, scores, _MASKED)
         m_pair = scores.max(axis=-1)
         p = jnp.where(visible, jnp.exp(scores - m_pair[..., None]), 0.0)

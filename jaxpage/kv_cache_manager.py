@@ -2,6 +2,12 @@
 
 It only does bookkeeping; the device work it implies (block copies, swaps) is queued in ``DeviceOps`` for the
 model runner to carry out before the step that needs it.
+
+Sliding window (``window`` W > 0, for models whose every layer has that window): a block whose last position is
+at most ``p - W``, p being the first position of the next step (``num_computed_tokens``), is dead: no query can
+see it again. Dead blocks go back to the pool (a shared one loses a reference) and NULL_BLOCK takes their place
+in the table; they always form a prefix of it. A sequence's hashes still cover every block (they come from its
+tokens), so blocks computed later are cached under the right chained hashes.
 """
 from __future__ import annotations
 
@@ -9,10 +15,12 @@ import collections
 import dataclasses
 
 from jaxpage.block_pool import BlockPool, hash_block
+from jaxpage.kv_cache import NULL_BLOCK
 from jaxpage.sequence import Sequence
 
 
 COPY, SWAP_OUT, SWAP_IN = "copy", "swap_out", "swap_in"
+NULL_HOST = -1  # a dead block in a swapped sequence's table of host slots (host slot 0 is a real one)
 
 
 @dataclasses.dataclass
@@ -34,9 +42,10 @@ class DeviceOps:
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int):
+    def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int, window: int = 0):
         self.pool = block_pool
         self.block_size = block_size
+        self.window = window  # 0: every block stays visible
         self.host_free = collections.deque(range(num_host_blocks))
         self.num_host_blocks = num_host_blocks
         self.ops = DeviceOps()
@@ -49,22 +58,51 @@ class KVCacheManager:
 
     # --- admission and growth -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> None:
-        """Reuses cached blocks for the longest cached prefix; the last token is always left to compute."""
+        """Reuses cached blocks for the longest cached prefix; the last token is always left to compute. With a
+        window, only the blocks the next step can see must be cached: the dead ones before them become null."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         bs, tokens = self.block_size, seq.token_ids
-        parent = None
-        matchable = (seq.num_tokens - 1) // bs
-        for i in range(matchable):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
-            block = self.pool.lookup(parent)
-            if block is None:
+        hashes, cached = [], []
+        for i in range((seq.num_tokens - 1) // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            cached.append(self.pool.lookup(hashes[-1]))
+            if cached[-1] is None and not self.window:
                 break
-            self.pool.share([block])
-            seq.block_table.append(block)
-            seq.block_hashes.append(parent)
-        seq.num_computed_tokens = len(seq.block_table) * bs
+        hit = self._longest_hit(cached)
+        dead = self.dead_blocks(hit * bs)
+        self.pool.share(cached[dead:hit])
+        seq.block_table = [NULL_BLOCK] * dead + cached[dead:hit]
+        seq.block_hashes = hashes[:hit]
+        seq.num_computed_tokens = hit * bs
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += seq.num_computed_tokens
+
+    def _longest_hit(self, cached: list[int | None]) -> int:
+        """The most leading blocks whose live part (all of them without a window) is cached."""
+        for hit in range(len(cached), 0, -1):
+            if None not in cached[self.dead_blocks(hit * self.block_size):hit]:
+                return hit
+        return 0
+
+    def dead_blocks(self, position: int) -> int:
+        """Leading blocks that no query at ``position`` or later can see."""
+        return max(0, position - self.window + 1) // self.block_size if self.window else 0
+
+    def free_dead_blocks(self, seq: Sequence) -> None:
+        """Frees the blocks the next step (from num_computed_tokens) cannot see; cheap when there are none."""
+        dead, table = self.dead_blocks(seq.num_computed_tokens), seq.block_table
+        if dead == 0 or table[dead - 1] == NULL_BLOCK:
+            return
+        first = dead - 1
+        while first and table[first - 1] != NULL_BLOCK:
+            first -= 1
+        self.pool.free(table[first:dead][::-1])
+        table[first:dead] = [NULL_BLOCK] * (dead - first)
+
+    def visible_tokens(self, seq: Sequence) -> tuple[int, int]:
+        """The positions [lo, hi) of the sequence's stored K/V that a future query can still see."""
+        hi = seq.num_computed_tokens
+        return (max(0, hi - self.window + 1) if self.window else 0), hi
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """New blocks to write num_new more tokens: growth plus a copy of a shared block written into."""
@@ -98,40 +136,42 @@ class KVCacheManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             block_hash = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(block_hash)
-            self.pool.cache(seq.block_table[i], block_hash)
+            if seq.block_table[i] != NULL_BLOCK:
+                self.pool.cache(seq.block_table[i], block_hash)
 
     # --- sharing and release --------------------------------------------------------------------------
     def fork(self, seq: Sequence) -> None:
         """Counts a new holder of every block in ``seq``'s table (the table was copied by Sequence.fork)."""
-        self.pool.share(seq.block_table)
+        self.pool.share(_live(seq.block_table))
 
     def free(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table[::-1])
+        self.pool.free(_live(seq.block_table)[::-1])
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
     # --- swapping -------------------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return len({b for s in seqs for b in s.block_table}) <= len(self.host_free)
+        return len({b for s in seqs for b in _live(s.block_table)}) <= len(self.host_free)
 
     def swap_out(self, seqs: list[Sequence]) -> None:
-        """Moves the sequences' blocks to host slots (shared blocks once) and frees them on the device."""
-        slot_of: dict[int, int] = {}
+        """Moves the sequences' blocks to host slots (shared blocks once) and frees them on the device; dead
+        (null) entries stay dead, as NULL_HOST."""
+        slot_of: dict[int, int] = {NULL_BLOCK: NULL_HOST}
         for seq in seqs:
             for b in seq.block_table:
                 if b not in slot_of:
                     slot_of[b] = self.host_free.popleft()
                     self.ops.moves.append((SWAP_OUT, b, slot_of[b]))
         for seq in seqs:
-            self.pool.free(seq.block_table[::-1])
+            self.pool.free(_live(seq.block_table)[::-1])
             seq.block_table = [slot_of[b] for b in seq.block_table]
 
     def blocks_to_swap_in(self, seqs: list[Sequence]) -> int:
-        return len({b for s in seqs for b in s.block_table})
+        return len({b for s in seqs for b in s.block_table if b != NULL_HOST})
 
     def swap_in(self, seqs: list[Sequence]) -> None:
-        slots = list(dict.fromkeys(b for s in seqs for b in s.block_table))
+        slots = list(dict.fromkeys(b for s in seqs for b in s.block_table if b != NULL_HOST))
         blocks = self.pool.allocate(len(slots))
         block_of = dict(zip(slots, blocks))
         refs = collections.Counter(b for s in seqs for b in s.block_table)
@@ -139,6 +179,12 @@ class KVCacheManager:
             self.pool.share([block] * (refs[slot] - 1))
             self.ops.moves.append((SWAP_IN, slot, block))
             self.host_free.append(slot)
+        block_of[NULL_HOST] = NULL_BLOCK
         for seq in seqs:
             seq.block_table = [block_of[s] for s in seq.block_table]
             seq.block_hashes = []  # re-registered by cache_full_blocks after the next step
+
+
+def _live(table: list[int]) -> list[int]:
+    """The table's blocks without its dead (null) entries."""
+    return [b for b in table if b != NULL_BLOCK]

@@ -1,83 +1,35 @@
 """LLMEngine: requests in, one scheduled and executed step at a time, outputs back."""
 from __future__ import annotations
 
-import collections
-import dataclasses
 import itertools
 import logging
 import os
 import time
 from pathlib import Path
 
-import numpy as np
-
-from jaxpage.beam_search import beam_search_step, final_beams
+from jaxpage.arg_utils import EngineArgs
 from jaxpage.block_pool import BlockPool
 from jaxpage.compile_cache import enable_compilation_cache
 from jaxpage.config import EngineConfig, build_engine_config
 from jaxpage.models import config_from_hf
-from jaxpage.detokenizer import IncrementalDetokenizer
-from jaxpage.kv_cache import bytes_per_block
+from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.kv_cache_manager import KVCacheManager
 from jaxpage.model_loader import default_cache_dir, load_model
 from jaxpage.model_runner import ModelRunner
-from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxpage.output_processor import OutputProcessor
+from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import Scheduler
-from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpage.sequence import Sequence, SequenceGroup
 from jaxpage.structured_matcher import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass
-class EngineArgs:
-    """The engine's options, as `LLM(...)`, the CLI and the server take them."""
-
-    model: str | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto" | "xla" | "pallas_gpu" | "pallas_tpu"
-    quantization: str | None = None  # None | "int8": int8 weights per output channel (jaxpage.models.quant)
-    scan_layers: bool = True  # False unrolls the layers: ~4x the compile time, faster CPU steps (model.unstack_layers)
-    preemption_mode: str = "recompute"
-    swap_space: int = 256 << 20  # bytes of host memory for swapped-out blocks
-    max_seqs_per_request: int | None = None  # bound on n / best_of of one request (None: max_num_seqs)
-    cache_dir: str | None = None
-    progress: bool = True
-
-
-@dataclasses.dataclass
-class Request:
-    group: SequenceGroup
-    prompt: str | None
-    detokenizers: dict[int, IncrementalDetokenizer]  # by seq_id
-    metrics: RequestMetrics
-    prompt_token_ids: list[int]  # every output's prompt_token_ids (one list, made once, as in vLLM)
-    plain: bool = False  # one sequence, no beams, no top log-probabilities: the step's lean common case
-    stop_reasons: dict[int, str | int] = dataclasses.field(default_factory=dict)
-    sent: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # delta mode: [tokens, chars] sent
-    detok: IncrementalDetokenizer | None = None  # the lean case's one detokenizer, once made
+__all__ = ["EngineArgs", "LLMEngine", "DoesNotFitError"]
 
 
 class DoesNotFitError(ValueError):
     """The request can never fit in the KV pool (the server answers RESOURCE_EXHAUSTED)."""
-
-
-def _contained(failed: dict[str, Exception], request_id: str, fn, *args):
-    """fn(*args), or None with the error recorded against the request."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - one request's failure must not stop the engine
-        failed.setdefault(request_id, e)
-        return None
 
 
 class LLMEngine:
@@ -98,14 +50,16 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
         self.block_pool = BlockPool(config.num_kv_blocks, enable_prefix_caching)
-        self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks)
-        self.scheduler = Scheduler(config, self.kv, preemption_mode)
+        window = config.model.sliding_window if config.model.every_layer_windowed else 0
+        self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks, window)
+        self.scheduler = Scheduler(config, self.kv, preemption_mode, self.eos_token_ids)
         self.scheduler.max_wide_seqs = self.max_seqs_per_request
         self._seq_ids = itertools.count()
         self.scheduler._next_seq_id = lambda: next(self._seq_ids)
-        self.requests: dict[str, Request] = {}
+        self.output_processor = OutputProcessor(tokenizer, self.scheduler)
+        self.requests = self.output_processor.requests  # request id -> RequestState, while unfinished
+        self.finished_metrics = self.output_processor.finished_metrics
         self._arrivals = itertools.count()
-        self.finished_metrics: collections.deque[RequestMetrics] = collections.deque(maxlen=1000)
         self.peak_kv = {"blocks_used": 0, "kv_tokens_stored": 0, "kv_slots_allocated": 0}
         self.load_seconds = self.warmup_seconds = 0.0
         self.structured: StructuredOutputManager | None = None  # made with the first constrained request
@@ -166,8 +120,7 @@ class LLMEngine:
         seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
                        max_len=max_len, seed=seed)
         group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority)
-        plain = params.best_of == 1 and not params.use_beam_search and params.logprobs is None
-        self.requests[request_id] = Request(group, text, {}, RequestMetrics(time.monotonic()), list(token_ids), plain)
+        self.output_processor.add_request(group, text, list(token_ids), RequestMetrics(time.monotonic()))
         self.scheduler.add(group)
 
     def _check_length(self, num_tokens: int) -> None:
@@ -218,7 +171,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ends the request now and returns its blocks to the pool."""
-        request = self.requests.pop(request_id, None)
+        request = self.output_processor.abort(request_id)
         if request is not None:
             self.scheduler.finish_group(request.group, "abort")
 
@@ -238,220 +191,33 @@ class LLMEngine:
         sampled = (self.runner.execute(out.scheduled) if bitmask is None
                    else self.runner.execute(out.scheduled, bitmask))
         now = time.monotonic()
-        tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
-        bs, requests, finished, eos = self.config.block_size, self.requests, SequenceStatus.FINISHED, self.eos_token_ids
-        touched: dict[str, Request] = {}
-        deferred: list[int] = []  # places in outputs held by requests whose output waits for the whole step
-        beams = False
-        for row, s in enumerate(out.scheduled):
-            try:
-                seq, group = s.seq, s.group
-                if s.logits_of is None:
-                    seq.num_computed_tokens += s.num_new_tokens
-                else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
-                    seq.num_computed_tokens = seq.num_tokens
-                if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block was filled: cache it
-                    self.kv.cache_full_blocks(seq)
-                if not s.samples or group.status is finished:
-                    continue
-                request_id, p = group.request_id, group.params
-                request = requests[request_id]
-                if request.plain:  # its only sequence: no other row and no beam step changes its output
-                    # _append_token, inlined: this runs for every sequence at every step
-                    token, token_ids, seq_id = tokens[row], seq.token_ids, seq.seq_id
-                    token_ids.append(token)
-                    seq.cumulative_logprob += logprobs[row]
-                    detok = request.detok
-                    if detok is None:
-                        detok = request.detok = request.detokenizers.get(seq_id)
-                        if detok is None:
-                            detok = request.detok = request.detokenizers[seq_id] = IncrementalDetokenizer(
-                                self.tokenizer, token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
-                    detok.add(token)
-                    if (p.stop or p.stop_token_ids or len(token_ids) >= seq.max_len
-                            or (token in eos and not p.ignore_eos)):  # else it cannot have finished
-                        reason = self._finish_reason(request, seq, token, detok)
-                        if reason is not None:
-                            self.scheduler.finish_seq(group, seq, reason)
-                    if request.metrics.first_token_time is None:
-                        request.metrics.first_token_time = now
-                    if seq.finish_reason is not None:  # done: finished once the step is through
-                        deferred.append(len(outputs))
-                        outputs.append(request)
-                        continue
-                    kind = p.output_kind
-                    if kind == "final_only":
-                        continue
-                    # as _output(request, False), made now: _completion(request, seq, 0, False), inlined
-                    text = detok.output_text(False)
-                    if kind == "delta":  # what is new since the last output
-                        sent = request.sent.get(seq_id)
-                        if sent is None:  # [tokens, chars] sent, updated in place (_completion reads it as a pair)
-                            sent = request.sent[seq_id] = [0, 0]
-                        tokens_from, text_from = sent
-                        new_ids = token_ids[seq.num_prompt_tokens + tokens_from:]
-                        sent[0], sent[1] = tokens_from + len(new_ids), len(text)
-                        if text_from:
-                            text = text[text_from:]
-                    else:
-                        new_ids = token_ids[seq.num_prompt_tokens:]
-                    outputs.append(RequestOutput(request_id, request.prompt, request.prompt_token_ids, [
-                        CompletionOutput(0, text, new_ids, seq.cumulative_logprob, None, None,
-                                         request.stop_reasons.get(seq_id))], False, request.metrics))
-                    continue
-                if p.use_beam_search:
-                    seq.pending_top = (sampled.top_ids[row], sampled.top_logprobs[row])
-                    beams = True
-                else:  # the top log-probabilities are read only when the request asked for them
-                    top = (sampled.top_ids[row], sampled.top_logprobs[row]) if p.logprobs is not None else None
-                    self._append_token(request, seq, tokens[row], logprobs[row], top)
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = now
-                if request_id in touched:
-                    continue
-                touched[request_id] = request  # outputs come in the order of the requests' first rows
-                deferred.append(len(outputs))  # made once every row and beam step is in
-                outputs.append(request)
-            except Exception as e:  # noqa: BLE001 - a failure in one request's host work ends that request alone
-                failed.setdefault(s.group.request_id, e)
-        if beams:
-            for request in touched.values():
-                if request.group.params.use_beam_search and request.group.request_id not in failed:
-                    _contained(failed, request.group.request_id, self._advance_beams, request)
+        got_token = self.scheduler.update_from_output(out.scheduled, sampled, failed)
+        outputs += self.output_processor.process_outputs(got_token, failed, now)
         self._track_peak_kv()
-        for i in deferred:
-            request_id = outputs[i].group.request_id
-            outputs[i] = (None if request_id in failed else
-                          _contained(failed, request_id, self._finish_if_done, outputs[i], now))
-        if failed:
-            outputs = [o for o in outputs if o is not None and o.request_id not in failed]
-            return outputs + [self._error(request_id, e, touched.get(request_id)) for request_id, e in failed.items()]
-        return [o for o in outputs if o is not None] if deferred else outputs
-
-    def _error(self, request_id: str, error: Exception, request: Request | None) -> RequestOutput:
-        """Ends a request whose host-side work raised (a bug or an input validation missed): it alone fails."""
-        log.error("request %s failed on the engine thread; it is ended, the others go on", request_id,
-                  exc_info=error)
-        request = self.requests.pop(request_id, None) or request  # it may have been forgotten as it finished
-        message = f"the request failed on the engine: {type(error).__name__}: {error}"
-        if request is None:
-            return RequestOutput(request_id, None, [], [], True, None, error=message)
-        group = request.group
-        self.scheduler.finish_group(group, "error")
-        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(group.params.n)]
-        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions, True,
-                             request.metrics, error=message)
+        return outputs
 
     def _fail(self, group: SequenceGroup) -> RequestOutput:
         """A request that cannot fit in the pool even alone: it ends with finish_reason 'abort'."""
         log.warning("request %s needs more KV blocks than the pool has; aborted", group.request_id)
-        request = self.requests.pop(group.request_id)
-        return self._output(request, finished=True)
-
-    def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top) -> None:
-        p = request.group.params
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if p.logprobs is not None:
-            ids, lps = top
-            entry = {int(i): float(v) for i, v in zip(ids[:p.logprobs], lps[:p.logprobs])}
-            entry[token] = logprob
-            seq.output_logprobs.append(entry)
-        detok = request.detokenizers.get(seq.seq_id)
-        if detok is None:
-            detok = request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
-        detok.add(token)
-        if (p.stop or p.stop_token_ids or len(seq.token_ids) >= seq.max_len
-                or (token in self.eos_token_ids and not p.ignore_eos)):  # else it cannot have finished
-            reason = self._finish_reason(request, seq, token, detok)
-            if reason is not None:
-                self.scheduler.finish_seq(request.group, seq, reason)
-
-    def _finish_reason(self, request: Request, seq: Sequence, token: int, detok) -> str | None:
-        p = request.group.params
-        num_tokens = len(seq.token_ids)
-        if num_tokens - seq.num_prompt_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
-                request.stop_reasons[seq.seq_id] = token
-                return "stop"
-            if token in self.eos_token_ids and not p.ignore_eos:
-                return "stop"
-            stop = detok.find_stop(p.stop, p.include_stop_str_in_output) if p.stop else None
-            if stop is not None:
-                request.stop_reasons[seq.seq_id] = stop
-                return "stop"
-        if num_tokens >= seq.max_len:
-            return "length"
-        return None
-
-    def _advance_beams(self, request: Request) -> None:
-        group = request.group
-        live = group.live_seqs
-        if not live or any(getattr(s, "pending_top", None) is None for s in live):
-            return  # some beam is still recomputing after a preemption
-        beam_search_step(group, self.eos_token_ids, self.scheduler, lambda: next(self._seq_ids))
-
-    def _finish_if_done(self, request: Request, now: float) -> RequestOutput | None:
-        group = request.group
-        done = not group.live_seqs
-        if done:
-            request.metrics.finished_time = now
-            request.metrics.num_output_tokens = max(s.num_output_tokens for s in group.seqs + group.finished_seqs)
-            self.finished_metrics.append(request.metrics)
-            self.scheduler.finish_group(group, "stop")
-            del self.requests[group.request_id]
-        if not done and group.params.output_kind == "final_only":
-            return None
-        return self._output(request, done)
-
-    def _output(self, request: Request, finished: bool) -> RequestOutput:
-        group, p = request.group, request.group.params
-        if p.use_beam_search:
-            seqs = (final_beams(group) or group.seqs[:p.n]) if finished else group.live_seqs  # or aborted
-        elif finished and p.best_of > p.n:
-            seqs = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)[:p.n]
-        else:
-            seqs = group.seqs[:p.n] if finished else group.seqs
-        completions = ([self._completion(request, seqs[0], 0, finished)] if len(seqs) == 1 else
-                       [self._completion(request, seq, index, finished) for index, seq in enumerate(seqs)])
-        return RequestOutput(group.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.metrics)
-
-    def _completion(self, request: Request, seq: Sequence, index: int, finished: bool) -> CompletionOutput:
-        p, seq_id = request.group.params, seq.seq_id
-        done = finished or seq.finish_reason is not None
-        detok = request.detokenizers.get(seq_id)
-        text = detok.output_text(done) if detok else ""
-        if p.use_beam_search and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-        tokens_from = 0
-        if p.output_kind == "delta":  # what is new since the last output
-            tokens_from, text_from = request.sent.get(seq_id, (0, 0))
-            token_ids = seq.token_ids[seq.num_prompt_tokens + tokens_from:]
-            request.sent[seq_id] = [tokens_from + len(token_ids), len(text)]
-            if text_from:
-                text = text[text_from:]
-        else:
-            token_ids = seq.token_ids[seq.num_prompt_tokens:]
-        logprobs = seq.output_logprobs[tokens_from:] if p.logprobs is not None else None
-        return CompletionOutput(index, text, token_ids, seq.cumulative_logprob, logprobs,
-                                seq.finish_reason if done else None, request.stop_reasons.get(seq_id))
+        return self.output_processor.output(self.output_processor.abort(group.request_id), finished=True)
 
     # --- stats ----------------------------------------------------------------------------------------
     def _kv_occupancy(self) -> tuple[int, int]:
-        """(tokens stored, slots allocated) over the blocks that sequences hold, each block counted once."""
-        bs = self.config.block_size
+        """(tokens stored that a query can still see, slots allocated) over the blocks that sequences hold, each
+        block counted once."""
+        bs, visible = self.config.block_size, self.kv.visible_tokens
         if not self.block_pool.num_shared:  # every block has one holder: no block can be counted twice
-            stored = sum([s.num_computed_tokens for g in self.scheduler.running for s in g.seqs
-                          if s.finish_reason is None])  # the live sequences
+            stored = sum(hi - lo for lo, hi in (visible(s) for g in self.scheduler.running for s in g.seqs
+                                                if s.finish_reason is None))  # the live sequences
             return stored, self.block_pool.num_used * bs
         filled: dict[int, int] = {}
         for group in self.scheduler.running:
             for seq in group.live_seqs:
+                lo, hi = visible(seq)
                 for i, block in enumerate(seq.block_table):
-                    n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                    n = max(0, min(hi, (i + 1) * bs) - max(lo, i * bs))
                     filled[block] = max(filled.get(block, 0), n)
+        filled.pop(NULL_BLOCK, None)
         return sum(filled.values()), self.block_pool.num_used * bs
 
     def _track_peak_kv(self) -> None:

@@ -14,6 +14,7 @@ from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.models import TokenBatch, cast_weights, compute_logits, forward_hidden, unstack_layers
+from jaxpage.penalty_history import PenaltyHistory
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
 from jaxpage.sequence import Sequence
@@ -140,18 +141,18 @@ def abstract_step_inputs(config: EngineConfig, num_tokens: int):
                        i32(num_seqs, config.max_blocks_per_seq), i32(num_seqs))
     sampling = SamplingBatch(f32(num_seqs), i32(num_seqs), f32(num_seqs), f32(num_seqs),
                              jax.ShapeDtypeStruct((num_seqs,), jnp.uint32), i32(num_seqs),
-                             f32(num_seqs), f32(num_seqs), f32(num_seqs), i32(num_seqs, config.max_model_len),
-                             i32(num_seqs), i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
+                             f32(num_seqs), f32(num_seqs), f32(num_seqs),
+                             i32(config.max_num_seqs + 1, config.max_model_len), i32(num_seqs), i32(num_seqs),
+                             i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
                              i32(num_seqs, bitmask_words(config.model.vocab_size)))
     return batch, sampling
 
 
 @functools.lru_cache(maxsize=64)
-def _plain_rows(num_seqs: int, max_model_len: int) -> tuple[np.ndarray, ...]:
+def _plain_rows(num_seqs: int) -> tuple[np.ndarray, ...]:
     """Penalty and ban inputs of rows without penalties or bans (the common case), made once per shape."""
     arrays = (np.zeros(num_seqs, np.float32), np.zeros(num_seqs, np.float32), np.ones(num_seqs, np.float32),
-              np.full((num_seqs, max_model_len), -1, np.int32), np.zeros(num_seqs, np.int32),
-              np.full((num_seqs, MAX_BANNED), -1, np.int32))
+              np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.full((num_seqs, MAX_BANNED), -1, np.int32))
     for a in arrays:
         a.flags.writeable = False
     return arrays
@@ -202,6 +203,7 @@ class InputBatch:
         self.config = config
         self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
         self._allocate(config.max_num_seqs * 2 + 1)
+        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len)
 
     def _allocate(self, capacity: int) -> None:
         """Makes room for ``capacity`` rows, keeping the rows written so far."""
@@ -318,23 +320,27 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
         steps[:num_rows] = at + 1 - state.num_prompt[index[:num_rows]]
     elif not decode:
         steps[:num_rows] = [len(q.token_ids) - q.num_prompt_tokens for q in seqs]
-    presence, frequency, repetition, history, num_prompt, banned = _plain_rows(num_seqs, config.max_model_len)
+    presence, frequency, repetition, history_rows, num_prompt, banned = _plain_rows(num_seqs)
     special_rows = np.flatnonzero(steps[:num_rows] < state.special_below[index[:num_rows]]).tolist()
     if special_rows:  # rows with penalties or banned tokens: rare, filled one by one; copies, as the plain
-        presence, frequency, repetition, history, num_prompt, banned = (  # arrays are shared between steps
-            a.copy() for a in (presence, frequency, repetition, history, num_prompt, banned))
+        presence, frequency, repetition, history_rows, num_prompt, banned = (  # arrays are shared between steps
+            a.copy() for a in (presence, frequency, repetition, history_rows, num_prompt, banned))
+    penalized = []
     for row in special_rows:
         seq, p = scheduled[row].seq, scheduled[row].group.params
         if p.has_penalties:
             presence[row], frequency[row], repetition[row] = (p.presence_penalty, p.frequency_penalty,
                                                               p.repetition_penalty)
-            history[row, :seq.num_tokens] = seq.token_ids
             num_prompt[row] = seq.num_prompt_tokens
+            penalized.append(row)
         if seq.num_output_tokens < p.min_tokens:
             ban = ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)  # EOS first
             banned[row, :len(ban)] = ban[:MAX_BANNED]
+    if penalized:  # their tokens, on the device already but for those new since the last step
+        history_rows[penalized] = state.penalty_history.slots([scheduled[row].seq for row in penalized],
+                                                              {s.seq for s in scheduled})
     sampling = SamplingBatch(
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
-        steps, presence, frequency, repetition, history, num_prompt, banned, np.bool_(state.want_top[index].any()),
-        _bitmask_rows(bitmask, num_seqs, config.model.vocab_size))
+        steps, presence, frequency, repetition, state.penalty_history.table, history_rows, num_prompt, banned,
+        np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config.model.vocab_size))
     return batch, sampling

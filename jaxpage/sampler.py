@@ -17,8 +17,9 @@ class SamplingBatch:
     """Per-sequence sampling settings, padded to the sequence bucket [S].
 
     temperature 0 means greedy; top_k 0 and top_p 1 mean off. The key of a request's n-th token is
-    fold_in(key(seed), n), whatever else is in the batch. history [S, max_model_len] holds each row's token ids
-    (prompt then output, -1 after) and is read only when a row has a penalty; banned [S, MAX_BANNED] (-1 padded)
+    fold_in(key(seed), n), whatever else is in the batch. history [slots, max_model_len] holds token ids (prompt
+    then output, -1 after) of the sequences with penalties, on the device between steps (PenaltyHistory); row i's
+    are history[history_rows[i]] (slot 0: none), read only when a row has a penalty; banned [S, MAX_BANNED] (-1 padded)
     lists token ids that may not be sampled. want_top [] says whether any row needs the top log-probabilities.
     allowed [S, ceil(vocab / 32)] int32 is each row's bitmask of tokens it may sample (bit j of word i: token
     32 i + j), all ones for rows without structured outputs.
@@ -34,6 +35,7 @@ class SamplingBatch:
     frequency_penalty: jax.Array
     repetition_penalty: jax.Array
     history: jax.Array
+    history_rows: jax.Array
     num_prompt_tokens: jax.Array
     banned: jax.Array
     want_top: jax.Array
@@ -84,9 +86,10 @@ def unpack_bitmask(words: jax.Array, vocab: int) -> jax.Array:
 def _apply_penalties(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """vLLM's penalties: repetition over prompt and output tokens, presence and frequency over output tokens."""
     num_seqs, vocab = logits.shape
-    valid = sp.history >= 0
-    ids = jnp.where(valid, sp.history, vocab)
-    is_output = valid & (jnp.arange(sp.history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
+    history = sp.history[sp.history_rows]
+    valid = history >= 0
+    ids = jnp.where(valid, history, vocab)
+    is_output = valid & (jnp.arange(history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], ids.shape)
     seen = jnp.zeros((num_seqs, vocab), bool).at[rows, ids].set(True, mode="drop")
     counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32),
@@ -99,7 +102,10 @@ def _apply_penalties(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
 
 def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array) -> jax.Array:
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
-    scaled = _filter(logits / temp, sp)
+    scaled = logits / temp
+    truncates = (sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)
+    # the filter sorts the whole vocabulary of every row (about 0.35 s for 32 rows on a CPU): only when a row asks
+    scaled = jax.lax.cond(jnp.any(truncates), lambda: _filter(scaled, sp), lambda: scaled)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sp.seeds, sp.steps)
     noise = jax.vmap(lambda k: jax.random.exponential(k, (logits.shape[-1],)))(keys)
     # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, without a cumulative sum.
@@ -111,15 +117,47 @@ def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array) -> j
 
 
 def _filter(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
-    """Masks tokens outside top-k, outside the top-p nucleus, and below min_p times the top probability."""
-    vocab = logits.shape[-1]
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass strictly above each token
-    in_nucleus = before < sp.top_p[:, None]
-    nucleus_min = jnp.min(jnp.where(in_nucleus, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    min_p_floor = sorted_logits[:, :1] + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
-    floor = jnp.maximum(jnp.maximum(kth, nucleus_min), jnp.where(sp.min_p[:, None] > 0, min_p_floor, -jnp.inf))
-    return jnp.where(logits >= floor, logits, -jnp.inf)
+    """Masks tokens outside top-k, outside the top-p nucleus, and below min_p times the top probability.
+
+    The k-th largest logit and the nucleus' smallest are found by bisection over the order of float32 values
+    (32 passes of a count or a masked sum over the vocabulary), not by sorting the vocabulary: XLA:CPU's sort took
+    1.4-1.7 s for 32 rows of 49152 logits, the bisections 55 ms. Ties are kept together, as after a sort."""
+    rows, vocab = logits.shape
+    keys = _order_keys(logits)
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, vocab), vocab)[:, None]
+    kth = jax.lax.cond(  # the largest key with at least k logits at or above it
+        jnp.any(sp.top_k > 0), lambda: _bisect(lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k, rows),
+        lambda: jnp.zeros((rows, 1), jnp.uint32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p = sp.top_p[:, None]
+    # the largest key whose strictly greater logits hold at least top_p: the nucleus starts one key above it
+    # (top_p 1 keeps every token, also those whose preceding mass rounds to 1)
+    below = jax.lax.cond(
+        jnp.any(top_p < 1),
+        lambda: _bisect(lambda t: jnp.sum(jnp.where(keys > t, probs, 0.0), axis=-1, keepdims=True) >= top_p, rows),
+        lambda: jnp.zeros((rows, 1), jnp.uint32))
+    nucleus_min = jnp.where(top_p >= 1, jnp.uint32(0), below + 1)
+    min_p_floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
+    keep = keys >= jnp.maximum(kth, nucleus_min)
+    keep &= logits >= jnp.where(sp.min_p[:, None] > 0, min_p_floor, -jnp.inf)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (sign bit set for positives, every bit flipped for negatives)."""
+    x = jnp.where(x == 0, 0.0, x).astype(jnp.float32)  # -0.0 ties with 0.0
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _bisect(holds, rows: int) -> jax.Array:
+    """The largest uint32 key t [rows, 1] for which holds(t) [rows, 1]: true up to a point in each row, then false;
+    true at key 0 (below every float), false at the top key."""
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    bounds = (jnp.zeros((rows, 1), jnp.uint32), jnp.full((rows, 1), 0xFFFFFFFF, jnp.uint32))
+    return jax.lax.fori_loop(0, 32, step, bounds)[0]  # 32 halvings span every uint32 key

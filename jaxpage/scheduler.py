@@ -5,11 +5,16 @@ import dataclasses
 import logging
 import os
 
+import numpy as np
+
+from jaxpage.beam_search import beam_search_step
 from jaxpage.config import EngineConfig
-from jaxpage.kv_cache_manager import DeviceOps, KVCacheManager
+from jaxpage.kv_cache_manager import NULL_HOST, DeviceOps, KVCacheManager
 from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass(slots=True)
@@ -28,12 +33,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, preemption_mode: str = "recompute"):
-        if preemption_mode not in ("recompute", "swap"):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, preemption_mode: str = "recompute",
+                 eos_token_ids: frozenset[int] = frozenset()):
+        if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.config = config
         self.kv = kv
         self.preemption_mode = preemption_mode
+        self.eos_token_ids = eos_token_ids
         self.waiting: list[SequenceGroup] = []  # kept sorted by (priority, arrival)
         self.running: list[SequenceGroup] = []  # in admission order
         self.swapped: list[SequenceGroup] = []
@@ -76,6 +83,7 @@ class Scheduler:
                     if seq is not live[0] and live[0].num_computed_tokens < live[0].num_prompt_tokens:
                         continue  # a recomputing sibling waits until the first has cached the shared prompt
                     self.kv.match_prefix(seq)  # a sequence recomputing after preemption
+                self.kv.free_dead_blocks(seq)  # sliding window: blocks no query can see again
                 computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
                 num_new = min(num_tokens - computed, budget)
                 if num_new == 0:
@@ -168,6 +176,8 @@ class Scheduler:
         grow = []
         for s in rows:
             seq = s.seq
+            if self.kv.window:
+                self.kv.free_dead_blocks(seq)
             computed = seq.num_computed_tokens
             if len(seq.token_ids) != computed + 1:
                 return None  # not exactly one new token (an engine step did not run; or it finished)
@@ -261,6 +271,71 @@ class Scheduler:
             group.status = SequenceStatus.RUNNING
             self.running.append(group)
 
+    def update_from_output(self, scheduled: list[ScheduledSeq], sampled,
+                           failed: dict[str, Exception]) -> list[ScheduledSeq]:
+        """Takes a step's output (vLLM's update_from_output): each row's sequence advances by the tokens the step
+        computed and gets its sampled token, finishing on a stop token or at its length; beams advance once every
+        beam of their group has its candidates. Returns the rows whose sequence got a token. A failure in one
+        request's rows is recorded in ``failed`` and ends that request alone."""
+        tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
+        bs, finished = self.config.block_size, SequenceStatus.FINISHED
+        got, beams = [], []
+        for row, s in enumerate(scheduled):
+            try:
+                seq, group = s.seq, s.group
+                if s.logits_of is None:
+                    seq.num_computed_tokens += s.num_new_tokens
+                else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
+                    seq.num_computed_tokens = seq.num_tokens
+                if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block was filled: cache it
+                    self.kv.cache_full_blocks(seq)
+                if not s.samples or group.status is finished:
+                    continue
+                p = group.params
+                if p.use_beam_search:
+                    seq.pending_top = (sampled.top_ids[row], sampled.top_logprobs[row])
+                    beams.append(group)
+                else:  # the top log-probabilities are read only when the request asked for them
+                    top = (sampled.top_ids[row], sampled.top_logprobs[row]) if p.logprobs is not None else None
+                    self._append_token(group, seq, tokens[row], logprobs[row], top)
+                got.append(s)
+            except Exception as e:  # noqa: BLE001 - a failure in one request's host work ends that request alone
+                failed.setdefault(s.group.request_id, e)
+        for group in dict.fromkeys(beams):
+            if group.request_id not in failed:
+                try:
+                    self._advance_beams(group)
+                except Exception as e:  # noqa: BLE001
+                    failed.setdefault(group.request_id, e)
+        return got
+
+    def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float, top) -> None:
+        p = group.params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if top is not None:
+            ids, lps = top
+            entry = {int(i): float(v) for i, v in zip(ids[:p.logprobs], lps[:p.logprobs])}
+            entry[token] = logprob
+            seq.output_logprobs.append(entry)
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                self.finish_seq(group, seq, "stop")
+                return
+            if token in self.eos_token_ids and not p.ignore_eos:
+                self.finish_seq(group, seq, "stop")
+                return
+        if num_tokens >= seq.max_len:  # a stop string on this token still makes it "stop" (OutputProcessor)
+            self.finish_seq(group, seq, "length")
+
+    def _advance_beams(self, group: SequenceGroup) -> None:
+        live = group.live_seqs
+        if not live or any(s.pending_top is None for s in live):
+            return  # some beam is still recomputing after a preemption
+        beam_search_step(group, self.eos_token_ids, self, self._next_seq_id)
+
     def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
         self._decode = None
         seq.finish_reason = reason
@@ -277,7 +352,7 @@ class Scheduler:
         group.status = SequenceStatus.FINISHED
 
     def _drop_host_slots(self, seqs: list[Sequence]) -> None:
-        slots = {b for s in seqs for b in s.block_table}
+        slots = {b for s in seqs for b in s.block_table} - {NULL_HOST}
         still_used = {b for g in self.swapped for s in g.live_seqs if s not in seqs for b in s.block_table}
         self.kv.host_free.extend(slots - still_used)
         for s in seqs:

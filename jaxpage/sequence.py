@@ -25,6 +25,7 @@ class Sequence:
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of its full blocks
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
     cumulative_logprob: float = 0.0
     output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     pending_top: tuple | None = None  # beam search: this step's top (ids, logprobs), until all beams have theirs

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.reference import MASK_VALUE, check_decode_args, soft_cap_logits
+from pallas_kernels.reference import MASK_VALUE, check_decode_args, soft_cap_logits, window_start
 
 try:  # the Triton flavour's compiler params; their presence selects the Triton lowering on GPU
     from jax.experimental.pallas import triton as _pl_triton
@@ -101,9 +101,10 @@ def init_carry(rows: int, head_dim: int):
 
 
 def paged_keys_loop(q, pool_ref, layer, kv_head, page_at, first_page, num_pages, length, carry, *, block_size,
-                    pages_per_block, **step):
+                    pages_per_block, lowest=0, row_lowest=None, **step):
     """The online softmax over pages ``first_page .. first_page + num_pages - 1`` (``page_at(i)`` gives the block
-    ids of this loop's i-th chunk of ``pages_per_block`` pages), keys at positions ``>= length`` masked."""
+    ids of this loop's i-th chunk of ``pages_per_block`` pages), keys at positions ``>= length`` or ``< lowest``
+    masked (chunks wholly below ``lowest`` skipped), and per row below ``row_lowest`` [R] when given."""
     block_tokens = pages_per_block * block_size
     head_dim = q.shape[1]
 
@@ -112,9 +113,12 @@ def paged_keys_loop(q, pool_ref, layer, kv_head, page_at, first_page, num_pages,
         k = pool_ref[layer, pages, 0, kv_head, :, :].reshape(block_tokens, head_dim)
         v = pool_ref[layer, pages, 1, kv_head, :, :].reshape(block_tokens, head_dim)
         key_pos = (first_page + c * pages_per_block) * block_size + jnp.arange(block_tokens)
-        return online_softmax_step(q, k, v, key_pos < length, carry, **step)
+        row_visible = None if row_lowest is None else key_pos[None, :] >= row_lowest[:, None]
+        return online_softmax_step(q, k, v, (key_pos < length) & (key_pos >= lowest), carry,
+                                   row_visible=row_visible, **step)
 
-    return jax.lax.fori_loop(0, pl.cdiv(num_pages, pages_per_block), body, carry)
+    first_chunk = jnp.maximum(lowest // block_size - first_page, 0) // pages_per_block
+    return jax.lax.fori_loop(first_chunk, pl.cdiv(num_pages, pages_per_block), body, carry)
 
 
 def finish_carry(carry):
@@ -125,30 +129,31 @@ def finish_carry(carry):
     return acc / l_safe[:, None], jnp.where(empty, MASK_VALUE, m + jnp.log(l_safe))
 
 
-def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, pool_ref, o_ref, lse_ref, *, block_size,
+def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_ref, o_ref, lse_ref, *, block_size,
                    pages_per_block, pages_per_split, **step):
     kv_head, split = pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], lens_ref[0]
+    lowest = window_start(length - 1, window_ref[0])  # splits wholly before it do no work
     first_page = split * pages_per_split
     num_pages = jnp.clip(pl.cdiv(length, block_size) - first_page, 0, pages_per_split)
     q = q_ref[...]  # [Gp, D]
     carry = paged_keys_loop(q, pool_ref, layer, kv_head,
                             lambda c: tables_ref[pl.ds(c * pages_per_block, pages_per_block)],
                             first_page, num_pages, length, init_carry(*q.shape), block_size=block_size,
-                            pages_per_block=pages_per_block, **step)
+                            pages_per_block=pages_per_block, lowest=lowest, **step)
     o_ref[...], lse_ref[...] = finish_carry(carry)
 
 
 def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_tables: jax.Array,
                                context_lens: jax.Array, *, scale: float, soft_cap: float | None = None,
-                               interpret=False, pages_per_split: int | None = None,
+                               window=0, interpret=False, pages_per_split: int | None = None,
                                pages_per_compute_block: int | None = None, num_warps: int = 4,
                                num_stages: int = 2) -> jax.Array:
     """Paged decode attention; same semantics as reference.paged_decode_attention_reference.
 
     q: [S, H, D] (one query token per sequence); pool: [L, N, 2, KVH, block_size, D], whole, read at ``layer``
-    (int32 scalar); block_tables: int32 [S, W]; context_lens: int32 [S] (0 = empty row, output 0).
-    Returns [S, H, D] in q's dtype.
+    (int32 scalar); block_tables: int32 [S, W]; context_lens: int32 [S] (0 = empty row, output 0); window:
+    int32 scalar, traced or not (0: every key). Returns [S, H, D] in q's dtype.
     Constraints (Triton): block_size and D powers of two, D >= 16; ``pages_per_compute_block`` (default
     about 64 keys, see default_pages_per_block) a power of two covering at least 16 keys; ``pages_per_split``
     (default: enough splits for ~TARGET_PROGRAMS programs) is rounded up to a multiple of it. The table is padded with null-block
@@ -156,7 +161,7 @@ def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_table
     interpret: True runs the kernel on CPU through the Pallas interpreter.
     """
     num_seqs, num_heads, head_dim, kv_heads, block_size, width = check_decode_args(
-        q, pool, layer, block_tables, context_lens, scale, soft_cap)
+        q, pool, layer, block_tables, context_lens, scale, soft_cap, window)
     pages_per_block = pages_per_compute_block or default_pages_per_block(block_size, width)
     check_triton_shapes(block_size, head_dim, pages_per_block, interpret)
     if pages_per_split is None:
@@ -181,6 +186,7 @@ def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_table
         grid=(num_seqs, kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((1,), lambda s, h, k: (0,)),  # layer
+            pl.BlockSpec((1,), lambda s, h, k: (0,)),  # window
             pl.BlockSpec((1,), lambda s, h, k: (s,)),  # context length
             pl.BlockSpec((None, pages_per_split), lambda s, h, k: (s, k)),  # this split's table entries
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),  # q
@@ -195,7 +201,7 @@ def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_table
         interpret=interpret,
         name="paged_decode_attention_gpu",
         **params,
-    )(layer_arr, context_lens, tables, q_g, pool)
+    )(layer_arr, jnp.asarray(window, jnp.int32).reshape(1), context_lens, tables, q_g, pool)
     if num_splits == 1:
         out = o[:, :, 0]
     else:  # combine the splits' partial softmaxes: weights exp(lse_i - max_j lse_j), exact and stable

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_decode as gpu
-from pallas_kernels.reference import check_ragged_args
+from pallas_kernels.reference import check_ragged_args, window_start
 
 
 def _write_kv(layer, kv_head, first, count, slot_ref, k_ref, v_ref, pool_out_ref, block_size):
@@ -30,9 +30,9 @@ def _write_kv(layer, kv_head, first, count, slot_ref, k_ref, v_ref, pool_out_ref
     jax.lax.fori_loop(0, count, body, jnp.int32(0))
 
 
-def _ragged_gpu_kernel(layer_ref, tseq_ref, pos_ref, slot_ref, run_ref, first_ref, count_ref, tables_ref, q_ref,
-                       k_ref, v_ref, pool_ref, o_ref, pool_out_ref, *, block_size, pages_per_block, new_block,
-                       queries, **step):
+def _ragged_gpu_kernel(layer_ref, window_ref, tseq_ref, pos_ref, slot_ref, run_ref, first_ref, count_ref,
+                       tables_ref, q_ref, k_ref, v_ref, pool_ref, o_ref, pool_out_ref, *, block_size,
+                       pages_per_block, new_block, queries, **step):
     qblock, kv_head = pl.program_id(0), pl.program_id(1)
     layer, first, count = layer_ref[0], first_ref[qblock], count_ref[qblock]  # count 0: an unused program
     seq, start = tseq_ref[first], run_ref[first]
@@ -42,23 +42,25 @@ def _ragged_gpu_kernel(layer_ref, tseq_ref, pos_ref, slot_ref, run_ref, first_re
 
     group, head_dim = q_ref.shape[2:]
     q = q_ref[pl.ds(first, queries), kv_head, :, :].reshape(queries * group, head_dim)  # row = token * G + head
+    row_token = first + jax.lax.broadcasted_iota(jnp.int32, (queries * group,), 0) // group
+    row_lowest = window_start(start_pos + row_token - start, window_ref[0])  # positions are consecutive in a run
+    lowest = window_start(start_pos + first - start, window_ref[0])  # the block's first row's, the least
     carry = gpu.paged_keys_loop(
         q, pool_ref, layer, kv_head, lambda c: tables_ref[seq, pl.ds(c * pages_per_block, pages_per_block)],
         0, jnp.where(count > 0, pl.cdiv(start_pos, block_size), 0), start_pos, gpu.init_carry(*q.shape),
-        block_size=block_size, pages_per_block=pages_per_block, **step)
-
-    row_token = first + jax.lax.broadcasted_iota(jnp.int32, (queries * group, new_block), 0) // group
+        block_size=block_size, pages_per_block=pages_per_block, lowest=lowest, row_lowest=row_lowest, **step)
 
     def new_keys(c, carry):  # the run's keys from this call, straight from the inputs, causal by token index
         key0 = start + c * new_block
         k = k_ref[pl.ds(key0, new_block), kv_head, :]
         v = v_ref[pl.ds(key0, new_block), kv_head, :]
-        key = key0 + jax.lax.broadcasted_iota(jnp.int32, (queries * group, new_block), 1)
-        return gpu.online_softmax_step(q, k, v, key0 + jnp.arange(new_block) <= last, carry,
-                                       row_visible=key <= row_token, **step)
+        key = key0 + jnp.arange(new_block)
+        row_visible = (key[None, :] <= row_token[:, None]) & (start_pos + key[None, :] - start >= row_lowest[:, None])
+        return gpu.online_softmax_step(q, k, v, key <= last, carry, row_visible=row_visible, **step)
 
+    first_new = jnp.maximum(lowest - start_pos, 0) // new_block  # chunks wholly before the window skipped
     num_new = jnp.where(count > 0, pl.cdiv(last - start + 1, new_block), 0)
-    carry = jax.lax.fori_loop(0, num_new, new_keys, carry)
+    carry = jax.lax.fori_loop(first_new, num_new, new_keys, carry)
     out = gpu.finish_carry(carry)[0].reshape(queries, group, head_dim).astype(o_ref.dtype)
     in_block = jax.lax.broadcasted_iota(jnp.int32, out.shape, 0) < count
     gpu.masked_store(o_ref.at[pl.ds(first, queries), kv_head, :, :], out, in_block)
@@ -83,11 +85,12 @@ def query_blocks(token_seq: jax.Array, queries: int, max_blocks: int):
 def ragged_paged_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,
                                token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
                                block_tables: jax.Array, *, scale: float, soft_cap: float | None = None,
-                               interpret=False, pages_per_compute_block: int | None = None,
+                               window=0, interpret=False, pages_per_compute_block: int | None = None,
                                queries_per_block: int | None = None, new_tokens_per_block: int = 16,
                                num_warps: int = 4, num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention on GPU (Triton lowering): one call writes the batch's K/V and attends; same
-    semantics as reference.ragged_paged_attention_reference for every token outside the null block.
+    semantics as reference.ragged_paged_attention_reference for every token outside the null block; window: int32
+    scalar, traced or not (0: full causal attention): pages and new-key chunks wholly before it are skipped.
 
     One program per (query block, KV head): up to ``queries_per_block`` consecutive tokens of one run (default:
     64 rows of tokens x G padded heads, one Hopper wgmma tile) share each page and key chunk they load. GPU
@@ -102,7 +105,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     on GPU rows (queries x G padded) and new tokens per block >= 16.
     """
     num_tokens, num_heads, head_dim, kv_heads, block_size, num_seqs, width = check_ragged_args(
-        q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap)
+        q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap, window)
     pages_per_block = pages_per_compute_block or gpu.default_pages_per_block(block_size, width)
     gpu.check_triton_shapes(block_size, head_dim, pages_per_block, interpret)
     group = num_heads // kv_heads
@@ -125,7 +128,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
                                block_size=block_size, pages_per_block=pages_per_block,
                                new_block=new_tokens_per_block, queries=queries)
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h: (0,) * x.ndim)  # noqa: E731 (indexed in-kernel)
-    operands = (jnp.asarray(layer, jnp.int32).reshape(1), token_seq, positions, slot_mapping, run_start, first,
+    operands = (jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(window, jnp.int32).reshape(1), token_seq, positions, slot_mapping, run_start, first,
                 count, tables, q_g, k_pad, v_pad, pool)
     out, pool = pl.pallas_call(
         kernel,

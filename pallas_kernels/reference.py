@@ -8,6 +8,10 @@ The references define the semantics; each kernel takes the same data arguments (
 taken whole together with a ``layer`` index (an int32 scalar, possibly traced inside ``lax.scan``). Block 0 is the
 null block. Keys are masked by position, and masked values never reach a product (``where`` on V, not ``0 * V``),
 so whatever stale data or NaN sits past a sequence's length cannot leak into its output.
+
+Sliding window: ``window`` (an int32 scalar, possibly traced: the model scans over layers with a per-layer window)
+W > 0 lets a query at position p see only the keys at positions k with ``p - W < k <= p``; W = 0 is full causal
+attention. Kernels skip the pages wholly before the window and mask the rest.
 """
 from __future__ import annotations
 
@@ -30,7 +34,17 @@ def check_pool(pool: jax.Array, layer) -> tuple[int, int, int, int, int, int]:
     return pool.shape
 
 
-def check_decode_args(q, pool, layer, block_tables, context_lens, scale, soft_cap):
+def check_window(window) -> None:
+    if jnp.ndim(window) != 0 or not jnp.issubdtype(jnp.asarray(window).dtype, jnp.integer):
+        raise ValueError(f"window must be an integer scalar, got {jnp.asarray(window).dtype}{jnp.shape(window)}")
+
+
+def window_start(last_pos, window):
+    """The first key position a query at ``last_pos`` sees: 0 for full attention (window 0)."""
+    return jnp.where(window > 0, jnp.maximum(last_pos - window + 1, 0), 0)
+
+
+def check_decode_args(q, pool, layer, block_tables, context_lens, scale, soft_cap, window=0):
     """Checks the shapes and dtypes of a decode call; returns (S, H, D, KVH, block_size, W).
 
     q: [S, H, D] in pool's dtype; block_tables: int32 [S, W]; context_lens: int32 [S]; H a multiple of KVH.
@@ -50,10 +64,12 @@ def check_decode_args(q, pool, layer, block_tables, context_lens, scale, soft_ca
         raise ValueError(f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype}{context_lens.shape}")
     if not isinstance(scale, (int, float)) or (soft_cap is not None and not soft_cap > 0):
         raise ValueError(f"scale must be a Python number and soft_cap None or > 0, got {scale}, {soft_cap}")
+    check_window(window)
     return num_seqs, num_heads, head_dim, kv_heads, block_size, block_tables.shape[1]
 
 
-def check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap):
+def check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap,
+                      window=0):
     """Checks a ragged call; returns (T, H, D, KVH, block_size, S, W).
 
     q: [T, H, D]; k, v: [T, KVH, D]; all in pool's dtype; token_seq, positions, slot_mapping: int32 [T];
@@ -80,6 +96,7 @@ def check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, 
         raise ValueError(f"block_tables must be int32 [S, W], got {block_tables.dtype}{block_tables.shape}")
     if not isinstance(scale, (int, float)) or (soft_cap is not None and not soft_cap > 0):
         raise ValueError(f"scale must be a Python number and soft_cap None or > 0, got {scale}, {soft_cap}")
+    check_window(window)
     return (num_tokens, num_heads, head_dim, kv_heads, block_size) + tuple(block_tables.shape)
 
 
@@ -89,8 +106,9 @@ def soft_cap_logits(logits: jax.Array, soft_cap: float | None) -> jax.Array:
 
 def paged_decode_attention_reference(q: jax.Array, pool: jax.Array, layer, block_tables: jax.Array,
                                      context_lens: jax.Array, *, scale: float,
-                                     soft_cap: float | None = None) -> jax.Array:
-    """One query token per sequence attending to its first ``context_lens[s]`` keys, read through its table.
+                                     soft_cap: float | None = None, window=0) -> jax.Array:
+    """One query token per sequence attending to its first ``context_lens[s]`` keys, read through its table
+    (with a window W > 0, only to the last W of them: the query is at position ``context_lens[s] - 1``).
 
     q: [S, H, D]; pool: the whole KV pool, read at ``layer``; block_tables: int32 [S, W]; context_lens:
     int32 [S] (0 = an empty padding row, whose output is 0). Query heads ``g*G .. g*G+G-1`` share KV head g
@@ -98,7 +116,7 @@ def paged_decode_attention_reference(q: jax.Array, pool: jax.Array, layer, block
     is set, all in float32. Returns [S, H, D] in q's dtype.
     """
     num_seqs, num_heads, head_dim, kv_heads, block_size, width = check_decode_args(
-        q, pool, layer, block_tables, context_lens, scale, soft_cap)
+        q, pool, layer, block_tables, context_lens, scale, soft_cap, window)
     group = num_heads // kv_heads
     kv = pool[layer, block_tables]  # [S, W, 2, KVH, bs, D]: a gather, not a copy of the layer
     kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(num_seqs, 2, kv_heads, width * block_size, head_dim)
@@ -107,7 +125,8 @@ def paged_decode_attention_reference(q: jax.Array, pool: jax.Array, layer, block
     hi = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("skgd,skld->skgl", q_g, kv[:, 0], precision=hi) * scale
     logits = soft_cap_logits(logits, soft_cap)
-    visible = jnp.arange(width * block_size)[None, :] < context_lens[:, None]  # [S, L]
+    key_pos = jnp.arange(width * block_size)[None, :]
+    visible = (key_pos < context_lens[:, None]) & (key_pos >= window_start(context_lens - 1, window)[:, None])
     logits = jnp.where(visible[:, None, None, :], logits, MASK_VALUE)
     m = logits.max(axis=-1, keepdims=True)
     p = jnp.where(visible[:, None, None, :], jnp.exp(logits - m), 0.0)
@@ -128,17 +147,18 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
 def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,
                                      token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
                                      block_tables: jax.Array, *, scale: float,
-                                     soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+                                     soft_cap: float | None = None, window=0) -> tuple[jax.Array, jax.Array]:
     """A flat mixed batch (prefill chunks and decodes): write its K/V, then causal paged attention per token.
 
     q: [T, H, D]; k, v: [T, KVH, D]; pool: the whole KV pool, written and read at ``layer``; token_seq [T]: the
     row of block_tables [S, W] each token belongs to; positions [T]: token t attends to the key positions
-    ``<= positions[t]`` of its own sequence; slot_mapping [T]: where token t's K/V go. First every token's K/V
+    ``<= positions[t]`` (and ``> positions[t] - window`` when window > 0) of its own sequence; slot_mapping [T]: where token t's K/V go. First every token's K/V
     is written to its slot (write_kv), then every token attends over its sequence's pages
     (jaxpage.attention.paged_attention_xla). Returns (out [T, H, D] in q's dtype, the updated pool).
     """
-    check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap)
+    check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap,
+                      window)
     pool = write_kv(pool, layer, k, v, slot_mapping)
     out = paged_decode_attention_reference(q, pool, layer, block_tables[token_seq], positions + 1,
-                                           scale=scale, soft_cap=soft_cap)
+                                           scale=scale, soft_cap=soft_cap, window=window)
     return out, pool

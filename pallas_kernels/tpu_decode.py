@@ -6,8 +6,9 @@
   ``[2 (double buffer), P pages, 2, KVH, block_size, D]``; one DMA semaphore per buffer.
 - One grid step per sequence, and every step is self-contained (it starts and waits for all of its own copies;
   nothing is prefetched across steps), so the sequence axis is ``parallel``: megacore-safe.
-- Inside a step: chunks of P pages, double buffered (chunk c+1 is copied while chunk c is computed); copies of
-  pages past the context length are skipped and their buffer rows masked (``where``), never multiplied.
+- Inside a step: chunks of P pages, double buffered (chunk c+1 is copied while chunk c is computed), from the
+  page holding the window's first key (page 0 without a window); copies of pages past the context length are
+  skipped and their buffer rows masked (``where``), never multiplied. The window is scalar prefetch too.
 - Online softmax in float32 per KV head (a static loop; the G query heads of one KV head form one matmul).
   Loaded values are reshaped, refs never are; every copy has a static shape.
 """
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import MASK_VALUE, check_decode_args, soft_cap_logits
+from pallas_kernels.reference import MASK_VALUE, check_decode_args, soft_cap_logits, window_start
 
 ANY = getattr(pl, "ANY", None) or pltpu.ANY  # HBM, left where it is
 _CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
@@ -29,17 +30,18 @@ ARBITRARY = getattr(pltpu, "ARBITRARY", "arbitrary")
 
 
 class PageCopies:
-    """The async copies of chunk ``chunk`` (pages ``chunk*P .. chunk*P+P-1``) of one table row into one buffer.
+    """The async copies of chunk ``chunk`` (pages ``first + chunk*P .. first + chunk*P+P-1``) of one table row
+    into one buffer.
 
     Page j's copy is issued only when ``j < num_pages``; ``wait`` waits under the same condition, so every
     started copy is waited for exactly once. ``src_page(page)`` gives the HBM ref of one page (it picks the
     layer and, for a KV-head block, the heads); ``page_at(j)`` reads the block table in SMEM.
     """
 
-    def __init__(self, src_page, page_at, buf, sem, chunk, num_pages, pages_per_block):
+    def __init__(self, src_page, page_at, buf, sem, chunk, num_pages, pages_per_block, first=0):
         self._copies = []
         for i in range(pages_per_block):
-            j = chunk * pages_per_block + i
+            j = first + chunk * pages_per_block + i
             copy = pltpu.make_async_copy(src_page(page_at(j)), buf.at[i], sem)
             self._copies.append((j < num_pages, copy))
 
@@ -76,20 +78,22 @@ def finish_state(state):
     return acc / jnp.where(l == 0.0, 1.0, l)
 
 
-def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, pool_hbm, o_ref, kv_buf, sems, *, scale, soft_cap,
-                   width, pages_per_block, precision):
+def _decode_kernel(layer_ref, window_ref, lens_ref, tables_ref, q_ref, pool_hbm, o_ref, kv_buf, sems, *, scale,
+                   soft_cap, width, pages_per_block, precision):
     seq = pl.program_id(0)
     _, _, kv_heads, block_size, head_dim = kv_buf.shape[1:]
     group = q_ref.shape[1]
     layer, length = layer_ref[0], lens_ref[seq]
+    lowest = window_start(length - 1, window_ref[0])  # the first key position the query sees
+    first_page = lowest // block_size
     num_pages = pl.cdiv(length, block_size)
-    num_chunks = pl.cdiv(num_pages, pages_per_block)
+    num_chunks = pl.cdiv(jnp.maximum(num_pages - first_page, 0), pages_per_block)
     block_tokens = pages_per_block * block_size
 
     def copies(chunk, slot):
         return PageCopies(lambda page: pool_hbm.at[layer, page],
                           lambda j: tables_ref[seq * width + jnp.minimum(j, width - 1)],
-                          kv_buf.at[slot], sems.at[slot], chunk, num_pages, pages_per_block)
+                          kv_buf.at[slot], sems.at[slot], chunk, num_pages, pages_per_block, first_page)
 
     copies(0, 0).start()  # starts nothing when the row is empty
 
@@ -101,9 +105,11 @@ def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, pool_hbm, o_ref, kv_b
             copies(chunk + 1, 1 - slot).start()
 
         copies(chunk, slot).wait()
-        start = chunk * block_tokens
-        visible = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < length  # per key, as a row
-        visible_kv = start + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length  # as a column
+        start = first_page * block_size + chunk * block_tokens
+        key_row = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)  # per key, as a row
+        key_col = start + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)  # as a column
+        visible = jnp.logical_and(key_row < length, key_row >= lowest)
+        visible_kv = jnp.logical_and(key_col < length, key_col >= lowest)
         new_states = []
         for h in range(kv_heads):
             k = kv_buf[slot, :, 0, h].reshape(block_tokens, head_dim)
@@ -121,11 +127,12 @@ def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, pool_hbm, o_ref, kv_b
 
 def paged_decode_attention_tpu(q: jax.Array, pool: jax.Array, layer, block_tables: jax.Array,
                                context_lens: jax.Array, *, scale: float, soft_cap: float | None = None,
-                               interpret=False, pages_per_compute_block: int | None = None) -> jax.Array:
+                               window=0, interpret=False, pages_per_compute_block: int | None = None) -> jax.Array:
     """Paged decode attention on TPU; same semantics as reference.paged_decode_attention_reference.
 
     q: [S, H, D]; pool: [L, N, 2, KVH, block_size, D] in HBM, whole, read at ``layer`` (int32 scalar);
-    block_tables: int32 [S, W]; context_lens: int32 [S] (0 = empty row, output 0). Returns [S, H, D].
+    block_tables: int32 [S, W]; context_lens: int32 [S] (0 = empty row, output 0); window: int32 scalar, traced
+    or not (0: every key). Returns [S, H, D].
     pages_per_compute_block (P, default ``max(1, 128 // block_size)`` capped at W): pages per DMA chunk; VMEM
     holds ``2 * P`` pages of all KV heads. q is viewed as [S, KVH, G, D] (a free reshape) so the kernel takes a
     KV head's G query rows by indexing the ref. For real Mosaic, block_size should be a multiple of the
@@ -134,7 +141,7 @@ def paged_decode_attention_tpu(q: jax.Array, pool: jax.Array, layer, block_table
     simulator, which checks DMAs, semaphores, out-of-bounds reads and, with several cores, races).
     """
     num_seqs, num_heads, head_dim, kv_heads, block_size, width = check_decode_args(
-        q, pool, layer, block_tables, context_lens, scale, soft_cap)
+        q, pool, layer, block_tables, context_lens, scale, soft_cap, window)
     group = num_heads // kv_heads
     pages_per_block = pages_per_compute_block or max(1, min(width, 128 // block_size))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -144,7 +151,7 @@ def paged_decode_attention_tpu(q: jax.Array, pool: jax.Array, layer, block_table
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(num_seqs,),
             in_specs=[seq_block, pl.BlockSpec(memory_space=ANY)],
             out_specs=seq_block,
@@ -155,6 +162,6 @@ def paged_decode_attention_tpu(q: jax.Array, pool: jax.Array, layer, block_table
         compiler_params=_CompilerParams(dimension_semantics=(PARALLEL,)),
         interpret=interpret,
         name="paged_decode_attention_tpu",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), context_lens, block_tables.reshape(-1),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(window, jnp.int32).reshape(1), context_lens, block_tables.reshape(-1),
       q.reshape(num_seqs, kv_heads, group, head_dim), pool)
     return out.reshape(q.shape)

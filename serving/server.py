@@ -353,9 +353,9 @@ class GenerationService(pb_grpc.GenerationServicer):
 def default_engine_factory(ns: argparse.Namespace) -> Callable[[], object]:
     def make():
         from jaxpage.async_engine import AsyncEngine
-        from jaxpage.cli import engine_args_from
+        from jaxpage.arg_utils import EngineArgs
 
-        return AsyncEngine.from_args(engine_args_from(ns))
+        return AsyncEngine.from_args(EngineArgs.from_cli_args(ns))
     return make
 
 

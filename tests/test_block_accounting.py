@@ -25,6 +25,8 @@ those, and a group aborted before its prompt forked returned one.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import transformers
@@ -33,7 +35,7 @@ from hypothesis import strategies as st
 
 from jaxpage.config import build_engine_config
 from jaxpage.models import config_from_hf
-from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT
+from jaxpage.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
 from jaxpage.llm_engine import LLMEngine
 from jaxpage.sampler import SamplerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -68,6 +70,7 @@ class FakeRunner:
         self.host = np.zeros((max(num_host_blocks, 1), config.block_size), np.int64)
         self.num_host_blocks = num_host_blocks
         self.block_pool = None  # set by make_engine, to check that written blocks are held
+        self.window = config.model.sliding_window if config.model.every_layer_windowed else 0
         self.moves: list[tuple[str, int, int]] = []
         self.max_rows = 0
 
@@ -115,13 +118,14 @@ class FakeRunner:
                 block = seq.block_table[p // bs]
                 assert 0 < block < cfg.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
                 self.pool[block, p % bs] = h[p]
-        for s in scheduled:  # then every sequence reads its whole context
+        for s in scheduled:  # then every sequence reads its whole context (with a window: what its chunk sees)
             if s.logits_of is not None:
                 continue
             seq, end = s.seq, s.seq.num_computed_tokens + s.num_new_tokens
             h = hashes[seq.seq_id]
-            got = [int(self.pool[seq.block_table[p // bs], p % bs]) for p in range(end)]
-            bad = [p for p in range(end) if got[p] != h[p]]
+            seen = range(max(0, seq.num_computed_tokens - self.window + 1) if self.window else 0, end)
+            got = {p: int(self.pool[seq.block_table[p // bs], p % bs]) for p in seen}
+            bad = [p for p in seen if got[p] != h[p]]
             assert not bad, (f"seq {seq.seq_id} reads wrong K/V at positions {bad[:10]} (blocks "
                              f"{[seq.block_table[p // bs] for p in bad[:10]]}, table {seq.block_table})")
         tokens = np.zeros(n, np.int64)
@@ -144,10 +148,12 @@ class FakeRunner:
 
 def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                 mode: str = "recompute", num_host_blocks: int = 0, prefix_caching: bool = True,
-                max_model_len: int = MAX_MODEL_LEN) -> LLMEngine:
+                max_model_len: int = MAX_MODEL_LEN, window: int = 0) -> LLMEngine:
     model = config_from_hf(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
+    if window:  # every layer slides (Mistral)
+        model = dataclasses.replace(model, sliding_window=window, layer_types=("sliding_attention",))
     config = build_engine_config(model, dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=None,
                                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -178,7 +184,7 @@ def check_accounting(engine: LLMEngine) -> None:
     pool.check(tables)
     assert pool.num_free + pool.num_used == pool.num_blocks - 1
     assert 0 <= pool.num_cached_free <= pool.num_free
-    held = {b for g in sched.swapped for s in g.live_seqs for b in s.block_table}
+    held = {b for g in sched.swapped for s in g.live_seqs for b in s.block_table} - {NULL_HOST}
     free_slots = list(kv.host_free)
     assert len(set(free_slots)) == len(free_slots), f"a host slot free twice: {sorted(free_slots)}"
     assert not held & set(free_slots), f"host slots both free and held: {sorted(held & set(free_slots))}"

@@ -9,6 +9,9 @@ and is built to catch reads and writes in the wrong place:
 - outputs start as NaN (both interpreters fill fresh buffers with NaN; test_interpreters_poison_outputs pins
   that down), so an element the kernel never writes fails the finiteness check.
 Batches mix lengths 1, block multiples, block multiples +- 1, the maximum and empty rows (length 0).
+Windowed cases run one compiled kernel over several sliding windows (shorter than a block, crossing page
+boundaries, longer than every context) and, as the sliding-window memory manager does, put the null block (NaN)
+in the table for every page wholly before the window, so a kernel that reads one fails.
 Tolerances: float32 1e-5, bfloat16 1e-2 (relative and absolute, on outputs of magnitude ~1).
 """
 from __future__ import annotations
@@ -40,15 +43,31 @@ def fresh_rng():
     return np.random.default_rng(seed), f"seed={seed} (KERNEL_TEST_SEED={seed} replays it)"
 
 
-def run_jitted(fn, *args):
+def compile_jitted(fn, *args):
     """jit, compiled without XLA's backend optimisations: most of a case's time is compiling the interpreted
     kernel, and -O0 compiles several times faster (results are the same math)."""
     lowered = jax.jit(fn).lower(*args)
     try:
-        compiled = lowered.compile({"xla_backend_optimization_level": 0})
+        return lowered.compile({"xla_backend_optimization_level": 0})
     except Exception:  # an XLA that no longer knows the option
-        compiled = lowered.compile()
-    return compiled(*args)
+        return lowered.compile()
+
+
+def run_jitted(fn, *args):
+    return compile_jitted(fn, *args)(*args)
+
+
+WINDOWS = (5, 20, 33, 10_000)  # < block_size, crossing pages, > every context (every case has block_size 16)
+
+
+def drop_dead_pages(tables, first_positions, window, block_size):
+    """The null block for each row's pages wholly before the window of its first query position."""
+    tables = np.array(tables)
+    if window:
+        for row, first in enumerate(first_positions):
+            dead = max(0, first - window + 1) // block_size
+            tables[row, :dead] = 0
+    return tables
 
 
 def tolerance(dtype) -> float:
@@ -105,12 +124,14 @@ class DecodeCase:
     soft_cap: float | None = None
     gpu: tuple = ()  # extra keywords for the GPU kernel: split-K shapes
     tpu: tuple = ()  # extra keywords for the TPU kernel
+    windows: tuple = (0,)  # sliding windows, each run through the one compiled kernel
 
     def __str__(self):
         extra = "".join(f"-{k}{v}" for k, v in self.gpu + self.tpu)
         cap = f"-cap{self.soft_cap}" if self.soft_cap else ""
+        win = "-windows" if self.windows != (0,) else ""
         return (f"{self.dtype}-bs{self.block_size}-g{self.ratio}-d{self.head_dim}-kvh{self.kv_heads}"
-                f"-w{self.width}{cap}{extra}")
+                f"-w{self.width}{cap}{win}{extra}")
 
     def lengths(self, rng):
         bs, w = self.block_size, self.width
@@ -132,6 +153,9 @@ DECODE_CASES = [
     DecodeCase("bfloat16", 64, 3, 64, 2, 2, soft_cap=2.0),
     DecodeCase("bfloat16", 16, 8, 64, 1, 7, gpu=(("pages_per_split", 2),), tpu=(("pages_per_compute_block", 3),)),
     DecodeCase("bfloat16", 32, 8, 128, 2, 3, soft_cap=1.5),
+    DecodeCase("float32", 16, 4, 64, 2, 6, windows=WINDOWS,
+               gpu=(("pages_per_split", 2), ("pages_per_compute_block", 1)), tpu=(("pages_per_compute_block", 2),)),
+    DecodeCase("bfloat16", 16, 2, 64, 1, 5, soft_cap=2.0, windows=WINDOWS),
 ]
 
 
@@ -149,10 +173,19 @@ def check_decode(kernel, case: DecodeCase, **kw):
     rng, msg = fresh_rng()
     args = make_decode_inputs(case, rng)
     scale = case.head_dim ** -0.5
-    out = run_jitted(functools.partial(kernel, scale=scale, soft_cap=case.soft_cap, **kw), *args)
-    ref = run_jitted(functools.partial(paged_decode_attention_reference, scale=scale, soft_cap=case.soft_cap), *args)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert_matches(out, ref, args[0].dtype, f"{case}; lengths={args[4].tolist()}; {msg}")
+
+    def with_window(fn):
+        return lambda *a: fn(*a[:-1], window=a[-1], scale=scale, soft_cap=case.soft_cap)
+
+    ours = compile_jitted(with_window(functools.partial(kernel, **kw)), *args, jnp.int32(0))
+    ref_fn = compile_jitted(with_window(paged_decode_attention_reference), *args, jnp.int32(0))
+    for window in case.windows:
+        lengths = np.asarray(args[4])
+        tables = jnp.asarray(drop_dead_pages(args[3], lengths - 1, window, case.block_size))
+        windowed = args[:3] + (tables, args[4], jnp.int32(window))
+        out, ref = ours(*windowed), ref_fn(*windowed)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert_matches(out, ref, args[0].dtype, f"{case}; window={window}; lengths={lengths.tolist()}; {msg}")
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
@@ -166,7 +199,7 @@ def test_tpu_decode_matches_reference(case):
 
 
 SIM_DECODE_CASES = [
-    (DecodeCase("float32", 16, 4, 64, 2, 3, tpu=(("pages_per_compute_block", 2),)), SIM_2_CORES),
+    (DecodeCase("float32", 16, 4, 64, 2, 3, tpu=(("pages_per_compute_block", 2),), windows=(20,)), SIM_2_CORES),
     (DecodeCase("bfloat16", 16, 3, 128, 1, 2), SIM),
 ]
 
@@ -203,12 +236,14 @@ class RaggedCase:
     # then prompt chunks of 40+ tokens (several query blocks of the GPU kernel, not aligned to them)
     kw: tuple = ()  # extra keywords for the TPU kernel
     gpu: tuple = ()  # extra keywords for the GPU kernel
+    windows: tuple = (0,)  # sliding windows, each run through the one compiled kernel
 
     def __str__(self):
         extra = "".join(f"-{k}{v}" for k, v in self.kw + self.gpu)
         cap = f"-cap{self.soft_cap}" if self.soft_cap else ""
+        win = "-windows" if self.windows != (0,) else ""
         return (f"{self.dtype}-bs{self.block_size}-g{self.ratio}-d{self.head_dim}-kvh{self.kv_heads}"
-                f"-w{self.width}{cap}-pad_{self.padding}-{self.mix}{extra}")
+                f"-w{self.width}{cap}{win}-pad_{self.padding}-{self.mix}{extra}")
 
     def sequences(self, rng):
         """(tokens already in the pool, new tokens) per sequence: decodes first, then prompt chunks."""
@@ -239,6 +274,9 @@ RAGGED_CASES = [
     RaggedCase("float32", 16, 4, 64, 2, 3, padding="engine", mix="one", kw=(("queries_per_block", 8),)),
     RaggedCase("bfloat16", 16, 8, 128, 1, 3, kw=(("queries_per_block", 8), ("pages_per_compute_block", 2)),
                gpu=(("pages_per_compute_block", 1), ("new_tokens_per_block", 8))),
+    RaggedCase("float32", 16, 4, 64, 2, 5, windows=WINDOWS, kw=(("queries_per_block", 8), ("pages_per_compute_block", 2)),
+               gpu=(("pages_per_compute_block", 1), ("new_tokens_per_block", 4))),
+    RaggedCase("bfloat16", 16, 2, 64, 1, 4, soft_cap=1.5, padding="engine", windows=WINDOWS),
 ]
 
 
@@ -248,6 +286,7 @@ LONG_RAGGED_CASES = [
     RaggedCase("bfloat16", 32, 3, 128, 1, 3, padding="engine", mix="long",
                gpu=(("queries_per_block", 16), ("new_tokens_per_block", 8))),
     RaggedCase("float32", 16, 1, 64, 1, 4, soft_cap=1.5, mix="long", gpu=(("pages_per_compute_block", 2),)),
+    RaggedCase("float32", 16, 2, 64, 1, 5, mix="long", windows=WINDOWS, gpu=(("queries_per_block", 8),)),
 ]
 
 
@@ -284,21 +323,33 @@ def make_ragged_inputs(case: RaggedCase, rng, tokens_multiple=16):
 
 
 def check_ragged(kernel, case: RaggedCase, interpret, tokens_multiple=16):
-    """Outputs of padding tokens are compared only for the TPU kernel with distinct padding slots: the GPU
-    kernel's padding tokens (all at position 0 of one run) attend each other, unlike the reference's."""
     rng, msg = fresh_rng()
     args, num_valid = make_ragged_inputs(case, rng, tokens_multiple)
     scale = case.head_dim ** -0.5
     kw = dict(case.kw if kernel is ragged_paged_attention_tpu else case.gpu)
+
+    def with_window(fn):
+        return lambda *a: fn(*a[:-1], window=a[-1], scale=scale, soft_cap=case.soft_cap)
+
+    ours = compile_jitted(with_window(functools.partial(kernel, interpret=interpret, **kw)), *args, jnp.int32(0))
+    ref_fn = compile_jitted(with_window(ragged_paged_attention_reference), *args, jnp.int32(0))
+    token_seq, positions = np.asarray(args[5]), np.asarray(args[6])
+    first_positions = [positions[token_seq == row].min(initial=0) for row in range(args[8].shape[0])]
+    for window in case.windows:
+        tables = jnp.asarray(drop_dead_pages(args[8], first_positions, window, case.block_size))
+        windowed = args[:8] + (tables, jnp.int32(window))
+        compare_ragged(case, kernel, ours(*windowed), ref_fn(*windowed), args[0].dtype, num_valid,
+                       f"{case}; window={window}; T={args[0].shape[0]}, {num_valid} valid; {msg}")
+
+
+def compare_ragged(case, kernel, ours, ref, dtype, num_valid, msg):
+    """Outputs of padding tokens are compared only for the TPU kernel with distinct padding slots: the GPU
+    kernel's padding tokens (all at position 0 of one run) attend each other, unlike the reference's."""
+    (out, pool), (ref_out, ref_pool) = ours, ref
     compare_padding = case.padding == "distinct" and kernel is ragged_paged_attention_tpu
-    out, pool = run_jitted(functools.partial(kernel, scale=scale, soft_cap=case.soft_cap, interpret=interpret, **kw),
-                           *args)
-    ref_out, ref_pool = run_jitted(functools.partial(ragged_paged_attention_reference, scale=scale,
-                                                     soft_cap=case.soft_cap), *args)
-    msg = f"{case}; T={args[0].shape[0]}, {num_valid} valid; {msg}"
     assert out.shape == ref_out.shape and pool.shape == ref_pool.shape and pool.dtype == ref_pool.dtype
     pool, ref_pool = np.asarray(pool.astype(jnp.float32)), np.asarray(ref_pool.astype(jnp.float32))
-    assert_matches(out, ref_out, args[0].dtype, msg, rows=slice(None if compare_padding else num_valid))
+    assert_matches(out, ref_out, dtype, msg, rows=slice(None if compare_padding else num_valid))
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all(), f"padding outputs not finite; {msg}"
     if case.padding == "distinct":  # every slot of the pool is determined
         np.testing.assert_array_equal(pool, ref_pool, err_msg=f"pool differs; {msg}")
@@ -318,7 +369,8 @@ def test_gpu_ragged_matches_reference(case):
 
 
 SIM_RAGGED_CASES = [
-    (RaggedCase("float32", 16, 2, 64, 2, 2, kw=(("kv_heads_per_block", 1), ("queries_per_block", 8))), SIM_2_CORES),
+    (RaggedCase("float32", 16, 2, 64, 2, 2, kw=(("kv_heads_per_block", 1), ("queries_per_block", 8)),
+                windows=(20,)), SIM_2_CORES),  # the other cases simulate window 0
     (RaggedCase("bfloat16", 16, 4, 128, 1, 2, padding="engine", kw=(("pages_per_compute_block", 1),)), SIM),
 ]
 
@@ -380,6 +432,71 @@ def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, monkeypatch):
         args[0], pool_written, args[4], args[5], args[6], args[8])
     assert sum(p // bs + 1 for p in positions) > 8 * (pairs_per_chunk or attention.PAIRS_PER_CHUNK), msg
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5, err_msg=msg)
+
+
+def test_engine_attention_with_per_layer_windows_and_soft_cap():
+    """A model with a full and a windowed layer: one plan per window (page_pairs_by_window), each layer's
+    selected by a traced index inside lax.scan, as write_and_attend's XLA path runs them; soft-capped logits.
+    The windowed layer's keys wholly before every window are NaN: reading one (rather than skipping its page)
+    makes the output NaN, since the XLA path multiplies V by zero weights. Equal to the reference per layer."""
+    from jaxpage.attention import page_pairs_by_window, select_pairs, write_and_attend
+
+    rng, msg = fresh_rng()
+    bs, width, kv_heads, ratio, head_dim, window, cap = 16, 24, 2, 2, 64, 37, 1.5
+    seqs = [(int(n), 1) for n in rng.integers(0, width * bs - 1, 8)] + [(200, 40), (0, 9), (30, 5)]
+    tables, _, num_blocks = assign_pages(rng, [c + n for c, n in seqs], bs, width)
+    token_seq = np.concatenate([np.full(n, row) for row, (_, n) in enumerate(seqs)]).astype(np.int32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in seqs]).astype(np.int32)
+    pool = rng.standard_normal((NUM_LAYERS, num_blocks, 2, kv_heads, bs, head_dim)).astype(np.float32)
+    for row, (context, _) in enumerate(seqs):  # the windowed layer (1): pages no query of the row sees
+        pool[1, tables[row, :max(0, context - window + 1) // bs]] = np.nan
+    q, k, v = (rng.standard_normal((len(token_seq), h, head_dim)).astype(np.float32)
+               for h in (kv_heads * ratio, kv_heads, kv_heads))
+    slots = tables[token_seq, positions // bs] * bs + positions % bs
+    data = tuple(jnp.asarray(a) for a in (token_seq, positions, slots, tables))
+    windows = jnp.asarray([0, window], jnp.int32)
+
+    def model(q, k, v, pool, token_seq, positions, slots, tables):
+        plans = page_pairs_by_window(token_seq, positions, tables, bs, windows)
+
+        def layer_fn(pool, layer):
+            out, pool = write_and_attend("xla", q, k, v, pool, layer, token_seq, positions, slots, tables,
+                                         0.125, pairs=select_pairs(plans, layer), window=windows[layer],
+                                         soft_cap=cap)
+            return pool, out
+        return jax.lax.scan(layer_fn, pool, jnp.arange(NUM_LAYERS, dtype=jnp.int32))[1], plans.num_chunks
+
+    outs, num_chunks = run_jitted(model, q, k, v, jnp.asarray(pool), *data)
+    for layer in range(NUM_LAYERS):
+        ref, _ = run_jitted(functools.partial(ragged_paged_attention_reference, scale=0.125, soft_cap=cap,
+                                              window=int(windows[layer])),
+                            q, k, v, jnp.asarray(pool), jnp.int32(layer), *data)
+        assert_matches(outs[layer], ref, jnp.float32, f"layer {layer}; {msg}")
+    assert num_chunks[1] < num_chunks[0], f"the window's plan walks fewer pairs; {msg}"
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+def test_write_and_attend_passes_window_and_soft_cap_to_the_kernels(backend):
+    """The engine's entry point, jitted with a traced window, equals the reference (kernels interpreted here)."""
+    from jaxpage.attention import write_and_attend
+
+    rng, msg = fresh_rng()
+    case = RaggedCase("float32", 16, 2, 64, 2, 4)
+    args, num_valid = make_ragged_inputs(case, rng)
+    q, k, v, pool, layer, token_seq, positions, slots, tables = args
+    pool = jnp.nan_to_num(pool)
+
+    def engine(window, pool):
+        return write_and_attend(backend, q, k, v, pool, layer, token_seq, positions, slots, tables, 0.125,
+                                window=window, soft_cap=1.5)
+
+    out, _ = run_jitted(engine, jnp.int32(20), pool)
+    ref, _ = ragged_paged_attention_reference(q, k, v, pool, layer, token_seq, positions, slots, tables,
+                                              scale=0.125, soft_cap=1.5, window=20)
+    full, _ = ragged_paged_attention_reference(q, k, v, pool, layer, token_seq, positions, slots, tables,
+                                               scale=0.125)
+    assert_matches(out, ref, jnp.float32, msg, rows=slice(num_valid))
+    assert not np.allclose(np.asarray(ref[:num_valid]), np.asarray(full[:num_valid]), atol=1e-3), msg
 
 
 def test_kernels_take_a_traced_layer_inside_scan():

@@ -200,12 +200,15 @@ def test_an_unknown_quantization_is_refused_naming_the_field(value):
 
 
 def test_cli_takes_quantization():
-    from jaxpage.cli import build_parser, engine_args_from
+    from jaxpage.arg_utils import EngineArgs
+    from jaxpage.cli import build_parser
 
     for command in (["generate", "hi"], ["serve"]):
         ns = build_parser().parse_args([command[0], "--quantization", "int8", *command[1:]])
-        assert engine_args_from(ns).quantization == "int8"
-        assert engine_args_from(build_parser().parse_args(command)).quantization is None
+        assert EngineArgs.from_cli_args(ns).quantization == "int8"
+        assert EngineArgs.from_cli_args(build_parser().parse_args(command)).quantization is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int4"])
 
 
 def test_get_model_info_and_v1_models_report_the_quantization():

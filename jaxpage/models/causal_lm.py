@@ -77,10 +77,17 @@ def _is_unrolled(params: dict) -> bool:
     return not isinstance(params["layers"], dict) or all(isinstance(k, int) for k in params["layers"])
 
 
+def _abstract_model(cfg: ModelConfig, unrolled: bool = False) -> CausalLM:
+    """The model with shapes only, built outside any ambient mesh (under one, nnx.eval_shape would place each
+    parameter on it by its sharding names, and fail on a mesh without a model axis)."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.eval_shape(lambda: CausalLM(cfg, unrolled))
+
+
 @functools.lru_cache(maxsize=32)
 def model_graph(cfg: ModelConfig, unrolled: bool = False):
     """The module graph (``nnx.GraphDef``) of a config, built once, without allocating weights."""
-    return nnx.graphdef(nnx.eval_shape(lambda: CausalLM(cfg, unrolled)))
+    return nnx.graphdef(_abstract_model(cfg, unrolled))
 
 
 def bind(cfg: ModelConfig, params: dict) -> CausalLM:
@@ -122,7 +129,7 @@ def stack_layers(params: dict) -> dict:
 
 def abstract_params(cfg: ModelConfig, dtype) -> dict:
     """The stacked weights as shapes only (``jax.ShapeDtypeStruct``), for ahead-of-time compilation."""
-    state = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg)))
+    state = nnx.state(_abstract_model(cfg))
     return jax.tree_util.tree_map_with_path(lambda p, a: jax.ShapeDtypeStruct(a.shape, weight_dtype(p, a, dtype)),
                                             nnx.to_pure_dict(state))
 
@@ -134,5 +141,5 @@ def cast_weights(params: dict, dtype) -> dict:
 
 def partition_specs(cfg: ModelConfig) -> dict:
     """Each stacked weight's ``PartitionSpec`` over the mesh axis ``MODEL_AXIS``, from the parameters' names."""
-    state = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg)))
+    state = nnx.state(_abstract_model(cfg))
     return nnx.to_pure_dict(nnx.get_partition_spec(state))

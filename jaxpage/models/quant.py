@@ -17,14 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZATIONS = (None, "int8")
 SCALE = "scale"  # Linear.scale: stays float32 in every engine dtype
 _BUILDING = contextvars.ContextVar("quantization", default=None)
-
-
-def check_quantization(quantization) -> None:
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} must be one of {', '.join(map(repr, QUANTIZATIONS))}")
 
 
 @contextlib.contextmanager

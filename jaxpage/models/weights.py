@@ -29,7 +29,7 @@ def quantize_params(cfg: ModelConfig, params: dict) -> dict:
     with its per-output-channel scale; a tied LM head becomes a Linear of its own, from the embedding."""
     from flax import nnx
 
-    from jaxpage.models.causal_lm import CausalLM
+    from jaxpage.models.causal_lm import _abstract_model
     from jaxpage.models.layers import Linear
 
     if cfg.quantization is None:
@@ -37,7 +37,7 @@ def quantize_params(cfg: ModelConfig, params: dict) -> dict:
     params = {**params}
     if cfg.tie_word_embeddings:
         params["lm_head"] = {"kernel": np.ascontiguousarray(params["embed"]["embedding"].T)}
-    for path, module in nnx.iter_graph(nnx.eval_shape(lambda: CausalLM(cfg))):
+    for path, module in nnx.iter_graph(_abstract_model(cfg)):
         if isinstance(module, Linear):
             linear = _get(params, path)
             linear["kernel"], linear[SCALE] = quantize_int8(linear["kernel"], module.in_axes(linear["kernel"].ndim))

