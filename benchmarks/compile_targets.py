@@ -4,10 +4,10 @@
 
 For each chip: every TPU kernel over the shapes the engine can produce, then the whole jitted engine step
 (``attention_backend="pallas_tpu"``, bfloat16) at every warm-up bucket for SmolLM2-135M and a Llama-3-8B-shaped
-config. The arguments are shapes placed on a device of a TPU topology (``jax.experimental.topologies``), so
-nothing is allocated and no weights are needed. Prints one table row per compile: compiled or the compiler's
-message, compile time, and for engine steps the per-chip memory from ``memory_analysis()``. Needs the TPU
-runtime: ``pip install "jax[tpu]==<installed jax>"`` (the test extra has it).
+config, and a Qwen3-30B-A3B-shaped MoE block. The arguments are shapes placed on a device of a TPU topology
+(``jax.experimental.topologies``), so nothing is allocated and no weights are needed. Prints one table row per
+compile: compiled or the compiler's message, compile time, and for engine steps the per-chip memory from
+``memory_analysis()``. Needs the TPU runtime: ``pip install "jax[tpu]==<installed jax>"`` (the test extra has it).
 """
 from __future__ import annotations
 
@@ -223,6 +223,32 @@ def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
                                    ("swap-in scatter", moves.scatter, (pool, ids, data)))]
 
 
+def qwen3_moe_30b_config():
+    """Qwen3-30B-A3B's shapes: 128 experts of width 768, top-8, hidden 2048."""
+    from transformers import Qwen3MoeConfig
+
+    from jaxpage.models import config_from_hf
+
+    return config_from_hf(Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False))
+
+
+def compile_moe_layer(chip: str, num_tokens: int, dtype: str = "bfloat16") -> Compiled:
+    """One Qwen3-30B-A3B MoE block (router, top-k, the experts' grouped matmuls) over ``num_tokens`` tokens."""
+    from flax import nnx
+
+    from jaxpage.models.moe import MoE
+
+    cfg = qwen3_moe_30b_config()
+    graph, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, round_weights=True)))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)), nnx.to_pure_dict(state))
+    x = jax.ShapeDtypeStruct((num_tokens, cfg.hidden_size), jnp.dtype(dtype))
+    return compile_for(tpu_device(chip), chip, "moe block qwen3-30b-a3b", f"{dtype} T{num_tokens}",
+                       jax.jit(lambda p, x: nnx.merge(graph, p)(x)), (params, x))
+
+
 def pool_gib(config) -> float:
     from jaxpage.kv_cache import bytes_per_block
 
@@ -248,6 +274,8 @@ def run(chips: list[str], quick: bool) -> list[Compiled]:
             for num_tokens in ([buckets[0], buckets[-1]] if quick else buckets):
                 results.append(_report(compile_step(chip, model, num_tokens, config)))
             results += [_report(r) for r in compile_block_moves(chip, model, config)]
+    for chip in chips:
+        results.append(_report(compile_moe_layer(chip, 512)))
     return results
 
 

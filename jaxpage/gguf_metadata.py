@@ -42,26 +42,44 @@ _TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "u
               "padding_token_id": "pad_token_id"}
 
 
+# GGUF architecture -> (transformers model_type, metadata keys transformers' GGUF_CONFIG_MAPPING lacks). llama.cpp
+# writes Mixtral as "llama" with an expert count; Qwen3's head_dim and Qwen3-MoE's expert width need their keys.
+_ARCHITECTURES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"attention.key_length": "head_dim"}),
+    "qwen3moe": ("qwen3_moe", {"expert_feed_forward_length": "moe_intermediate_size"}),
+}
+_MIXTRAL = ("mixtral", {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"})
+
+
 def gguf_config(gguf_path: str):
-    """The transformers config of a Llama-family GGUF file (GGUF architectures llama, which llama.cpp also writes
-    for Mistral models, and qwen2), as ``AutoConfig.from_pretrained(..., gguf_file=...)`` makes it with torch."""
+    """The transformers config of a GGUF file of the architectures jaxpage runs (llama, which llama.cpp also
+    writes for Mistral and Mixtral models, qwen2, qwen3 and qwen3moe), as ``AutoConfig.from_pretrained(...,
+    gguf_file=...)`` makes it with torch (plus the keys it skips, see ``_ARCHITECTURES``)."""
     from transformers import AutoConfig
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     metadata, tensor_names = read_gguf_metadata(gguf_path)
     arch = metadata["general.architecture"]
-    if arch not in ("llama", "qwen2"):
+    if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported model architecture {arch!r} in {gguf_path}; jaxpage reads GGUF files of "
-                         "the llama and qwen2 architectures")
-    kwargs = {"tie_word_embeddings": "output.weight" not in tensor_names,
+                         f"the {', '.join(_ARCHITECTURES)} architectures")
+    model_type, extra = _MIXTRAL if metadata.get(f"{arch}.expert_count") and arch == "llama" else _ARCHITECTURES[arch]
+    kwargs = {**GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}),
+              "tie_word_embeddings": "output.weight" not in tensor_names,
               "vocab_size": metadata.get(f"{arch}.vocab_size", metadata.get("tokenizer.ggml.tokens"))}
-    for key, name in GGUF_CONFIG_MAPPING[arch].items():
+    mapping = {**GGUF_CONFIG_MAPPING[model_type if model_type in GGUF_CONFIG_MAPPING else arch], **extra}
+    for key, name in mapping.items():
         if name is not None and f"{arch}.{key}" in metadata:
             kwargs[name] = metadata[f"{arch}.{key}"]
     for key, name in _TOKEN_IDS.items():
         if f"tokenizer.ggml.{key}" in metadata:
             kwargs[name] = metadata[f"tokenizer.ggml.{key}"]
-    return AutoConfig.for_model(arch, **kwargs)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if "blk.0.attn_q.bias" in tensor_names and hasattr(config, "attention_bias"):  # not in the metadata
+        config.attention_bias = True
+    return config
 
 
 def _torch_importable() -> bool:

@@ -41,7 +41,7 @@ def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[np.n
     assert len(ours) == len(ref), f"{context}: {len(ours)} tokens, reference {len(ref)}"
 
 
-def paged_logits(llm, token_ids: list[int], seed: int = 0) -> np.ndarray:
+def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla") -> np.ndarray:
     """Teacher-forced logits of the engine's model for one sequence, through a shuffled block table."""
     cfg, params = llm.engine.config, llm.engine.runner.params
     bs, n = cfg.block_size, len(token_ids)
@@ -54,7 +54,7 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0) -> np.ndarray:
     batch = TokenBatch(np.asarray(token_ids, np.int32), pos, table[pos // bs] * bs + pos % bs,
                        np.zeros(n, np.int32), tables, np.zeros(1, np.int32))
     pool = jnp.zeros_like(llm.engine.runner.kv_pool)
-    hidden, _ = forward_hidden(cfg.model, params, pool, batch)
+    hidden, _ = forward_hidden(cfg.model, params, pool, batch, backend)
     return np.asarray(compute_logits(cfg.model, params, hidden))
 
 

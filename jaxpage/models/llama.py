@@ -23,11 +23,17 @@ def read_config(hf_config) -> ModelConfig:
 
 
 class DecoderLayer(nnx.Module):
+    """Subclasses replace ``feed_forward`` (MoE architectures)."""
+
     def __init__(self, cfg: ModelConfig):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
+        self.attn = Attention(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = self.feed_forward(cfg)
+
+    @staticmethod
+    def feed_forward(cfg: ModelConfig) -> nnx.Module:
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def __call__(self, x, pool, layer, ctx):
         h, pool = self.attn(self.attn_norm(x), pool, layer, ctx)

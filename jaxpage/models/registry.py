@@ -8,10 +8,12 @@ from jaxpage.config import ModelConfig
 
 # An architecture module gives: MODEL_TYPES; read_config(hf_config) -> ModelConfig; DecoderLayer (an nnx.Module
 # called as layer(x, pool, LayerConstants, StepContext) -> (x, pool)); layer_weights(cfg) and top_weights(cfg)
-# (param path -> (transformers tensor name, transform)); GGUF_LAYER_NAMES (llama.cpp -> transformers names) and
+# (param path -> (transformers tensor name, transform); a tuple of names, one per expert, gives the transform all of
+# them); GGUF_LAYER_NAMES (llama.cpp -> transformers names; "{}" in a name: a merged [E, ...] experts' tensor) and
 # gguf_permuted(cfg) (whether llama.cpp interleaved the q/k rotary halves). Optional: SCALE_EMBEDDINGS.
 _MODULES = {
     "llama": "llama", "mistral": "llama", "qwen2": "llama",
+    "qwen3": "qwen3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
 }
 SUPPORTED_MODEL_TYPES = tuple(_MODULES)
 

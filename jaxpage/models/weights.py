@@ -13,13 +13,14 @@ from jaxpage.models.registry import architecture
 
 
 def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray]) -> dict:
-    """transformers-named tensors ([out, in] matrices) to jaxpage's stacked, head-explicit weights."""
+    """transformers-named tensors ([out, in] matrices) to jaxpage's stacked, head-explicit weights. A weight
+    map's name may be a tuple of names (one per expert): its transform then takes all of them."""
     arch = architecture(cfg.model_type)
     params: dict = {}
     for path, (name, fn) in arch.top_weights(cfg).items():
         _put(params, path, fn(_take(state, name)))
     for path, (name, fn) in arch.layer_weights(cfg).items():
-        stacked = np.stack([fn(_take(state, f"model.layers.{i}.{name}")) for i in range(cfg.num_layers)])
+        stacked = np.stack([_layer_weight(state, f"model.layers.{i}.", name, fn) for i in range(cfg.num_layers)])
         _put(params, ("layers", *path), stacked)
     return params
 
@@ -52,6 +53,12 @@ def _get(tree: dict, path: tuple) -> dict:
     return tree
 
 
+def _layer_weight(state: dict, prefix: str, name: str | tuple, fn) -> np.ndarray:
+    if isinstance(name, tuple):
+        return fn(*[_take(state, prefix + n) for n in name])
+    return fn(_take(state, prefix + name))
+
+
 def _take(state: dict, name: str) -> np.ndarray:
     if name not in state:
         raise ValueError(f"the checkpoint has no tensor {name!r}")
@@ -73,7 +80,8 @@ _GGUF_TOP_NAMES = {
 
 def hf_state_from_gguf(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Dequantizes every tensor and renames it to transformers' names, undoing llama.cpp's q/k row permutation
-    where its converter applied one."""
+    where its converter applied one. A merged experts' tensor ([E, ...], named with ``{}`` for the expert in the
+    architecture's GGUF_LAYER_NAMES) becomes one tensor per expert."""
     import gguf
 
     arch = architecture(cfg.model_type)
@@ -88,16 +96,20 @@ def hf_state_from_gguf(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
             array = _unpermute_rope_rows(array, cfg.num_heads)
         elif permuted and ".k_proj." in name:
             array = _unpermute_rope_rows(array, cfg.num_kv_heads)
-        state[name] = array
+        if "{}" in name:
+            state.update((name.format(e), a) for e, a in enumerate(array))
+        else:
+            state[name] = array
     return state
 
 
 def gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
-    blk, index, part, kind = name.split(".")
-    if blk != "blk" or part not in layer_names:
+    parts = name.split(".")  # llama.cpp's older per-expert tensors (blk.N.ffn_gate.E.weight) have five
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
+    _, index, part, kind = parts
     return f"model.layers.{index}.{layer_names[part]}.{kind}"
 
 
