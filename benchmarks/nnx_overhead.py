@@ -33,11 +33,11 @@ def measure() -> dict:
     from jaxpage.config import build_engine_config
     from jaxpage.model_loader import default_cache_dir, load_model
     from jaxpage.model_runner import ModelRunner, abstract_step_inputs
-    try:
-        from jaxpage.models import config_from_hf
-    except ImportError:  # the baseline
-        from jaxpage.config import ModelConfig
+    from jaxpage.config import ModelConfig
+    if hasattr(ModelConfig, "from_hf"):  # the baseline
         config_from_hf = ModelConfig.from_hf
+    else:
+        from jaxpage.models import config_from_hf
     loaded = load_model(None, default_cache_dir())
     config = build_engine_config(config_from_hf(loaded.hf_config), dtype="float32", block_size=16,
                                  kv_cache_memory=None, num_kv_blocks=512, max_num_seqs=8,
@@ -67,7 +67,9 @@ def run(root: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}  # no compilation cache: measure() never enables it
     proc = subprocess.run([sys.executable, "-c", "import json, benchmarks.nnx_overhead as b; "
                            "print('RESULT', json.dumps(b.measure()))"],
-                          cwd=root, env=env, capture_output=True, text=True, check=True)
+                          cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"measuring {root} failed:\n{proc.stderr[-3000:]}")
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
     return {int(k): v for k, v in json.loads(line[7:]).items()}
 

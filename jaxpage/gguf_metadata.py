@@ -49,16 +49,21 @@ _ARCHITECTURES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"attention.key_length": "head_dim"}),
     "qwen3moe": ("qwen3_moe", {"expert_feed_forward_length": "moe_intermediate_size"}),
+    "gemma2": ("gemma2", {}),  # Gemma's further fields: its module's gguf_fields
+    "gemma3": ("gemma3_text", {}),
 }
 _MIXTRAL = ("mixtral", {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"})
 
 
 def gguf_config(gguf_path: str):
     """The transformers config of a GGUF file of the architectures jaxpage runs (llama, which llama.cpp also
-    writes for Mistral and Mixtral models, qwen2, qwen3 and qwen3moe), as ``AutoConfig.from_pretrained(...,
-    gguf_file=...)`` makes it with torch (plus the keys it skips, see ``_ARCHITECTURES``)."""
+    writes for Mistral and Mixtral models, qwen2, qwen3, qwen3moe, gemma2 and gemma3), as
+    ``AutoConfig.from_pretrained(..., gguf_file=...)`` makes it with torch (plus the keys it skips, see
+    ``_ARCHITECTURES``, and what the architecture module's optional ``gguf_fields(metadata)`` reads)."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    from jaxpage.models.registry import architecture
 
     metadata, tensor_names = read_gguf_metadata(gguf_path)
     arch = metadata["general.architecture"]
@@ -76,6 +81,7 @@ def gguf_config(gguf_path: str):
     for key, name in _TOKEN_IDS.items():
         if f"tokenizer.ggml.{key}" in metadata:
             kwargs[name] = metadata[f"tokenizer.ggml.{key}"]
+    kwargs.update(getattr(architecture(model_type), "gguf_fields", lambda _: {})(metadata))
     config = AutoConfig.for_model(model_type, **kwargs)
     if "blk.0.attn_q.bias" in tensor_names and hasattr(config, "attention_bias"):  # not in the metadata
         config.attention_bias = True

@@ -10,10 +10,13 @@ from jaxpage.config import ModelConfig
 # called as layer(x, pool, LayerConstants, StepContext) -> (x, pool)); layer_weights(cfg) and top_weights(cfg)
 # (param path -> (transformers tensor name, transform); a tuple of names, one per expert, gives the transform all of
 # them); GGUF_LAYER_NAMES (llama.cpp -> transformers names; "{}" in a name: a merged [E, ...] experts' tensor) and
-# gguf_permuted(cfg) (whether llama.cpp interleaved the q/k rotary halves). Optional: SCALE_EMBEDDINGS.
+# gguf_permuted(cfg) (whether llama.cpp interleaved the q/k rotary halves). Optional: SCALE_EMBEDDINGS;
+# from_gguf(name, array) (undoes what llama.cpp's converter changed in a tensor, given transformers' name);
+# gguf_fields(metadata) (config fields a GGUF file holds or implies beyond transformers' GGUF key mapping).
 _MODULES = {
     "llama": "llama", "mistral": "llama", "qwen2": "llama",
     "qwen3": "qwen3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+    "gemma2": "gemma2", "gemma3_text": "gemma3",
 }
 SUPPORTED_MODEL_TYPES = tuple(_MODULES)
 

@@ -96,6 +96,8 @@ def hf_state_from_gguf(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
             array = _unpermute_rope_rows(array, cfg.num_heads)
         elif permuted and ".k_proj." in name:
             array = _unpermute_rope_rows(array, cfg.num_kv_heads)
+        if hasattr(arch, "from_gguf"):
+            array = arch.from_gguf(name, array)
         if "{}" in name:
             state.update((name.format(e), a) for e, a in enumerate(array))
         else:
