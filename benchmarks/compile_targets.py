@@ -12,6 +12,7 @@ compile: compiled or the compiler's message, compile time, and for engine steps 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -21,11 +22,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 
 # v5p is a megacore chip (two TensorCores behind one device), so it exercises the kernels' parallel grid axes
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several processes may compile at once
 TPU_CHIPS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+TP_TOPOLOGIES = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}  # 8 chips, for tensor-parallel steps
 
 
 def tpu_runtime_available() -> bool:
@@ -43,6 +45,16 @@ def tpu_device(chip: str):
     return topologies.get_topology_desc(platform="tpu", topology_name=TPU_CHIPS[chip]).devices[0]
 
 
+@functools.cache
+def tpu_mesh(chip: str, tp: int):
+    """A tensor-parallel mesh over the first ``tp`` chips of an 8-chip topology."""
+    from jax.experimental import topologies
+
+    from jaxpage.parallel import make_mesh
+
+    return make_mesh(tp, topologies.get_topology_desc(platform="tpu", topology_name=TP_TOPOLOGIES[chip]).devices)
+
+
 @dataclasses.dataclass
 class Compiled:
     target: str
@@ -55,13 +67,15 @@ class Compiled:
     hlo: str = dataclasses.field(default="", repr=False)  # the optimized HLO, for checks on what was compiled
 
 
-def compile_for(device, target: str, name: str, shape: str, jitted, args) -> Compiled:
-    """Lowers and compiles ``jitted(*args)`` for ``device``; ``args`` is a pytree of ShapeDtypeStructs."""
-    sharding = SingleDeviceSharding(device)
+def compile_for(where, target: str, name: str, shape: str, jitted, args) -> Compiled:
+    """Lowers and compiles ``jitted(*args)`` for ``where``, a device or a mesh (``jitted`` then says every
+    argument's sharding); ``args`` is a pytree of ShapeDtypeStructs."""
+    on_mesh = isinstance(where, Mesh)
+    sharding = None if on_mesh else SingleDeviceSharding(where)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     start = time.perf_counter()
     try:
-        with jax.default_device(device):
+        with contextlib.nullcontext() if on_mesh else jax.default_device(where):
             compiled = jitted.lower(*placed).compile()
     except Exception as e:  # the compiler's message is the result
         return Compiled(target, name, shape, False, time.perf_counter() - start, _first_line(e))
@@ -177,33 +191,52 @@ def llama3_8b_config():
         num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0))
 
 
-MODELS = {"smollm2-135m": smollm2_config, "llama-3-8b": llama3_8b_config}
+def llama3_70b_config():
+    from transformers import LlamaConfig
+
+    from jaxpage.models import config_from_hf
+
+    return config_from_hf(LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False,
+        rope_theta=500000.0))
 
 
-def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 2048, **options):
-    """The engine's defaults (block 16, 64 sequences, 512 batched tokens, bfloat16) for ``model``'s shapes."""
+MODELS = {"smollm2-135m": smollm2_config, "llama-3-8b": llama3_8b_config, "llama-3-70b": llama3_70b_config}
+
+
+def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 2048, num_layers: int | None = None,
+                  **options):
+    """The engine's defaults (block 16, 64 sequences, 512 batched tokens, bfloat16) for ``model``'s shapes
+    (``num_layers``: fewer layers, for a quicker compile of the same layer)."""
     from jaxpage.config import build_engine_config
 
     kw = dict(dtype="bfloat16", block_size=16, kv_cache_memory=None, num_kv_blocks=num_kv_blocks,
               max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096, gpu_memory_utilization=0.9,
               attention_backend=backend)
-    return build_engine_config(MODELS[model](), **{**kw, **options})
+    shapes = MODELS[model]()
+    if num_layers:
+        shapes = dataclasses.replace(shapes, num_layers=num_layers, layer_types=shapes.layer_types[:num_layers])
+    return build_engine_config(shapes, **{**kw, **options})
 
 
 def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:
-    """The whole jitted engine step of one bucket (the runner's own function and inputs), pool donated."""
+    """The whole jitted engine step of one bucket (the runner's own function and inputs), pool donated; at the
+    config's tensor_parallel_size > 1, over that many chips of an 8-chip topology."""
     from jaxpage.kv_cache import kv_pool_shape
     from jaxpage.models import abstract_params
     from jaxpage.model_runner import abstract_step_inputs, jit_step
 
     config = config or engine_config(model)
+    tp = config.tensor_parallel_size
+    where = tpu_mesh(chip, tp) if tp > 1 else tpu_device(chip)
     params = abstract_params(config.model, config.dtype)
     pool = jax.ShapeDtypeStruct(kv_pool_shape(config.model, config.num_kv_blocks, config.block_size),
                                 jnp.dtype(config.dtype))
     batch, sampling = abstract_step_inputs(config, num_tokens)
-    shape = f"{config.attention_backend} T{num_tokens} pool {pool_gib(config):.2f} GiB"
-    return compile_for(tpu_device(chip), chip, f"step {model}", shape, jit_step(config, tpu_device(chip)),
-                       (params, pool, batch, sampling))
+    shape = (f"{config.attention_backend} T{num_tokens} pool {pool_gib(config) / tp:.2f} GiB/chip"
+             + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else ""))
+    return compile_for(where, chip, f"step {model}", shape, jit_step(config, where), (params, pool, batch, sampling))
 
 
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
@@ -260,22 +293,34 @@ def pool_gib(config) -> float:
 # Llama-3-8B in bfloat16 (16 GB of weights) does not fit a 16 GiB v5e chip: its row there is the compiler's
 # out-of-memory message, which is the point (that model needs the scale-out issue's tensor parallelism).
 STEP_TARGETS = {"smollm2-135m": ("v5e", "v6e", "v5p"), "llama-3-8b": ("v5e", "v6e", "v5p")}
+TP_STEP_TARGETS = {"llama-3-70b": ("v5e", "v6e")}  # at tensor_parallel_size=8, on 8 chips
 
 
-def run(chips: list[str], quick: bool) -> list[Compiled]:
+def run(chips: list[str], quick: bool, tp_only: bool = False) -> list[Compiled]:
     results = []
-    for chip in chips:
+    for chip in [] if tp_only else chips:
         for shape in kernel_shapes(quick):
             results.append(_report(compile_kernel(chip, shape)))
-    for model, model_chips in STEP_TARGETS.items():
+    for model, model_chips in {} if tp_only else STEP_TARGETS.items():
         config = engine_config(model)
         buckets = config.token_buckets()
         for chip in (c for c in chips if c in model_chips):
             for num_tokens in ([buckets[0], buckets[-1]] if quick else buckets):
                 results.append(_report(compile_step(chip, model, num_tokens, config)))
             results += [_report(r) for r in compile_block_moves(chip, model, config)]
-    for chip in chips:
+    for chip in [] if tp_only else chips:
         results.append(_report(compile_moe_layer(chip, 512)))
+    return results + run_tp(chips)
+
+
+def run_tp(chips: list[str]) -> list[Compiled]:
+    """The tensor-parallel steps (TP=8), at the smallest and the largest bucket."""
+    results = []
+    for model, model_chips in TP_STEP_TARGETS.items():
+        config = engine_config(model, tensor_parallel_size=8)
+        for chip in (c for c in chips if c in model_chips):
+            for num_tokens in (config.token_buckets()[0], config.token_buckets()[-1]):
+                results.append(_report(compile_step(chip, model, num_tokens, config)))
     return results
 
 
@@ -292,10 +337,11 @@ def main() -> None:
     parser.add_argument("--chips", nargs="+", default=list(TPU_CHIPS), choices=list(TPU_CHIPS))
     parser.add_argument("--quick", action="store_true", help="a few kernel shapes, first and last bucket only")
     parser.add_argument("--json", help="write every result here")
+    parser.add_argument("--tp-only", action="store_true", help="only the tensor-parallel (TP=8) steps")
     args = parser.parse_args()
     print("| chip | kernel / step | shape | result | compile | memory per chip (arguments incl. weights and "
           "pool; temporaries) |\n| --- | --- | --- | --- | --- | --- |")
-    results = run(args.chips, args.quick)
+    results = run(args.chips, args.quick, args.tp_only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"} for r in results], f, indent=1)

@@ -57,6 +57,8 @@ class EngineArgs:
     scan_layers: bool = dataclasses.field(default=True, metadata=_option(
         "--no-scan-layers unrolls the layers: about 4x the compile time at start-up, 11-15%% faster decode steps "
         "on a CPU"))
+    tensor_parallel_size: int = dataclasses.field(default=1, metadata=_option(
+        "devices the weights and the KV pool are split over, by attention head (a mesh axis 'model')"))
     preemption_mode: str = dataclasses.field(default="recompute", metadata=_option(
         "what a preempted request's KV blocks become: recomputed later, or swapped to host memory",
         choices=PREEMPTION_MODES))

@@ -33,7 +33,25 @@ def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, poo
     exercised here); lowered for a TPU or GPU, even ahead of time from a CPU, it runs them compiled. ``pairs``:
     the XLA path's per-step plan (``page_pairs``, built for the same ``window``), made once per step rather than
     once per layer. window: an int32 scalar, traced or not (0: full causal attention); soft_cap: a static float.
+
+    Traced under a tensor-parallel mesh (jaxpage.parallel), every device runs this on its own heads and its
+    slice of the pool (``shard_map``), whichever the backend.
     """
+    from jaxpage.parallel import model_axis_size, over_heads
+
+    local = functools.partial(_write_and_attend, backend, scale=scale, soft_cap=soft_cap)
+    shared = dict(layer=layer, token_seq=token_seq, positions=positions, slot_mapping=slot_mapping,
+                  block_tables=block_tables, pairs=pairs, window=jnp.asarray(window, jnp.int32))
+    if model_axis_size() > 1:
+        return over_heads(local, q, k, v, pool, shared)
+    return local(q, k, v, pool, **shared)
+
+
+def _write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer: jax.Array,
+                      token_seq: jax.Array, positions: jax.Array, slot_mapping: jax.Array, block_tables: jax.Array,
+                      scale: float, pairs: "PagePairs | None" = None, window=0,
+                      soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """write_and_attend on the heads and the slice of the pool that one device holds."""
     if backend == "xla":
         pool = _write_kv_for_platform(pool, layer, k, v, slot_mapping)
         return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale, pairs,

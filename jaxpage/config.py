@@ -65,6 +65,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
+    tensor_parallel_size: int = 1  # devices the model is split over (model's KV heads already replicated to fit)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -120,17 +121,18 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
                         max_model_len: int | None, gpu_memory_utilization: float,
                         attention_backend: str = "auto", scan_layers: bool = True,
-                        quantization: str | None = None) -> EngineConfig:
+                        tensor_parallel_size: int = 1, quantization: str | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     import jax
 
     from jaxpage import kv_cache
     from jaxpage.attention import resolve_backend
+    from jaxpage.parallel import make_mesh, model_for_tp
     from pallas_kernels.kv_write_tpu import tile_rows
 
     dtype = resolve_dtype(dtype)
     check_quantization(quantization)
-    model = dataclasses.replace(model, quantization=quantization)
+    model = model_for_tp(dataclasses.replace(model, quantization=quantization), tensor_parallel_size)
     _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     backend = resolve_backend(attention_backend)
     if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
@@ -153,13 +155,16 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                  f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
                  f"blocks of {block_size} tokens, plus the null block")
     else:
-        budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization)
+        devices = make_mesh(tensor_parallel_size).devices.flat
+        budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
         budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
-        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, dtype, budget, max_model_len)
+        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, dtype, budget, max_model_len,
+                                                       tensor_parallel_size)
     return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
-                        attention_backend=backend, scan_layers=scan_layers)
+                        attention_backend=backend, scan_layers=scan_layers,
+                        tensor_parallel_size=tensor_parallel_size)
 
 
 def check_quantization(quantization) -> None:

@@ -11,11 +11,11 @@ from jaxpage.arg_utils import EngineArgs
 from jaxpage.block_pool import BlockPool
 from jaxpage.compile_cache import enable_compilation_cache
 from jaxpage.config import EngineConfig, build_engine_config
-from jaxpage.models import config_from_hf
 from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.kv_cache_manager import KVCacheManager
 from jaxpage.model_loader import default_cache_dir, load_model
 from jaxpage.model_runner import ModelRunner
+from jaxpage.models import config_from_hf
 from jaxpage.output_processor import OutputProcessor
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
@@ -77,7 +77,8 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend, scan_layers=args.scan_layers, quantization=args.quantization)
+            attention_backend=args.attention_backend, scan_layers=args.scan_layers,
+            tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
         per_block = bytes_per_block(config.model, config.block_size, config.dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)

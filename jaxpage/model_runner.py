@@ -8,12 +8,15 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxpage.config import EngineConfig, pick_bucket
-from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape
+from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, jit_on_pool, kv_pool_shape, pool_format
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
-from jaxpage.models import TokenBatch, cast_weights, compute_logits, forward_hidden, unstack_layers
+from jaxpage.models import (TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs,
+                            unstack_layers)
+from jaxpage.parallel import make_mesh, place_params, replicate_kv_heads, spec_shardings
 from jaxpage.penalty_history import PenaltyHistory
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
@@ -31,10 +34,35 @@ def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
     return sample(logits, sampling), pool
 
 
-def jit_step(config: EngineConfig, device=None):
-    """``step`` jitted for one device with the pool donated and in its one format: the engine's step, and what
-    the compile lane compiles ahead of time for other targets."""
-    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", device)
+def jit_step(config: EngineConfig, where=None):
+    """``step`` jitted with the pool donated and in its one format: the engine's step, and what the compile lane
+    compiles ahead of time for other targets. where: a device, or the mesh of a tensor-parallel config (the
+    weights split as ``weight_shardings`` says)."""
+    arg_shardings = {0: weight_shardings(config, where)} if isinstance(where, Mesh) else None
+    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings)
+
+
+def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None):
+    """Where each weight goes: split over ``mesh`` by the parameters' names, or whole on ``device`` (default:
+    the default device); a tree matching the stacked or unrolled weights."""
+    specs, shapes = partition_specs(config.model), abstract_params(config.model, np.float32)
+    if not config.scan_layers:  # unrolled: each layer's entry is the stacked one without the leading layer axis
+        def per_layer(tree, drop_layer_axis):
+            layer = jax.tree.map(drop_layer_axis, tree["layers"], is_leaf=lambda x: isinstance(x, PartitionSpec))
+            return {**tree, "layers": {i: layer for i in range(config.model.num_layers)}}
+        specs = per_layer(specs, lambda s: PartitionSpec(*s[1:]))
+        shapes = per_layer(shapes, lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
+    if mesh is not None:
+        return spec_shardings(specs, shapes, mesh)
+    device = SingleDeviceSharding(device or jax.devices()[0])
+    return jax.tree.map(lambda _: device, shapes)
+
+
+def replicated(config: EngineConfig):
+    """The sharding of the step's inputs other than weights and pool: the default device, or every device of
+    the tensor-parallel mesh."""
+    tp = config.tensor_parallel_size
+    return NamedSharding(make_mesh(tp), PartitionSpec()) if tp > 1 else None
 
 
 def _gather_blocks(pool: jax.Array, blocks: jax.Array) -> jax.Array:
@@ -55,25 +83,30 @@ class BlockMoves:
     scatter: object
 
     @classmethod
-    def jit(cls, device=None) -> "BlockMoves":
-        return cls(jit_on_pool(copy_blocks, 3, 0, "pool", device), jit_on_pool(_gather_blocks, 2, 0, "result", device),
-                   jit_on_pool(_scatter_blocks, 3, 0, "pool", device))
+    def jit(cls, where=None) -> "BlockMoves":
+        """On a device or a mesh; swapped blocks travel split as the pool is (each device's KV heads)."""
+        blocks = {2: pool_format(where).sharding}
+        return cls(jit_on_pool(copy_blocks, 3, 0, "pool", where), jit_on_pool(_gather_blocks, 2, 0, "blocks", where),
+                   jit_on_pool(_scatter_blocks, 3, 0, "pool", where, blocks))
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, params: dict, num_host_blocks: int = 0):
         self.config = config
         dtype = jnp.dtype(config.dtype)
+        tp = config.tensor_parallel_size
+        self.mesh = make_mesh(tp) if tp > 1 else None
         if not config.scan_layers:
             params = unstack_layers(params)
-        self.params = cast_weights(params, dtype)
-        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, dtype)
+        params = replicate_kv_heads(params, config.model.num_kv_heads)
+        self.params = place_params(params, weight_shardings(config, self.mesh), dtype)
+        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, dtype, self.mesh)
         shape = kv_pool_shape(config.model, num_host_blocks, config.block_size)
         self.host_pool = np.zeros(shape, dtype) if num_host_blocks else None
-        self._step = jit_step(config)
+        self._step = jit_step(config, self.mesh)
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
-        moves = BlockMoves.jit()
+        moves = BlockMoves.jit(self.mesh)
         self._copy, self._gather, self._scatter = moves.copy, moves.gather, moves.scatter
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
@@ -159,15 +192,15 @@ def _plain_rows(num_seqs: int) -> tuple[np.ndarray, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _all_allowed(num_seqs: int, vocab_size: int) -> jax.Array:
-    """The bitmask of a batch without structured outputs, on the device once per shape: such batches pay no
+def _all_allowed(num_seqs: int, vocab_size: int, sharding=None) -> jax.Array:
+    """The bitmask of a batch without structured outputs, on the device(s) once per shape: such batches pay no
     transfer for it."""
-    return jax.device_put(np.full((num_seqs, bitmask_words(vocab_size)), -1, np.int32))  # a transfer, no compile
+    return jax.device_put(np.full((num_seqs, bitmask_words(vocab_size)), -1, np.int32), sharding)  # no compile
 
 
-def _bitmask_rows(bitmask: np.ndarray | None, num_seqs: int, vocab_size: int):
+def _bitmask_rows(bitmask: np.ndarray | None, num_seqs: int, config: EngineConfig):
     if bitmask is None:
-        return _all_allowed(num_seqs, vocab_size)
+        return _all_allowed(num_seqs, config.model.vocab_size, replicated(config))
     out = np.full((num_seqs, bitmask.shape[1]), -1, np.int32)
     out[:len(bitmask)] = bitmask
     return out
@@ -342,5 +375,5 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
     sampling = SamplingBatch(
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
         steps, presence, frequency, repetition, state.penalty_history.table, history_rows, num_prompt, banned,
-        np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config.model.vocab_size))
+        np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config))
     return batch, sampling

@@ -1,11 +1,13 @@
 """Reference computations the tests compare against: transformers for the model, plain loops for the rest."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden
+from jaxpage.parallel import with_mesh
 
 NEAR_TIE = 1e-3
 
@@ -54,8 +56,12 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla")
     batch = TokenBatch(np.asarray(token_ids, np.int32), pos, table[pos // bs] * bs + pos % bs,
                        np.zeros(n, np.int32), tables, np.zeros(1, np.int32))
     pool = jnp.zeros_like(llm.engine.runner.kv_pool)
-    hidden, _ = forward_hidden(cfg.model, params, pool, batch, backend)
-    return np.asarray(compute_logits(cfg.model, params, hidden))
+
+    def logits(params, pool, batch):
+        hidden, _ = forward_hidden(cfg.model, params, pool, batch, backend)
+        return compute_logits(cfg.model, params, hidden)
+    # traced under the runner's tensor-parallel mesh, if any, as its step is
+    return np.asarray(jax.jit(with_mesh(logits, llm.engine.runner.mesh))(params, pool, batch))
 
 
 def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4, context: str = ""):

@@ -127,3 +127,19 @@ def test_block_moves_compile_in_place():
     for r in ct.compile_block_moves("v5e", "smollm2-135m", smollm2()):
         assert r.ok, f"{r.name}: {r.error}"
         assert r.memory["temp"] < pool_bytes(smollm2()) / 100, (r.name, r.memory)
+
+
+def test_llama3_70b_step_compiles_tensor_parallel_on_eight_v5e_chips():
+    """TP=8 over a v5e:2x4 topology with 4 of Llama-3-70B's 80 layers (the same compiled layer in a scan; the
+    whole model is benchmarks/RESULTS.md's table): the weights and the pool are split 8 ways (each chip's
+    arguments are an eighth of the total and a replicated embedding), the chips all-reduce."""
+    from jaxpage.models import abstract_params
+
+    config = ct.engine_config("llama-3-70b", num_layers=4, tensor_parallel_size=8)
+    r = ct.compile_step("v5e", "llama-3-70b", config.token_buckets()[0], config)
+    assert_compiled(r)
+    assert "all-reduce" in r.hlo
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract_params(config.model, config.dtype)))
+    embedding = config.model.vocab_size * config.model.hidden_size * 2
+    assert r.memory["alias"] >= pool_bytes(config) // 8, r.memory
+    assert r.memory["argument"] <= (weights + pool_bytes(config)) // 8 + embedding, r.memory

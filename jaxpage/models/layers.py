@@ -65,7 +65,7 @@ class Linear(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, dim: int):
-        self.embedding = param((vocab_size, dim), (None, None))
+        self.embedding = param((vocab_size, dim), (MODEL_AXIS, None))  # vocab rows: a tied LM head then splits too
 
     def __call__(self, token_ids: jax.Array) -> jax.Array:
         return self.embedding[...][token_ids]

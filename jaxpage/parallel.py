@@ -1,0 +1,119 @@
+"""Tensor parallelism on JAX's sharding machinery: a mesh with one ``model`` axis, the sizes a model allows, and
+where the weights and the KV pool live on it.
+
+The weights are split by their ``nnx.Param`` names (attention heads, MLP columns/rows, LM head columns, embedding
+rows; a dimension the TP size does not divide stays whole) and GSPMD
+partitions the matmuls (the o and down projections end in an all-reduce); the attention call runs under
+``shard_map`` (``over_heads``), each device running the single-device code on its own heads and its slice of the
+pool (split by KV head). When the TP size exceeds the KV heads, each KV head is repeated ``tp // kv_heads`` times
+(vLLM's replication): the pool then has ``tp`` KV head slots, and the k/v projections are repeated at load.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpage.models.layers import MODEL_AXIS
+from jaxpage.models.quant import SCALE, weight_dtype
+
+if TYPE_CHECKING:
+    from jaxpage.config import ModelConfig
+
+POOL_SPEC = P(None, None, None, MODEL_AXIS, None, None)  # the pool's KV head axis
+HEADS_SPEC = P(None, MODEL_AXIS, None)  # q/k/v and attention outputs [T, heads, head_dim]
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """Refuses, by name, a TP size that cannot work for this model (``make_mesh`` refuses one too large for the
+    devices)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
+    heads, kv = model.num_heads, model.num_kv_heads
+    rules = [(heads % tp == 0, f"must divide the model's num_attention_heads={heads}"),
+             (kv % tp == 0 if tp <= kv else tp % kv == 0,
+              f"must divide the model's num_key_value_heads={kv}, or be a multiple of it (KV heads replicated)")]
+    for ok, rule in rules:
+        if not ok:
+            raise ValueError(f"tensor_parallel_size={tp} {rule}")
+
+
+def kv_head_slots(model: ModelConfig, tp: int) -> int:
+    """KV heads in the pool: the model's, or ``tp`` when each device needs a replica of one."""
+    return max(model.num_kv_heads, tp)
+
+
+def model_for_tp(model: ModelConfig, tp: int) -> ModelConfig:
+    """The config the engine runs at TP size ``tp``: the model's, with the KV heads replicated where needed."""
+    check_tensor_parallel(model, tp)
+    return dataclasses.replace(model, num_kv_heads=kv_head_slots(model, tp))
+
+
+def replicate_kv_heads(params: dict, slots: int) -> dict:
+    """The k/v projections (kernel [.., D, kvh, hd], bias [.., kvh, hd]) with each KV head repeated so there
+    are ``slots`` (numpy, before placement); unchanged when they already have that many."""
+    def repeat(path, a):
+        names = [getattr(k, "key", None) for k in path]
+        if names[-2] not in ("k", "v") or names[-1] not in ("kernel", "bias", SCALE):
+            return a
+        axis = a.ndim - 2  # kernel [..., D, kvh, hd], bias and int8 scale [..., kvh, hd]: KV heads second to last
+        return a if a.shape[axis] == slots else np.repeat(a, slots // a.shape[axis], axis=axis)
+    return jax.tree_util.tree_map_with_path(repeat, params)
+
+
+def make_mesh(tp: int, devices=None) -> Mesh:
+    """A 1-D mesh of the first ``tp`` devices, axis ``model``; GSPMD (Auto) partitions everything outside the
+    attention call."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {len(devices)} devices available")
+    devices = devices[:tp]
+    return Mesh(np.array(devices), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def spec_fitting(spec: P, shape: tuple[int, ...], tp: int) -> P:
+    """``spec`` without the model axis on dimensions it does not divide (e.g. a vocabulary): those stay
+    replicated rather than padded."""
+    return P(*(None if name == MODEL_AXIS and dim % tp else name for name, dim in zip(spec, shape)))
+
+
+def spec_shardings(specs: dict, shapes: dict, mesh: Mesh) -> dict:
+    """NamedShardings on ``mesh`` from a tree of PartitionSpecs and one of shapes (``spec_fitting`` applied)."""
+    tp = mesh.shape[MODEL_AXIS]
+    return jax.tree.map(lambda s, a: NamedSharding(mesh, spec_fitting(s, a.shape, tp)), specs, shapes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def place_params(params: dict, shardings: dict, dtype) -> dict:
+    """Each weight converted on the host and sent shard by shard to its devices (no full copy on one device)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a, s: jax.device_put(np.asarray(a).astype(weight_dtype(p, a, dtype)), s), params, shardings)
+
+
+def model_axis_size() -> int:
+    """The size of the model axis of the mesh a trace runs under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or MODEL_AXIS not in mesh.axis_names else mesh.shape[MODEL_AXIS]
+
+
+def over_heads(fn, q, k, v, pool, shared: dict):
+    """``fn(q, k, v, pool, **shared) -> (out, pool)`` on every device of the model axis, over its own heads: q/k/v
+    split by heads, the pool by KV head slots, ``shared`` (arrays or None) replicated."""
+    return jax.shard_map(lambda q, k, v, pool, shared: fn(q, k, v, pool, **shared),
+                         in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, P()),
+                         out_specs=(HEADS_SPEC, POOL_SPEC), check_vma=False)(q, k, v, pool, shared)
+
+
+def with_mesh(fn, mesh: Mesh | None):
+    """``fn`` traced under ``mesh`` (what ``model_axis_size`` and ``over_heads`` read); ``fn`` itself without
+    one."""
+    if mesh is None:
+        return fn
+
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return traced

@@ -1,0 +1,140 @@
+"""Tensor parallelism against tensor_parallel_size=1, on 8 forced CPU devices.
+
+The forced devices must be set before JAX starts, so the one test collected in the ordinary run re-runs this
+file under pytest in a child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``; the cases
+below run there only. For random models whose heads divide the TP size (one with fewer KV heads than the TP size,
+one with q/k/v biases, unrolled layers) and SmolLM2 at TP 3 (9 heads, 3 KV heads):
+- greedy tokens identical to TP 1, through ``LLM.generate`` (XLA path; one case on the interpreted Pallas TPU
+  kernel); a workload with a small pool, swap preemption, prefix caching and parallel sampling (copy-on-write)
+  gives TP 1's tokens too;
+- teacher-forced logits within float32 tolerance of TP 1's;
+- the KV pool really is split: each device holds 1/TP of it, its share of the KV head slots;
+- sizes that cannot work are refused by name.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NUM_DEVICES = 8
+IN_CHILD = os.environ.get("JAXPAGE_TP_CHILD") == "1"
+
+
+@pytest.mark.skipif(IN_CHILD, reason="the parent's test")
+def test_tensor_parallel_on_eight_cpu_devices():
+    env = {**os.environ, "JAXPAGE_TP_CHILD": "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}"}
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                         cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"child pytest failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+
+
+if IN_CHILD:
+    import jax
+    import numpy as np
+    from transformers import LlamaConfig, Qwen2Config
+
+    from jaxpage import LLM, SamplingParams
+    from tests.conftest import SMOLLM2_OPTIONS
+    from tests.reference import assert_logits_close, paged_logits, save_random_model
+
+    assert len(jax.devices()) == NUM_DEVICES, jax.devices()
+
+    OPTIONS = dict(block_size=16, num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                   dtype="float32", progress=False, preemption_mode="swap")
+    COMMON = dict(num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu")
+    CONFIGS = {  # name -> (config, engine options)
+        "llama-8h-4kv": (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                                     num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, **COMMON), {}),
+        "qwen2-4h-2kv-bias-unrolled": (Qwen2Config(  # KV heads replicated at TP 4; q/k/v biases; unrolled layers
+            vocab_size=192, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=True, **COMMON), dict(scan_layers=False)),
+    }
+    CASES = [("llama-8h-4kv", 2, "xla"), ("llama-8h-4kv", 4, "xla"), ("qwen2-4h-2kv-bias-unrolled", 4, "xla"),
+             ("qwen2-4h-2kv-bias-unrolled", 4, "pallas_tpu")]
+    GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+    @functools.cache
+    def model_dir(name: str) -> str:
+        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"jaxpage-tp-{os.getpid()}" / name
+        save_random_model(CONFIGS[name][0], path, seed=sum(map(ord, name)))
+        return str(path)
+
+    @functools.cache
+    def engine(name: str, tp: int, backend: str) -> LLM:
+        if name == "smollm2":
+            return LLM(tensor_parallel_size=tp, attention_backend=backend,
+                       **{**SMOLLM2_OPTIONS, "max_num_batched_tokens": 16, "max_num_seqs": 4, "max_model_len": 128})
+        return LLM(model=model_dir(name), tensor_parallel_size=tp, attention_backend=backend,
+                   **{**OPTIONS, **CONFIGS[name][1]})
+
+    def prompts(vocab: int, lengths=(1, 15, 17)) -> list[dict]:
+        rng = np.random.default_rng(len(lengths))
+        return [{"prompt_token_ids": rng.integers(1, vocab, n).tolist()} for n in lengths]
+
+    def tokens(llm: LLM, batch, params=GREEDY) -> list[list[list[int]]]:
+        return [[c.token_ids for c in out.outputs] for out in llm.generate(batch, params)]
+
+    @pytest.mark.parametrize("name,tp,backend", CASES, ids=[f"{n}-tp{t}-{b}" for n, t, b in CASES])
+    def test_greedy_tokens_equal_tp1(name, tp, backend):
+        batch = prompts(CONFIGS[name][0].vocab_size)
+        assert tokens(engine(name, tp, backend), batch) == tokens(engine(name, 1, backend), batch)
+
+    @pytest.mark.parametrize("name,tp", [("llama-8h-4kv", 4), ("qwen2-4h-2kv-bias-unrolled", 4)])
+    def test_teacher_forced_logits_close_to_tp1(name, tp):
+        ids = prompts(CONFIGS[name][0].vocab_size, (40,))[0]["prompt_token_ids"]
+        ours, ref = paged_logits(engine(name, tp, "xla"), ids), paged_logits(engine(name, 1, "xla"), ids)
+        assert_logits_close(ours, ref, rtol=1e-5, context=f"{name} tp{tp}")
+
+    def test_swap_prefix_caching_and_forks_give_tp1_tokens():
+        """More work than the 9-block pool holds (swap preemption), prompts sharing a prefix (prefix caching)
+        and n=2 seeded sampling (forks, copy-on-write)."""
+        name, vocab = "llama-8h-4kv", CONFIGS["llama-8h-4kv"][0].vocab_size
+        shared = prompts(vocab, (20,))[0]["prompt_token_ids"]
+        batch = [{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in prompts(vocab, (3, 9, 14, 5))]
+        params = SamplingParams(max_tokens=30, temperature=0.8, n=2, seed=7)
+        ours, ref = engine(name, 2, "xla"), engine(name, 1, "xla")
+        assert tokens(ours, batch, params) == tokens(ref, batch, params)
+        stats = ours.stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+
+    @pytest.mark.parametrize("name,tp", [("llama-8h-4kv", 4), ("qwen2-4h-2kv-bias-unrolled", 4)])
+    def test_each_device_holds_its_share_of_the_pool(name, tp):
+        pool = engine(name, tp, "xla").engine.runner.kv_pool
+        kv_slots = max(CONFIGS[name][0].num_key_value_heads, tp)
+        assert pool.shape[3] == kv_slots
+        shards = pool.addressable_shards
+        assert len({s.device for s in shards}) == tp
+        for s in shards:
+            assert s.data.shape == (*pool.shape[:3], kv_slots // tp, *pool.shape[4:])
+        assert sum(s.data.nbytes for s in shards) == pool.nbytes
+
+    def test_smollm2_tp3_greedy_tokens_equal_tp1():
+        llm = engine("smollm2", 3, "xla")
+        model = llm.engine.config.model
+        assert (model.num_heads, model.num_kv_heads) == (9, 3)
+        batch = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+        assert tokens(llm, batch, GREEDY) == tokens(engine("smollm2", 1, "xla"), batch, GREEDY)
+        assert llm.engine.runner.kv_pool.addressable_shards[0].data.shape[3] == 1  # 3 KV heads over 3 devices
+
+    def test_sizes_that_cannot_work_are_refused_by_name():
+        with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=8"):
+            LLM(model=model_dir("llama-8h-4kv"), tensor_parallel_size=3, **OPTIONS)
+        with pytest.raises(ValueError, match="tensor_parallel_size=9 exceeds the 8 devices available"):
+            LLM(tensor_parallel_size=9, **SMOLLM2_OPTIONS)  # 9 heads, 3 KV heads: only the devices are short
+
+    def test_kv_heads_that_neither_divide_nor_are_divided_are_refused_by_name():
+        import dataclasses
+
+        from jaxpage.parallel import check_tensor_parallel
+
+        model = dataclasses.replace(engine("llama-8h-4kv", 2, "xla").engine.config.model, num_heads=12,
+                                    num_kv_heads=8)
+        with pytest.raises(ValueError, match="tensor_parallel_size=6 must divide the model's num_key_value_heads=8"):
+            check_tensor_parallel(model, 6)
