@@ -97,8 +97,26 @@ class Transformers:
         return generate, {"torch_threads": torch.get_num_threads()}
 
 
+@dataclasses.dataclass(frozen=True)
+class JaxpageCpuDot(Jaxpage):
+    """int8 weights with the CPU's matmul form replaced (jaxpage.models.quant.CPU_DOT) while the steps compile."""
+
+    cpu_dot: str = "int8_dot_weight_only"
+
+    def load(self, args):
+        from jaxpage.models import quant
+
+        saved, quant.CPU_DOT = quant.CPU_DOT, getattr(quant, self.cpu_dot)
+        try:
+            return super().load(args)
+        finally:
+            quant.CPU_DOT = saved
+
+
 MODES = {
     "jaxpage-f32": Jaxpage({"dtype": "float32"}),
+    "jaxpage-int8": Jaxpage({"dtype": "float32", "quantization": "int8"}),  # int8 activations per token
+    "jaxpage-int8-weight-only": JaxpageCpuDot({"dtype": "float32", "quantization": "int8"}),
     "jaxpage-f32-unrolled": Jaxpage({"dtype": "float32", "scan_layers": False}),
     "jaxpage-bf16": Jaxpage({"dtype": "bfloat16"}),
     "hf-f32": Transformers("float32"),

@@ -8,7 +8,7 @@ import re
 import typing
 
 from jaxpage.attention import BACKENDS
-from jaxpage.config import DTYPES, KV_CACHE_DTYPES
+from jaxpage.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxpage.scheduler import PREEMPTION_MODES
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -54,6 +54,9 @@ class EngineArgs:
         "reuse the KV blocks of prompt prefixes seen before"))
     attention_backend: str = dataclasses.field(default="auto", metadata=_option(
         "auto: the Pallas kernel of the platform, XLA on the CPU", choices=BACKENDS))
+    quantization: str | None = dataclasses.field(default=None, metadata=_option(
+        "int8: int8 weights with a float32 scale per output channel, made at load and cached (on the CPU the "
+        "activations are quantized per token too)", choices=QUANTIZATIONS[1:]))
     scan_layers: bool = dataclasses.field(default=True, metadata=_option(
         "--no-scan-layers unrolls the layers: about 4x the compile time at start-up, 11-15%% faster decode steps "
         "on a CPU"))

@@ -38,6 +38,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    quantization: str | None = None  # None or "int8" (jaxpage.models.quant): the engine's, not the checkpoint's
 
     def layer_windows(self) -> np.ndarray:
         """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""
@@ -111,6 +112,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+QUANTIZATIONS = (None, "int8")  # the weights': jaxpage.models.quant
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -128,7 +130,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
                         max_model_len: int | None, gpu_memory_utilization: float,
                         attention_backend: str = "auto", scan_layers: bool = True,
-                        tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> EngineConfig:
+                        tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                        quantization: str | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     import jax
 
@@ -138,7 +141,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     from pallas_kernels.kv_write_tpu import tile_rows
 
     dtype = resolve_dtype(dtype)
-    model = model_for_tp(model, tensor_parallel_size)
+    check_quantization(quantization)
+    model = model_for_tp(dataclasses.replace(model, quantization=quantization), tensor_parallel_size)
     _require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
              f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
     kv_dtype = kv_cache.kv_storage_dtype(kv_cache_dtype, dtype)
@@ -174,6 +178,11 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_num_batched_tokens=max_num_batched_tokens,
                         attention_backend=backend, scan_layers=scan_layers,
                         tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
+
+
+def check_quantization(quantization) -> None:
+    _require(quantization in QUANTIZATIONS, "quantization", quantization,
+             f"must be one of {', '.join(map(repr, QUANTIZATIONS))}")
 
 
 def _require(ok: bool, field: str, value, rule: str) -> None:

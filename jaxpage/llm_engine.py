@@ -70,7 +70,7 @@ class LLMEngine:
         cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
         enable_compilation_cache(cache_dir)
         started = time.perf_counter()
-        loaded = load_model(args.model, cache_dir)
+        loaded = load_model(args.model, cache_dir, args.quantization)
         load_seconds = time.perf_counter() - started
         config = build_engine_config(
             config_from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
@@ -78,7 +78,8 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend, scan_layers=args.scan_layers,
-            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization)
         per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
         runner = ModelRunner(config, loaded.params, num_host_blocks)

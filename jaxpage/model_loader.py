@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxpage.config import check_quantization
 from jaxpage.gguf_metadata import gguf_config, use_without_torch
 from jaxpage.models import config_from_hf, hf_state_from_gguf, params_from_hf_state
+from jaxpage.models.weights import quantize_params
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ class LoadedModel:
     name: str
     hf_config: object
     tokenizer: object | None
-    params: dict  # numpy float32 pytree in jaxpage's layout (see jaxpage.models.causal_lm)
+    params: dict  # numpy pytree in jaxpage's layout (see jaxpage.models.causal_lm): float32, int8 kernels quantized
     eos_token_ids: tuple[int, ...]
 
 
@@ -47,26 +49,29 @@ def default_model_path() -> Path:
     return files[0]
 
 
-def load_model(model: str | os.PathLike | None, cache_dir: Path) -> LoadedModel:
+def load_model(model: str | os.PathLike | None, cache_dir: Path, quantization: str | None = None) -> LoadedModel:
+    """The model's weights, converted (and quantized: None or "int8") once and cached under cache_dir."""
+    check_quantization(quantization)
     path = Path(model) if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     is_gguf = path.is_file() and path.suffix == ".gguf"
     if not is_gguf and not (path.is_dir() and (path / "config.json").exists()):
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a directory with config.json")
-    entry = cache_dir / "models" / _source_key(path)
+    entry = cache_dir / "models" / _source_key(path, quantization)
     if not (entry / "complete").exists():
-        _convert_into(path, is_gguf, entry)
+        _convert_into(path, is_gguf, entry, quantization)
     return _restore(entry, name=path.stem if is_gguf else path.name)
 
 
-def _source_key(path: Path) -> str:
+def _source_key(path: Path, quantization: str | None) -> str:
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     ident = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return hashlib.sha256(json.dumps([_CACHE_FORMAT, ident]).encode()).hexdigest()[:24]
+    key = [_CACHE_FORMAT, ident] + ([quantization] if quantization else [])  # float entries keep their keys
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
 
 
-def _convert_into(path: Path, is_gguf: bool, entry: Path) -> None:
+def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | None) -> None:
     import orbax.checkpoint as ocp
     from transformers import AutoConfig
 
@@ -77,7 +82,7 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path) -> None:
     hf_config = gguf_config(str(path)) if is_gguf else AutoConfig.from_pretrained(src)
     cfg = config_from_hf(hf_config)  # refuses unsupported architectures before any heavy work
     state = hf_state_from_gguf(path, cfg) if is_gguf else _read_safetensors(path)
-    params = params_from_hf_state(cfg, state)
+    params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))
     entry.mkdir(parents=True, exist_ok=True)
     hf_dir = entry / "hf"
     hf_config.save_pretrained(hf_dir)

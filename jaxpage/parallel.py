@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpage.models.layers import MODEL_AXIS
+from jaxpage.models.quant import SCALE, weight_dtype
 
 if TYPE_CHECKING:
     from jaxpage.config import ModelConfig
@@ -65,9 +66,9 @@ def replicate_kv_heads(params: dict, slots: int) -> dict:
     are ``slots`` (numpy, before placement); unchanged when they already have that many."""
     def repeat(path, a):
         names = [getattr(k, "key", None) for k in path]
-        if names[-2:] not in (["k", "kernel"], ["k", "bias"], ["v", "kernel"], ["v", "bias"]):
+        if names[-2] not in ("k", "v") or names[-1] not in ("kernel", "bias", SCALE):
             return a
-        axis = a.ndim - 2  # kernel [..., D, kvh, hd] and bias [..., kvh, hd]: the KV head axis is second to last
+        axis = a.ndim - 2  # kernel [..., D, kvh, hd], bias and int8 scale [..., kvh, hd]: KV heads second to last
         return a if a.shape[axis] == slots else np.repeat(a, slots // a.shape[axis], axis=axis)
     return jax.tree_util.tree_map_with_path(repeat, params)
 
@@ -97,7 +98,8 @@ def spec_shardings(specs: dict, shapes: dict, mesh: Mesh) -> dict:
 
 def place_params(params: dict, shardings: dict, dtype) -> dict:
     """Each weight converted on the host and sent shard by shard to its devices (no full copy on one device)."""
-    return jax.tree.map(lambda a, s: jax.device_put(np.asarray(a).astype(dtype), s), params, shardings)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a, s: jax.device_put(np.asarray(a).astype(weight_dtype(p, a, dtype)), s), params, shardings)
 
 
 def model_axis_size() -> int:

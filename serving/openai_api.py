@@ -250,7 +250,9 @@ class OpenAIServing:
     async def models(self) -> oai.ModelList:
         cfg = self._engine().engine.config
         return oai.ModelList(data=[oai.ModelCard(id=name, max_model_len=cfg.max_model_len,
-                                                 kv_cache_dtype=cfg.kv_cache_dtype) for name in self.model_names()])
+                                                 kv_cache_dtype=cfg.kv_cache_dtype,
+                                                 quantization=cfg.model.quantization)
+                                   for name in self.model_names()])
 
     async def health(self) -> Response:
         engine = self.service.engine

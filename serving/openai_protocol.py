@@ -187,6 +187,7 @@ class ModelCard(BaseModel):
     owned_by: str = "jaxpage"
     max_model_len: int | None = None
     kv_cache_dtype: str | None = None  # jaxpage's own: "auto", "int8" or "fp8"
+    quantization: str | None = None  # the weights' (jaxpage): None or "int8"
 
 
 class ModelList(BaseModel):

@@ -206,7 +206,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             model_name=engine.engine.model_name, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
             num_kv_blocks=cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, dtype=str(cfg.dtype),
-            vocab_size=cfg.model.vocab_size, kv_cache_dtype=cfg.kv_cache_dtype)
+            vocab_size=cfg.model.vocab_size, kv_cache_dtype=cfg.kv_cache_dtype,
+            quantization=cfg.model.quantization or "")
 
     # --- one request's life -----------------------------------------------------------------------------
     async def _engine_or_abort(self, context):

@@ -227,6 +227,7 @@ def test_32_concurrent_streams_complete_correctly(server, smollm2):
 def test_models_health_version_and_metrics_on_one_port(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == NAMES and models.data[0].model_extra["max_model_len"] == 512
+    assert models.data[0].model_extra["quantization"] is None
     with httpx.Client(base_url=server.base, timeout=10) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/version").json()["version"]

@@ -181,6 +181,7 @@ def test_unary_chat_model_info_and_the_cli_client(server, stub):
     assert info.model_name.startswith("SmolLM2") and info.max_model_len == 512 and info.block_size == 16
     assert info.num_kv_blocks > 1 and info.max_num_seqs == 32 and info.vocab_size == 49152
     assert info.kv_cache_dtype == "auto"
+    assert info.quantization == ""
 
     cli = subprocess.run([sys.executable, "-m", "jaxpage.cli", "client", "--target", server.target, "--stream",
                           "--max-tokens", "8", "The capital of France is"], cwd=ROOT, capture_output=True,

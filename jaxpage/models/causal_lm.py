@@ -21,11 +21,16 @@ from jaxpage.config import ModelConfig
 from jaxpage.models.attention import StepContext, layer_constants
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import MODEL_AXIS, Embedding, Linear, RMSNorm, embed_scale, soft_cap
+from jaxpage.models.quant import building, weight_dtype
 from jaxpage.models.registry import architecture
 
 
 class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, unrolled: bool = False):
+        with building(cfg.quantization):
+            self._build(cfg, unrolled)
+
+    def _build(self, cfg: ModelConfig, unrolled: bool) -> None:
         arch = architecture(cfg.model_type)
         layer_cls = arch.DecoderLayer
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -36,7 +41,8 @@ class CausalLM(nnx.Module):
                             transform_metadata={nnx.PARTITION_NAME: None})
             self.layers = make()
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (None if cfg.tie_word_embeddings
+        # quantized, a tied head is a Linear of its own (made from the embedding at load): its matmul is int8
+        self.lm_head = (None if cfg.tie_word_embeddings and not cfg.quantization
                         else Linear((cfg.hidden_size,), (cfg.vocab_size,), (None, MODEL_AXIS)))
         self.scale_embeddings = getattr(arch, "SCALE_EMBEDDINGS", False)  # Gemma: x * sqrt(hidden_size)
         self.cfg = cfg
@@ -124,7 +130,13 @@ def stack_layers(params: dict) -> dict:
 def abstract_params(cfg: ModelConfig, dtype) -> dict:
     """The stacked weights as shapes only (``jax.ShapeDtypeStruct``), for ahead-of-time compilation."""
     state = nnx.state(_abstract_model(cfg))
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)), nnx.to_pure_dict(state))
+    return jax.tree_util.tree_map_with_path(lambda p, a: jax.ShapeDtypeStruct(a.shape, weight_dtype(p, a, dtype)),
+                                            nnx.to_pure_dict(state))
+
+
+def cast_weights(params: dict, dtype) -> dict:
+    """The weights on the device in the engine's dtype (int8 kernels and their scales keep theirs)."""
+    return jax.tree_util.tree_map_with_path(lambda p, a: jnp.asarray(a, weight_dtype(p, a, dtype)), params)
 
 
 def partition_specs(cfg: ModelConfig) -> dict:

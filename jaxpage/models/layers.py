@@ -11,13 +11,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpage.models.quant import int8_dot, quantization_being_built
+
 MODEL_AXIS = "model"
 
 
-def param(shape: tuple[int, ...], names: tuple) -> nnx.Param:
+def param(shape: tuple[int, ...], names: tuple, dtype=jnp.float32) -> nnx.Param:
     """A zero-filled parameter (weights are always loaded, never initialised) with its partitioning names."""
     assert len(names) == len(shape), (shape, names)
-    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names, eager_sharding=False)
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -35,18 +37,30 @@ class RMSNorm(nnx.Module):
 
 class Linear(nnx.Module):
     """y = x . kernel (+ bias), contracting x's trailing ``in_shape`` axes; kernel [*in_shape, *out_shape].
-    The one place a matmul with weights happens, so a quantized form replaces it in one place."""
+    The one place a matmul with weights happens. Built under ``quant.building("int8")``, the kernel is int8 with
+    a float32 ``scale`` [*out_shape] per output channel (sharded as the kernel's output axes)."""
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], names: tuple, bias: bool = False):
-        self.kernel = param((*in_shape, *out_shape), names)
-        self.bias = param(out_shape, names[len(in_shape):]) if bias else None
-        self.num_in = len(in_shape)
+        quantized = quantization_being_built() is not None
+        self.kernel = param((*in_shape, *out_shape), names, jnp.int8 if quantized else jnp.float32)
+        out_names = names[len(in_shape):]
+        if quantized:
+            self.scale = param(out_shape, out_names)
+        self.bias = param(out_shape, out_names) if bias else None
+        self.num_in, self.num_out = len(in_shape), len(out_shape)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
-        y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in))),
-                                            ((), ())))
+        if kernel.dtype == jnp.int8:
+            y = int8_dot(x, kernel, self.scale[...], self.num_in)
+        else:
+            y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - self.num_in, x.ndim)),
+                                                 tuple(range(self.num_in))), ((), ())))
         return y if self.bias is None else y + self.bias[...]
+
+    def in_axes(self, ndim: int) -> tuple[int, ...]:
+        """The input axes of this kernel's array with ``ndim`` dimensions (leading axes: layers, stacked)."""
+        return tuple(range(ndim - self.num_out - self.num_in, ndim - self.num_out))
 
 
 class Embedding(nnx.Module):

@@ -8,6 +8,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import ModelConfig
+from jaxpage.models.quant import SCALE, quantize_int8
 from jaxpage.models.registry import architecture
 
 
@@ -22,6 +23,34 @@ def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray]) -> dict
         stacked = np.stack([_layer_weight(state, f"model.layers.{i}.", name, fn) for i in range(cfg.num_layers)])
         _put(params, ("layers", *path), stacked)
     return params
+
+
+def quantize_params(cfg: ModelConfig, params: dict) -> dict:
+    """Float weights (``params_from_hf_state``'s layout) to ``cfg.quantization``'s: every Linear's kernel int8
+    with its per-output-channel scale; a tied LM head becomes a Linear of its own, from the embedding."""
+    from flax import nnx
+
+    from jaxpage.models.causal_lm import _abstract_model
+    from jaxpage.models.layers import Linear
+
+    if cfg.quantization is None:
+        return params
+    params = {**params}
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = {"kernel": np.ascontiguousarray(params["embed"]["embedding"].T)}
+    for path, module in nnx.iter_graph(_abstract_model(cfg)):
+        if isinstance(module, Linear):
+            linear = _get(params, path)
+            linear["kernel"], linear[SCALE] = quantize_int8(linear["kernel"], module.in_axes(linear["kernel"].ndim))
+    return params
+
+
+def _get(tree: dict, path: tuple) -> dict:
+    """The sub-dict at ``path``, copied along the way so the caller's tree stays unchanged."""
+    for key in path:
+        tree[key] = {**tree[key]}
+        tree = tree[key]
+    return tree
 
 
 def _layer_weight(state: dict, prefix: str, name: str | tuple, fn) -> np.ndarray:

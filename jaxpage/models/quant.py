@@ -1,0 +1,86 @@
+"""int8 weights: per-output-channel quantization and the quantized matmul.
+
+A kernel [*in, *out] becomes int8 values and a float32 scale [*out] (absmax over the input axes / 127, round to
+nearest), so that kernel ~= values * scale. The matmul takes one of two forms:
+  weight-only: x . values (converted to x's dtype inside the dot), then * scale; GPU and TPU, where XLA fuses the
+    convert into the dot and the gain is the weights' memory traffic;
+  dynamic: x quantized per row (absmax over its contracted axes / 127) to int8, an int8 x int8 dot accumulated in
+    int32, then * row scale * scale; the CPU, where int8 dots are faster than float ones (see
+    benchmarks/int8_matmul.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCALE = "scale"  # Linear.scale: stays float32 in every engine dtype
+_BUILDING = contextvars.ContextVar("quantization", default=None)
+
+
+@contextlib.contextmanager
+def building(quantization):
+    """Modules constructed inside take this quantization (the model builds its graph in one of these)."""
+    token = _BUILDING.set(quantization)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+def quantization_being_built():
+    return _BUILDING.get()
+
+
+def weight_dtype(path: tuple, leaf, dtype):
+    """The dtype a weight takes in an engine of this dtype: int8 values and their scales keep theirs."""
+    if leaf.dtype == jnp.int8 or getattr(path[-1], "key", None) == SCALE:
+        return leaf.dtype
+    return jnp.dtype(dtype)
+
+
+def quantize_int8(w: np.ndarray, in_axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values, float32 scale): the scale has w's shape without ``in_axes``; all-zero channels get scale 1."""
+    w = np.asarray(w, np.float32)
+    scale = np.abs(w).max(axis=in_axes, keepdims=True) / 127
+    scale = np.where(scale == 0, 1, scale).astype(np.float32)
+    values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return values, scale.squeeze(axis=in_axes)
+
+
+def _contract(x: jax.Array, kernel: jax.Array, num_in: int, **kw) -> jax.Array:
+    """x [..., *in] . kernel [*in, *out] -> [..., *out]."""
+    dims = ((tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in))), ((), ()))
+    return jax.lax.dot_general(x, kernel, dims, **kw)
+
+
+def int8_dot_weight_only(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:
+    return (_contract(x, kernel.astype(x.dtype), num_in) * scale).astype(x.dtype)
+
+
+def int8_dot_dynamic(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:
+    lead = x.shape[:x.ndim - num_in]
+    if np.prod(lead, dtype=int) == 1:  # XLA:CPU turns a one-row int8 dot into an int32 copy of the kernel
+        pad = jnp.zeros((1,) * len(lead) + x.shape[x.ndim - num_in:], x.dtype)
+        both = jnp.concatenate([x.reshape(pad.shape), pad])
+        return int8_dot_dynamic(both, kernel, scale, num_in)[:1].reshape(lead + scale.shape)
+    x32 = x.astype(jnp.float32)
+    row_scale = jnp.max(jnp.abs(x32), axis=tuple(range(x.ndim - num_in, x.ndim)), keepdims=True) / 127
+    row_scale = jnp.where(row_scale == 0, 1, row_scale)
+    xq = jnp.round(x32 / row_scale).astype(jnp.int8)
+    acc = _contract(xq, kernel, num_in, preferred_element_type=jnp.int32)
+    row_scale = row_scale.reshape(x.shape[:x.ndim - num_in] + (1,) * scale.ndim)
+    return (acc.astype(jnp.float32) * row_scale * scale).astype(x.dtype)
+
+
+def int8_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:
+    """x [..., *in] . (kernel * scale) [*in, *out]: every quantized matmul of the model, in the form that suits
+    the platform it is lowered for."""
+    return jax.lax.platform_dependent(x, kernel, scale, cpu=lambda *a: CPU_DOT(*a, num_in),
+                                      default=lambda *a: int8_dot_weight_only(*a, num_in))
+
+
+CPU_DOT = int8_dot_dynamic  # benchmarks/int8_matmul.py and cpu_speed's modes compare it with the weight-only form
