@@ -148,7 +148,7 @@ def engine_benchmark(setup: dict, started: float, budget_s: float) -> dict:
             continue
         w = workloads.fixed(n, setup["prompt"], setup["output"], model.vocab_size, 0, max_len)
         print(f"engine: {n} streams ({w.describe()})", flush=True)
-        run = throughput.compare(loaded, args, w, runner, caches, throughput.SYSTEMS)
+        run = throughput.compare(loaded, args, w, {"paged": runner}, caches, throughput.SYSTEMS)
         result["streams"][n] = {name: {k: run[name][k] for k in ("output_tokens_per_s", "requests_per_s",
                                                                  "seconds", "peak_concurrency")}
                                 for name in throughput.SYSTEMS}

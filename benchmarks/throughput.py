@@ -220,7 +220,9 @@ def compare(loaded, args, workload, runners: dict, caches: dict, systems, durati
         result["paged_speedup_vs_best_baseline"] = result["paged"]["requests_per_s"] / best["requests_per_s"]
         result["paged_speedup_vs_best_baseline_cpu"] = (result["paged"]["output_tokens_per_cpu_s"]
                                                          / max(b["output_tokens_per_cpu_s"] for b in baselines))
-    for name in [n for n in result if n.startswith("paged_") and "paged" in result]:  # quantized KV vs auto
+    quantized = [n for n, r in result.items() if n.startswith("paged_") and isinstance(r, dict)
+                 and "requests_per_s" in r and "paged" in result]
+    for name in quantized:  # quantized KV vs auto
         result[f"{name}_vs_paged"] = {k: result[name][k] / max(result["paged"][k], 1e-9)
                                       for k in ("requests_per_s", "output_tokens_per_s", "peak_concurrency",
                                                 "mean_concurrency")}
