@@ -66,11 +66,23 @@ def pool_bytes(config) -> int:
     return int(ct.pool_gib(config) * 2**30)
 
 
+def least_pool_bytes(config) -> int:
+    """The pool's bytes with its values' rows padded to 128 lanes and an int8 pool's scales unpadded: libtpu
+    versions tile the small float32 scales differently (0.0.42 pads a page's [KVH, block] to (8, 128), 0.0.50
+    less), so an aliased pool is at least this."""
+    from jaxpage.kv_cache import bytes_per_block
+
+    m, n, bs = config.model, config.num_kv_blocks, config.block_size
+    values = bytes_per_block(m, bs, config.kv_dtype if config.kv_dtype != "int8" else "uint8", 128) * n
+    scales = m.num_layers * n * 2 * m.num_kv_heads * bs * 4 if config.kv_dtype == "int8" else 0
+    return values + scales
+
+
 def check_step(chip, model, num_tokens, config):
     r = ct.compile_step(chip, model, num_tokens, config)
     assert r.ok, f"{chip} {model} T{num_tokens}: {r.error}"
     # the pool is donated and aliased, never copied: temporaries far below its size (it was 6x, once)
-    assert r.memory["alias"] >= pool_bytes(config), r.memory
+    assert r.memory["alias"] >= least_pool_bytes(config), r.memory
     assert r.memory["temp"] < pool_bytes(config) / 8, r.memory
     return r
 
@@ -80,8 +92,14 @@ def smollm2(backend="pallas_tpu"):
     return ct.engine_config("smollm2-135m", backend=backend)
 
 
-@pytest.mark.parametrize("num_tokens", smollm2().token_buckets()[::11 if QUICK else 1])
-def test_smollm2_step_compiles_for_v5e_at_every_bucket(num_tokens):
+def _lane_buckets(buckets: list[int]) -> list[int]:
+    """The smallest and largest buckets (quick), and a middle one (the main lane); every bucket is compiled by
+    ``python -m benchmarks.compile_targets``, the suite keeps to the ends and the middle for time."""
+    return sorted({buckets[0], buckets[-1]} | (set() if QUICK else {buckets[len(buckets) // 2]}))
+
+
+@pytest.mark.parametrize("num_tokens", _lane_buckets(smollm2().token_buckets()))
+def test_smollm2_step_compiles_for_v5e_at_lane_buckets(num_tokens):
     assert_compiled(check_step("v5e", "smollm2-135m", num_tokens, smollm2()))
 
 
