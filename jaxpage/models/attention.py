@@ -8,11 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpage.attention import page_pairs, write_and_attend
+from jaxpage.attention import page_pairs_by_window, select_pairs, write_and_attend
 from jaxpage.config import ModelConfig
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import MODEL_AXIS, Linear, RMSNorm
@@ -22,15 +21,21 @@ from jaxpage.models.rope import apply_rope, rope_inv_freq
 @dataclasses.dataclass(frozen=True)
 class LayerConstants:
     """Per-layer values derived from the config ([L, ...] when stacked): the layer's index in the pool, its
-    sliding window (0: full attention) and its RoPE inverse frequencies."""
+    sliding window (0: full attention), its RoPE inverse frequencies and which of the step's page plans it
+    reads (the index of its window among the model's distinct windows)."""
 
     index: jax.Array
     window: jax.Array
     inv_freq: jax.Array
+    plan: jax.Array
 
 
 jax.tree_util.register_dataclass(
-    LayerConstants, data_fields=["index", "window", "inv_freq"], meta_fields=[])
+    LayerConstants, data_fields=["index", "window", "inv_freq", "plan"], meta_fields=[])
+
+
+def distinct_windows(cfg: ModelConfig) -> list[int]:
+    return sorted(set(cfg.layer_windows().tolist()))
 
 
 def layer_constants(cfg: ModelConfig) -> LayerConstants:
@@ -40,36 +45,29 @@ def layer_constants(cfg: ModelConfig) -> LayerConstants:
     local = dict(cfg.local_rope_parameters)
     sliding = (rope_inv_freq(cfg.head_dim, local.pop("rope_theta"), local) if local else full)
     inv_freq = np.stack([sliding if w else full for w in windows])
-    return LayerConstants(np.arange(cfg.num_layers, dtype=np.int32), windows, inv_freq)
+    plan = np.asarray([distinct_windows(cfg).index(w) for w in windows.tolist()], np.int32)
+    return LayerConstants(np.arange(cfg.num_layers, dtype=np.int32), windows, inv_freq, plan)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
     """What every layer of one step shares: the batch, the attention backend and, on the XLA path, the page
-    plan of each distinct window (made once per step, not once per layer)."""
+    plan of each distinct window, stacked (made once per step, not once per layer)."""
 
     batch: TokenBatch
     backend: str
-    plans: dict  # window (int) -> PagePairs; empty unless backend == "xla"
+    plans: object  # PagePairs stacked over the model's distinct windows; None unless backend == "xla"
 
     @classmethod
     def make(cls, cfg: ModelConfig, batch: TokenBatch, backend: str, block_size: int) -> "StepContext":
-        plans = {}
+        plans = None
         if backend == "xla":
-            for w in sorted(set(cfg.layer_windows().tolist())):
-                kw = {"window": w} if w else {}
-                plans[w] = page_pairs(batch.token_seq, batch.positions, batch.block_tables, block_size, **kw)
+            plans = page_pairs_by_window(batch.token_seq, batch.positions, batch.block_tables, block_size,
+                                         distinct_windows(cfg))
         return cls(batch, backend, plans)
 
-    def plan(self, window: jax.Array):
-        """The plan of a layer's (traced) window: a select between at most two plans."""
-        if not self.plans:
-            return None
-        items = sorted(self.plans.items())
-        chosen = items[0][1]
-        for w, p in items[1:]:
-            chosen = jax.tree.map(lambda a, b, w=w: jnp.where(window == w, b, a), chosen, p)
-        return chosen
+    def plan(self, layer: LayerConstants):
+        return None if self.plans is None else select_pairs(self.plans, layer.plan)
 
 
 class Attention(nnx.Module):
@@ -100,6 +98,6 @@ class Attention(nnx.Module):
         if self.soft_cap is not None:
             options["soft_cap"] = self.soft_cap
         out, pool = write_and_attend(ctx.backend, q, k, v, pool, layer.index, b.token_seq, b.positions,
-                                     b.slot_mapping, b.block_tables, scale=self.scale, pairs=ctx.plan(layer.window),
+                                     b.slot_mapping, b.block_tables, scale=self.scale, pairs=ctx.plan(layer),
                                      **options)
         return self.o(out), pool
