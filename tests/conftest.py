@@ -35,3 +35,9 @@ def hf_smollm2():
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A converted-weights cache of the module's own (the random-model test files)."""
+    return tmp_path_factory.mktemp("jaxpage-cache")

@@ -101,11 +101,6 @@ class Built:
                             REL_TOL, context=self.where(n, f"teacher-forced, {backend}"))
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("jaxpage-cache")
-
-
 @pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
 def built(request, cache_dir, tmp_path_factory):
     case = request.param

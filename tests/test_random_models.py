@@ -118,11 +118,6 @@ class Built:
                             f"jaxpage:      {got}\ntransformers: {ref_tokens}")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("jaxpage-cache")
-
-
 @pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
 def built(request, cache_dir, tmp_path_factory):
     case = request.param

@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import os
 import random
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +20,10 @@ from jaxpage.config import ModelConfig
 from jaxpage.models import TokenBatch, abstract_params, cast_weights, compute_logits, forward_hidden, quantize_params
 from jaxpage.models.layers import Linear
 from jaxpage.models.quant import building, int8_dot_weight_only, quantize_int8
+from tests.quality import SEGMENT, SOURCES, varied_segments
 
 SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
-REPO = Path(__file__).resolve().parents[1]
 # prose, Python, a results table of numbers, a protobuf IDL: four kinds of text, SEGMENT tokens each
-SOURCES = ("README.md", "jaxpage/scheduler.py", "benchmarks/RESULTS.md", "serving/generation.proto")
-SEGMENT = 512
 # Measured on SmolLM2-135M-Instruct (its Q4_1 GGUF) over these 2,048 tokens, the CPU form (int8 activations per
 # token): top-1 0.868, mean KL 0.0461 nats (the weight-only form of GPU/TPU: 0.955, 0.0049). The thresholds leave
 # a little room for other XLA versions, none for a wrong scale or rounding (a scale off by 1 % costs far more).
@@ -108,15 +105,6 @@ def test_quantized_weights_fit_the_quantized_graph_and_a_tied_head_becomes_int8(
 
 
 # --- SmolLM2: teacher-forced quality against transformers float32 ---------------------------------------------
-def varied_segments(tokenizer, segment: int = SEGMENT) -> list[list[int]]:
-    segments = []
-    for source in SOURCES:
-        ids = tokenizer.encode((REPO / source).read_text())
-        assert len(ids) >= segment, f"{source} has only {len(ids)} tokens"
-        segments.append(ids[:segment])
-    return segments
-
-
 def one_sequence_batch(n: int, block_size: int, max_blocks: int) -> TokenBatch:
     pos = np.arange(n, dtype=np.int32)
     tables = np.zeros((1, max_blocks), np.int32)
