@@ -98,25 +98,34 @@ class Transformers:
 
 
 @dataclasses.dataclass(frozen=True)
-class JaxpageCpuDot(Jaxpage):
-    """int8 weights with the CPU's matmul form replaced (jaxpage.models.quant.CPU_DOT) while the steps compile."""
+class JaxpagePatched(Jaxpage):
+    """jaxpage with a module attribute replaced while the engine is built and compiled: an internal choice that
+    no engine option makes (the CPU's int8 matmul form, the layer loop)."""
 
-    cpu_dot: str = "int8_dot_weight_only"
+    module: str = ""
+    attribute: str = ""
+    value: object = None  # a callable of the module gives the replacement
 
     def load(self, args):
-        from jaxpage.models import quant
+        import importlib
 
-        saved, quant.CPU_DOT = quant.CPU_DOT, getattr(quant, self.cpu_dot)
+        module = importlib.import_module(self.module)
+        saved = getattr(module, self.attribute)
+        setattr(module, self.attribute, self.value(module))
         try:
             return super().load(args)
         finally:
-            quant.CPU_DOT = saved
+            setattr(module, self.attribute, saved)
 
 
 MODES = {
     "jaxpage-f32": Jaxpage({"dtype": "float32"}),
     "jaxpage-int8": Jaxpage({"dtype": "float32", "quantization": "int8"}),  # int8 activations per token
-    "jaxpage-int8-weight-only": JaxpageCpuDot({"dtype": "float32", "quantization": "int8"}),
+    "jaxpage-int8-weight-only": JaxpagePatched({"dtype": "float32", "quantization": "int8"}, "jaxpage.models.quant",
+                                               "CPU_DOT", lambda m: m.int8_dot_weight_only),
+    # the layers in one lax.scan, as on a TPU/GPU, instead of the CPU's host loop over one compiled layer
+    "jaxpage-f32-scan": JaxpagePatched({"dtype": "float32"}, "jaxpage.model_runner", "HOST_LAYER_LOOP_PLATFORMS",
+                                       lambda m: ()),
     "jaxpage-f32-unrolled": Jaxpage({"dtype": "float32", "scan_layers": False}),
     "jaxpage-bf16": Jaxpage({"dtype": "bfloat16"}),
     "hf-f32": Transformers("float32"),
@@ -228,7 +237,7 @@ def machine() -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", nargs="+", default=["jaxpage-f32", "jaxpage-f32-unrolled", "hf-f32", "hf-bf16"],
+    parser.add_argument("--modes", nargs="+", default=["jaxpage-f32", "jaxpage-f32-scan", "jaxpage-int8", "hf-f32", "hf-bf16"],
                         choices=sorted(MODES))
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -58,8 +58,8 @@ class EngineArgs:
         "int8: int8 weights with a float32 scale per output channel, made at load and cached (on the CPU the "
         "activations are quantized per token too)", choices=QUANTIZATIONS[1:]))
     scan_layers: bool = dataclasses.field(default=True, metadata=_option(
-        "--no-scan-layers unrolls the layers: about 4x the compile time at start-up, 11-15%% faster decode steps "
-        "on a CPU"))
+        "one compiled decoder layer, run by a lax.scan (on the CPU: called once per layer from the host, each "
+        "layer's weights read in place); --no-scan-layers unrolls the layers into the step: ~3x the compile time"))
     tensor_parallel_size: int = dataclasses.field(default=1, metadata=_option(
         "devices the weights and the KV pool are split over, by attention head (a mesh axis 'model')"))
     preemption_mode: str = dataclasses.field(default="recompute", metadata=_option(

@@ -83,10 +83,12 @@ class EngineConfig:
         """Padded sizes of the flat token axis: 8, 16, then powers of two and the halfway sizes between them
         (24, 32, 48, 64, 96, ...) up to the token budget. The halfway sizes cut the padding of a step from up
         to 50% to up to 33% (a step costs in proportion to its padded tokens on a CPU) for one compile more per
-        octave."""
+        octave. On the XLA path a 1-token bucket comes first: a lone decode step then reads the weights for
+        one row, not eight (the Pallas kernels take tokens in blocks of 8)."""
         octaves = _powers(8, 2, self.max_num_batched_tokens)
         halves = [size * 3 // 2 for size in octaves[1:-1]]
-        return sorted(set(octaves + [h for h in halves if h < self.max_num_batched_tokens]))
+        single = [1] if self.attention_backend == "xla" else []
+        return sorted(set(single + octaves + [h for h in halves if h < self.max_num_batched_tokens]))
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         """The sequence axis is tied to the token axis, so the bucket grid stays two-dimensional."""

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, host_kv_pool, jit_on_pool, pool_format
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
+from jaxpage.layer_loop import LayerLoopJit
 from jaxpage.models import (TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs,
                             unstack_layers)
 from jaxpage.parallel import make_mesh, place_params, replicate_kv_heads, spec_shardings
@@ -25,13 +26,22 @@ from jaxpage.structured_matcher import bitmask_words
 
 log = logging.getLogger(__name__)
 
+# where one compiled layer runs once per layer from the host (jaxpage.layer_loop) instead of in a lax.scan:
+# XLA:CPU copies a scanned layer's weights out of the stack
+HOST_LAYER_LOOP_PLATFORMS = ("cpu",)
+
 
 def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
          sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
     """One engine iteration: write K/V, attend through the block tables, sample one token per sequence."""
     hidden, pool = forward_hidden(config.model, params, pool, batch, config.attention_backend)
-    logits = compute_logits(config.model, params, hidden[batch.logits_indices])
-    return sample(logits, sampling), pool
+    return sample_tokens(config, params, hidden, batch, sampling), pool
+
+
+def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: TokenBatch,
+                  sampling: SamplingBatch) -> SamplerOutput:
+    """The step's tail: logits at each sequence's last scheduled token (final-normed ``hidden``), sampled."""
+    return sample(compute_logits(config.model, params, hidden[batch.logits_indices]), sampling)
 
 
 def jit_step(config: EngineConfig, where=None):
@@ -42,11 +52,19 @@ def jit_step(config: EngineConfig, where=None):
     return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings, config.kv_dtype)
 
 
-def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None):
+def compile_step(jitted, params, pool, batch, sampling):
+    """A bucket's executable of ``jit_step`` or a ``LayerLoopJit``, for these (abstract) inputs."""
+    if isinstance(jitted, LayerLoopJit):
+        return jitted.compile(params, pool, batch, sampling)
+    return jitted.lower(params, pool, batch, sampling).compile()
+
+
+def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None, unrolled: bool | None = None):
     """Where each weight goes: split over ``mesh`` by the parameters' names, or whole on ``device`` (default:
-    the default device); a tree matching the stacked or unrolled weights."""
+    the default device); a tree matching the stacked or (``unrolled``, default: not ``config.scan_layers``)
+    unrolled weights."""
     specs, shapes = partition_specs(config.model), abstract_params(config.model, np.float32)
-    if not config.scan_layers:  # unrolled: each layer's entry is the stacked one without the leading layer axis
+    if not config.scan_layers if unrolled is None else unrolled:  # each layer's entry: the stacked one less its layer axis
         def per_layer(tree, drop_layer_axis):
             layer = jax.tree.map(drop_layer_axis, tree["layers"], is_leaf=lambda x: isinstance(x, PartitionSpec))
             return {**tree, "layers": {i: layer for i in range(config.model.num_layers)}}
@@ -104,15 +122,20 @@ class ModelRunner:
         dtype = jnp.dtype(config.dtype)
         tp = config.tensor_parallel_size
         self.mesh = make_mesh(tp) if tp > 1 else None
-        if not config.scan_layers:
+        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        host_loop = config.scan_layers and device.platform in HOST_LAYER_LOOP_PLATFORMS
+        unrolled = host_loop or not config.scan_layers
+        if unrolled:
             params = unstack_layers(params)
         params = replicate_kv_heads(params, config.model.num_kv_heads)
-        self.params = place_params(params, weight_shardings(config, self.mesh), dtype)
+        shardings = weight_shardings(config, self.mesh, unrolled=unrolled)
+        self.params = place_params(params, shardings, dtype)
         kv_dtype = jnp.dtype(config.kv_dtype)
         self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, self.mesh)
         self.host_pool = (host_kv_pool(config.model, num_host_blocks, config.block_size, kv_dtype)
                           if num_host_blocks else None)
-        self._step = jit_step(config, self.mesh)
+        self._step = (LayerLoopJit.make(config, sample_tokens, shardings, self.mesh) if host_loop
+                      else jit_step(config, self.mesh))
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
         moves = BlockMoves.jit(self.mesh, kv_dtype)
@@ -128,7 +151,7 @@ class ModelRunner:
             for num_tokens in buckets:
                 if num_tokens not in self._executables:
                     batch, sampling = abstract_step_inputs(self.config, num_tokens)
-                    compiled = self._step.lower(self.params, self.kv_pool, batch, sampling).compile()
+                    compiled = compile_step(self._step, self.params, self.kv_pool, batch, sampling)
                     # The first run of an executable costs 0.3-0.7 s more on a CPU (one-time set-up in the
                     # runtime): take it here, on an all-padding batch (writes only the null block).
                     padding = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), (batch, sampling))

@@ -150,6 +150,12 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
     of the XLA path and the references (quantized when the pool is)."""
     block_size = pool.shape[4]
     values, scales = pool_parts(pool)
+    if k.shape[0] == 1:
+        # XLA turns a one-update scatter into a bounds-checked dynamic-update-slice, and then copies the whole
+        # pool around it (measured: 10 s per SmolLM2 step on a CPU); a second write, into slot 0 of the null
+        # block (jaxpage.kv_cache.NULL_BLOCK, which padding tokens write too), keeps it an in-place scatter
+        k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
+        slot_mapping = jnp.concatenate([jnp.asarray(slot_mapping, jnp.int32), jnp.zeros(1, jnp.int32)])
     kv, kv_scales = quantize(jnp.stack([k, v], axis=1), pool.dtype)  # [T, 2, KVH, D], [T, 2, KVH]
     at = (layer, slot_mapping // block_size, slice(None), slice(None), slot_mapping % block_size)
     return with_parts(values.at[at].set(kv), None if scales is None else scales.at[at].set(kv_scales))

@@ -173,7 +173,7 @@ def test_teacher_forced_logits_other_layer_layout(built):
     """The same weights in the other layout than the engine's (stacked and scanned, or unrolled) agree too."""
     params = built.llm.engine.runner.params
     unrolled = unstack_layers(params) is params
-    assert unrolled == (not built.llm.engine.config.scan_layers)
+    assert unrolled  # on a CPU either way: scan_layers=True loops over one compiled layer from the host
     other = stack_layers(params) if unrolled else unstack_layers(params)
     check_teacher_forced_logits(built, PROMPT_LENS[-1], other)
 

@@ -173,7 +173,7 @@ def test_llm_with_int8_weights_generates():
     llm = LLM(quantization="int8", dtype="float32", max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64,
               kv_cache_memory=16 << 20, progress=False)
     assert llm.engine.config.model.quantization == "int8"
-    assert llm.engine.runner.params["layers"]["mlp"]["down"]["kernel"].dtype == jnp.int8
+    assert llm.engine.runner.params["layers"][0]["mlp"]["down"]["kernel"].dtype == jnp.int8  # unrolled on a CPU
     assert llm.engine.runner.params["lm_head"]["scale"].dtype == jnp.float32
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6 and "Paris" in out[0].outputs[0].text

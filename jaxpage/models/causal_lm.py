@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpage.config import ModelConfig
-from jaxpage.models.attention import StepContext, layer_constants
+from jaxpage.models.attention import LayerConstants, StepContext, layer_constants
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import MODEL_AXIS, Embedding, Linear, RMSNorm, embed_scale, soft_cap
 from jaxpage.models.quant import building, weight_dtype
@@ -48,12 +48,8 @@ class CausalLM(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, pool: jax.Array, batch: TokenBatch, backend: str) -> tuple[jax.Array, jax.Array]:
-        cfg = self.cfg
-        x = self.embed(batch.token_ids)
-        if self.scale_embeddings:
-            x = x * embed_scale(cfg.hidden_size, x.dtype)
-        ctx = StepContext.make(cfg, batch, backend, block_size=pool.shape[4])
-        consts = layer_constants(cfg)
+        x, ctx = self.begin(batch, backend, block_size=pool.shape[4])
+        consts = layer_constants(self.cfg)
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
                 x, pool = layer(x, pool, jax.tree.map(lambda a, i=i: a[i], consts), ctx)
@@ -67,6 +63,13 @@ class CausalLM(nnx.Module):
 
             (x, pool), _ = jax.lax.scan(body, (x, pool), (stacked, jax.tree.map(jnp.asarray, consts)))
         return self.final_norm(x), pool
+
+    def begin(self, batch: TokenBatch, backend: str, block_size: int) -> tuple[jax.Array, StepContext]:
+        """The embedded tokens and what every layer of the step shares."""
+        x = self.embed(batch.token_ids)
+        if self.scale_embeddings:
+            x = x * embed_scale(self.cfg.hidden_size, x.dtype)
+        return x, StepContext.make(self.cfg, batch, backend, block_size)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         logits = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
@@ -95,22 +98,60 @@ def bind(cfg: ModelConfig, params: dict) -> CausalLM:
     return nnx.merge(model_graph(cfg, _is_unrolled(params)), params)
 
 
+def top_weights(params: dict) -> dict:
+    """The weights outside the decoder layers (embedding, final norm, LM head)."""
+    return {k: v for k, v in params.items() if k != "layers"}
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_shapes(cfg: ModelConfig) -> dict:
+    return abstract_params(cfg, np.float32)["layers"]
+
+
+def _bind_top(cfg: ModelConfig, params: dict) -> CausalLM:
+    """The model over its top weights only; its layers hold shapes (for what never runs a layer)."""
+    return nnx.merge(model_graph(cfg), {**top_weights(params), "layers": _layer_shapes(cfg)})
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_graph(cfg: ModelConfig):
+    return nnx.graphdef(_abstract_model(cfg, unrolled=True).layers[0])
+
+
 def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch, backend: str = "xla"):
     """Runs all layers over the flat batch; returns final-normed hidden states [T, D] and the updated pool.
     backend: the attention backend (jaxpage.attention.BACKENDS, resolved), static under jit."""
     return bind(cfg, params)(pool, batch, backend)
 
 
+def begin_layers(cfg: ModelConfig, top: dict, batch: TokenBatch, backend: str, block_size: int):
+    """What runs before the first layer, for a caller that runs the layers one by one (``run_layer``): the
+    embedded tokens [T, D] and the step's XLA page plans (None on other backends)."""
+    x, ctx = _bind_top(cfg, top).begin(batch, backend, block_size)
+    return x, ctx.plans
+
+
+def run_layer(cfg: ModelConfig, layer: dict, consts: LayerConstants, x: jax.Array, pool: jax.Array,
+              batch: TokenBatch, plans, backend: str) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer (its weights: one entry of the unrolled ``layers``; its constants: one row of
+    ``layer_constants``); returns (x, pool)."""
+    return nnx.merge(_layer_graph(cfg), layer)(x, pool, consts, StepContext(batch, backend, plans))
+
+
+def final_norm(cfg: ModelConfig, top: dict, x: jax.Array) -> jax.Array:
+    return _bind_top(cfg, top).final_norm(x)
+
+
 def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
-    """float32 logits [N, V] for hidden states [N, D]."""
-    return bind(cfg, params).logits(hidden)
+    """float32 logits [N, V] for hidden states [N, D] (params: all the weights, or ``top_weights``)."""
+    return _bind_top(cfg, params).logits(hidden)
 
 
 def unstack_layers(params: dict) -> dict:
-    """The same weights with the layers unrolled (``{i: layer i}``), so that every layer is compiled and reads
-    its own buffers: a scan slices each layer's weights out of the stack at run time, and XLA:CPU copies every
-    slice before its matmul (11-15 % slower SmolLM2 steps there), for about 4x the compile time. The engine's
-    ``scan_layers=False``."""
+    """The same weights with the layers unrolled (``{i: layer i}``), each layer in its own buffers: a scan slices
+    each layer's weights out of the stack at run time, and XLA:CPU copies every slice before its matmul. The
+    engine's layout for ``scan_layers=False`` (every layer compiled into the step) and on the CPU (one compiled
+    layer called per layer, ``run_layer``)."""
     if _is_unrolled(params):
         return params
     layers = params["layers"]

@@ -1,0 +1,98 @@
+"""The step on a CPU: one compiled decoder layer, called once per layer from the host.
+
+In a ``lax.scan`` over stacked weights XLA:CPU copies each layer's weights out of the stack before its matmuls
+(36 % of a one-stream SmolLM2 step); unrolled layers read their own buffers but take ~3x the compile time. Here
+each layer keeps its own weight buffers (the unrolled layout) and one executable per token bucket runs any of
+them, so the compile time stays a scan's. The pool is donated to every layer call (updated in place), and the
+calls are dispatched asynchronously: the host runs ahead of the device.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpage.config import EngineConfig
+from jaxpage.kv_cache import jit_on_pool
+from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
+from jaxpage.models.attention import layer_constants
+from jaxpage.parallel import with_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoop:
+    """One bucket's step as three executables, called like the fused step: (params, pool, batch, sampling) ->
+    (sampler output, pool), params with the layers unrolled."""
+
+    begin: object  # (top weights, batch) -> (x, page plans)
+    layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
+    end: object  # (top weights, x, batch, sampling) -> sampler output
+    consts: tuple  # each layer's LayerConstants, on the device(s)
+    inputs: object  # where the batch goes, once for all layers (a device, or replicated over the mesh)
+
+    def __call__(self, params: dict, pool, batch, sampling):
+        top, layers = top_weights(params), params["layers"]
+        batch = jax.device_put(batch, self.inputs)
+        x, plans = self.begin(top, batch)
+        for i, consts in enumerate(self.consts):
+            x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
+        return self.end(top, x, batch, sampling), pool
+
+    def as_text(self) -> str:
+        """The three executables' HLO, as a compiled step's ``as_text``."""
+        return "\n".join(f.as_text() for f in (self.begin, self.layer, self.end))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoopJit:
+    """The loop's three functions jitted (not yet compiled); ``compile`` makes a bucket's LayerLoop."""
+
+    begin: object
+    layer: object
+    end: object
+    consts: tuple
+    inputs: object
+
+    @classmethod
+    def make(cls, config: EngineConfig, sample_tokens, weights: dict, where=None) -> "LayerLoopJit":
+        """sample_tokens(config, top, hidden, batch, sampling): the step's tail; weights: the unrolled weights'
+        shardings; where: a device or the tensor-parallel mesh."""
+        cfg, backend = config.model, config.attention_backend
+        top, layer = top_weights(weights), weights["layers"][0]
+
+        def begin(top, batch):
+            return begin_layers(cfg, top, batch, backend, config.block_size)
+
+        def one_layer(layer, consts, x, pool, batch, plans):
+            return run_layer(cfg, layer, consts, x, pool, batch, plans, backend)
+
+        def end(top, x, batch, sampling):
+            return sample_tokens(config, top, final_norm(cfg, top, x), batch, sampling)
+
+        mesh = where if isinstance(where, Mesh) else None
+        inputs = NamedSharding(mesh, PartitionSpec()) if mesh else (where or jax.devices()[0])
+        consts = layer_constants(cfg)
+        consts = tuple(jax.device_put(jax.tree.map(lambda a, i=i: a[i], consts), inputs)
+                       for i in range(cfg.num_layers))
+        layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: layer}, config.kv_dtype)
+        return cls(_jit_weights_first(begin, 2, mesh, top), layer_step, _jit_weights_first(end, 4, mesh, top),
+                   consts, inputs)
+
+    def compile(self, params: dict, pool, batch, sampling) -> LayerLoop:
+        """Compiles for these (abstract or concrete) inputs: params with the layers unrolled."""
+        top, layer = top_weights(params), params["layers"][0]
+        x, plans = jax.eval_shape(self.begin, top, batch)
+        return LayerLoop(self.begin.lower(top, batch).compile(),
+                         self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
+                         self.end.lower(top, x, batch, sampling).compile(), self.consts, self.inputs)
+
+
+def _jit_weights_first(fn, num_args: int, mesh: Mesh | None, weights: dict):
+    """jit with the first argument (weights) split as ``weights`` says over ``mesh``, the rest replicated."""
+    if mesh is None:
+        return jax.jit(fn)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(with_mesh(fn, mesh), in_shardings=(weights,) + (replicated,) * (num_args - 1),
+                   out_shardings=replicated)
+
