@@ -16,7 +16,7 @@ from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, host_kv_
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.models import (TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs,
                             unstack_layers)
-from jaxpage.parallel import make_mesh, place_params, replicate_kv_heads, spec_shardings
+from jaxpage.parallel import place_params, placement, replicate_kv_heads, spec_shardings
 from jaxpage.penalty_history import PenaltyHistory
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
@@ -59,10 +59,10 @@ def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None):
 
 
 def replicated(config: EngineConfig):
-    """The sharding of the step's inputs other than weights and pool: the default device, or every device of
-    the tensor-parallel mesh."""
-    tp = config.tensor_parallel_size
-    return NamedSharding(make_mesh(tp), PartitionSpec()) if tp > 1 else None
+    """The sharding of the step's inputs other than weights and pool: the engine's device, or every device of
+    its tensor-parallel mesh."""
+    where = placement(config)
+    return NamedSharding(where, PartitionSpec()) if isinstance(where, Mesh) else SingleDeviceSharding(where)
 
 
 def _gather_blocks(pool, blocks: jax.Array):
@@ -102,20 +102,20 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, params: dict, num_host_blocks: int = 0):
         self.config = config
         dtype = jnp.dtype(config.dtype)
-        tp = config.tensor_parallel_size
-        self.mesh = make_mesh(tp) if tp > 1 else None
+        where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
+        self.mesh = where if isinstance(where, Mesh) else None
         if not config.scan_layers:
             params = unstack_layers(params)
         params = replicate_kv_heads(params, config.model.num_kv_heads)
-        self.params = place_params(params, weight_shardings(config, self.mesh), dtype)
+        self.params = place_params(params, weight_shardings(config, self.mesh, where), dtype)
         kv_dtype = jnp.dtype(config.kv_dtype)
-        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, self.mesh)
+        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where)
         self.host_pool = (host_kv_pool(config.model, num_host_blocks, config.block_size, kv_dtype)
                           if num_host_blocks else None)
-        self._step = jit_step(config, self.mesh)
+        self._step = jit_step(config, where)
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
-        moves = BlockMoves.jit(self.mesh, kv_dtype)
+        moves = BlockMoves.jit(where, kv_dtype)
         self._copy, self._gather, self._scatter = moves.copy, moves.gather, moves.scatter
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
@@ -246,7 +246,7 @@ class InputBatch:
         self.config = config
         self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
         self._allocate(config.max_num_seqs * 2 + 1)
-        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len)
+        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len, replicated(config))
 
     def _allocate(self, capacity: int) -> None:
         """Makes room for ``capacity`` rows, keeping the rows written so far."""

@@ -22,7 +22,7 @@ from jaxpage.models.layers import MODEL_AXIS
 from jaxpage.models.quant import SCALE, weight_dtype
 
 if TYPE_CHECKING:
-    from jaxpage.config import ModelConfig
+    from jaxpage.config import EngineConfig, ModelConfig
 
 POOL_SPEC = P(None, None, None, MODEL_AXIS, None, None)  # the pool's KV head axis
 SCALES_SPEC = P(None, None, None, MODEL_AXIS, None)  # an int8 pool's scales: its layout less head_dim
@@ -81,6 +81,28 @@ def make_mesh(tp: int, devices=None) -> Mesh:
         raise ValueError(f"tensor_parallel_size={tp} exceeds the {len(devices)} devices available")
     devices = devices[:tp]
     return Mesh(np.array(devices), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def device_group(tp: int, dp: int = 1, rank: int = 0, devices=None) -> list:
+    """Data-parallel replica ``rank``'s devices: ``[rank * tp, (rank + 1) * tp)`` of all of them (every process's,
+    when several run one mesh)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"data_parallel_size={dp!r} must be an integer >= 1")
+    if not 0 <= rank < dp:
+        raise ValueError(f"data_parallel_rank={rank!r} must be in [0, data_parallel_size={dp})")
+    if dp > 1 and dp * tp > len(devices):
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} devices exceeds the "
+                         f"{len(devices)} devices available")
+    return devices[rank * tp:(rank + 1) * tp]
+
+
+def placement(config: EngineConfig):
+    """Where an engine's arrays live: the mesh of its device group when it is tensor-parallel, else the group's
+    one device."""
+    tp = config.tensor_parallel_size
+    group = device_group(tp, config.data_parallel_size, config.data_parallel_rank)
+    return make_mesh(tp, group) if tp > 1 else group[0]
 
 
 def spec_fitting(spec: P, shape: tuple[int, ...], tp: int) -> P:
