@@ -14,7 +14,7 @@ from jaxpage.config import EngineConfig, build_engine_config
 from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.kv_cache_manager import KVCacheManager
 from jaxpage.model_loader import default_cache_dir, load_model
-from jaxpage.model_runner import ModelRunner
+from jaxpage.multihost import runner_class
 from jaxpage.models import config_from_hf
 from jaxpage.output_processor import OutputProcessor
 from jaxpage.outputs import RequestMetrics, RequestOutput
@@ -87,7 +87,7 @@ class LLMEngine:
             data_parallel_rank=data_parallel_rank or 0)
         per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
-        runner = ModelRunner(config, loaded.params, num_host_blocks)
+        runner = runner_class()(config, loaded.params, num_host_blocks)  # process 0 of several: broadcasts
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                      model_name=loaded.name, enable_prefix_caching=args.enable_prefix_caching,

@@ -121,7 +121,16 @@ def spec_shardings(specs: dict, shapes: dict, mesh: Mesh) -> dict:
 def place_params(params: dict, shardings: dict, dtype) -> dict:
     """Each weight converted on the host and sent shard by shard to its devices (no full copy on one device)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, a, s: jax.device_put(np.asarray(a).astype(weight_dtype(p, a, dtype)), s), params, shardings)
+        lambda p, a, s: put(np.asarray(a).astype(weight_dtype(p, a, dtype)), s), params, shardings)
+
+
+def put(x: np.ndarray, sharding=None) -> jax.Array:
+    """``x`` on the devices of ``sharding`` (None: the default device), each of this process's devices getting its
+    part of this process's copy. Unlike ``jax.device_put``, no cross-process check that every process's copy is
+    the same (a collective), so a process may place arrays when the others do not (jaxpage.multihost)."""
+    if sharding is None:
+        return jax.device_put(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def model_axis_size() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxpage.parallel import put
 from jaxpage.sequence import Sequence
 
 
@@ -29,7 +30,7 @@ class PenaltyHistory:
         """sharding: where the table and its updates live (the engine's device or mesh; None: the default
         device)."""
         self.num_slots, self.max_model_len, self.max_appends = max_num_seqs + 1, max_model_len, max_num_seqs
-        self.table = jax.device_put(np.full((self.num_slots, max_model_len), -1, np.int32), sharding)
+        self.table = put(np.full((self.num_slots, max_model_len), -1, np.int32), sharding)
         self._held: dict[Sequence, list[int]] = {}  # sequence -> [slot, tokens of it on the device]
         self._free = list(range(self.num_slots - 1, 0, -1))
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)  # noqa: E731

@@ -1,0 +1,190 @@
+"""Several processes (hosts), one mesh: ``jax.distributed`` over every process's devices.
+
+Process 0 runs the scheduler and the servers; every other process runs ``follow``: the same compiled device
+calls (steps, block copies and swaps) on the inputs process 0 decides. Before each call the leader's runner
+(``LeaderRunner``) broadcasts a fixed-shape header (what comes, and its bucket) and then the call's small host
+arrays (``multihost_utils.broadcast_one_to_all``), so every process makes the same calls in the same order, as
+multi-controller JAX requires. A STOP header ends the followers when process 0 stops.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import SingleDeviceSharding
+
+from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT
+from jaxpage.model_runner import ModelRunner, _all_allowed, abstract_step_inputs, replicated
+from jaxpage.parallel import put
+from jaxpage.penalty_history import PenaltyHistory
+
+log = logging.getLogger(__name__)
+
+STEP, MOVE, STOP = 1, 2, 3
+MOVE_KINDS = (COPY, SWAP_OUT, SWAP_IN)
+ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+       "process_id": "JAX_PROCESS_ID"}
+
+
+@dataclasses.dataclass
+class DistributedArgs:
+    """``jax.distributed.initialize``'s options; unset ones come from the environment (``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), then from JAX's own cluster detection (SLURM, Open MPI, Cloud
+    TPU, ...). Without any of them the process runs alone."""
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--coordinator-address", default=None,
+                            help="host:port of process 0's coordinator, for a mesh over several processes (hosts)")
+        parser.add_argument("--num-processes", type=int, default=None, help="processes in the mesh")
+        parser.add_argument("--process-id", type=int, default=None,
+                            help="this process's index; 0 serves, the others follow its steps")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "DistributedArgs":
+        def value(name):
+            given = getattr(ns, name, None)
+            if given is None and os.environ.get(ENV[name]):
+                given = os.environ[ENV[name]]
+                return given if name == "coordinator_address" else _int(ENV[name], given)
+            return given
+        return cls(**{name: value(name) for name in ENV})
+
+    @property
+    def requested(self) -> bool:
+        return any(v is not None for v in dataclasses.astuple(self))
+
+
+def _int(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} must be an integer") from None
+
+
+def initialize(args: DistributedArgs) -> None:
+    """Joins the processes into one runtime (before anything touches a JAX backend); nothing without options."""
+    if not args.requested:
+        return
+    if args.num_processes is not None and args.num_processes < 1:
+        raise ValueError(f"--num-processes={args.num_processes} must be >= 1")
+    if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id={args.process_id} must be in [0, --num-processes={args.num_processes})")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU devices
+    jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    log.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def is_leader() -> bool:
+    """Process 0: the one that schedules, serves and broadcasts."""
+    return jax.process_index() == 0
+
+
+def runner_class() -> type[ModelRunner]:
+    """The runner this process's engine uses: the broadcasting one on process 0 of several."""
+    return LeaderRunner if is_multiprocess() and is_leader() else ModelRunner
+
+
+def _header(kind: int = 0, *values: int) -> np.ndarray:
+    header = np.zeros(5, np.int32)
+    header[:1 + len(values)] = (kind, *values)
+    return header
+
+
+def _broadcast(tree, is_source: bool):
+    return multihost_utils.broadcast_one_to_all(tree, is_source=is_source)
+
+
+def _step_payload(config, num_tokens: int, has_history: bool, has_bitmask: bool):
+    """Zeros shaped as a step's (batch, sampling) host arrays; None for those not sent (the penalty history
+    unless a row has penalties, the bitmask unless a row is constrained, want_top: in the header)."""
+    batch, sampling = abstract_step_inputs(config, num_tokens)
+    sampling = dataclasses.replace(sampling, want_top=None, history=sampling.history if has_history else None,
+                                   allowed=sampling.allowed if has_bitmask else None)
+    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), (batch, sampling))
+
+
+def _complete(runner: ModelRunner, batch, sampling, want_top: int):
+    """A received step's inputs with what was not sent: the shared all -1 history, the all-allowed bitmask."""
+    where = replicated(runner.config)
+    num_seqs = batch.block_tables.shape[0]
+    if sampling.history is None:
+        sampling = dataclasses.replace(sampling, history=runner.no_history)
+    if sampling.allowed is None:
+        sampling = dataclasses.replace(sampling, allowed=_all_allowed(num_seqs, runner.config.model.vocab_size, where))
+    return batch, dataclasses.replace(sampling, want_top=np.bool_(want_top))
+
+
+class LeaderRunner(ModelRunner):
+    """Process 0's runner: each device call is broadcast to the followers first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The penalty table is kept on a device of this process only (its updates are not followers' calls) and
+        # sent with the steps that read it
+        config = self.config
+        self.input_batch.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len,
+                                                          SingleDeviceSharding(jax.local_devices()[0]))
+        self.no_history = no_history(config)
+
+    def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
+        _broadcast(_header(MOVE, MOVE_KINDS.index(kind), n), True)
+        src, dst = _broadcast(np.stack([src, dst]), True)
+        super().move(kind, src, dst, n)
+
+    def run(self, batch, sampling):
+        has_history = bool(np.any(np.asarray(sampling.history_rows)))
+        has_bitmask = isinstance(sampling.allowed, np.ndarray)
+        want_top = int(sampling.want_top)
+        sent = dataclasses.replace(sampling, want_top=None,
+                                   history=np.asarray(sampling.history) if has_history else None,
+                                   allowed=sampling.allowed if has_bitmask else None)
+        _broadcast(_header(STEP, batch.token_ids.shape[0], has_history, has_bitmask, want_top), True)
+        batch, sampling = _broadcast((batch, sent), True)
+        return super().run(*_complete(self, batch, sampling, want_top))
+
+
+def stop_followers() -> None:
+    """Process 0, once its engine has stopped: ends every follower's loop."""
+    if is_multiprocess():
+        _broadcast(_header(STOP), True)
+
+
+def no_history(config) -> jax.Array:
+    """The penalty table of steps without penalties (all -1), made by every process alike."""
+    return put(np.full((config.max_num_seqs + 1, config.max_model_len), -1, np.int32), replicated(config))
+
+
+def follow(runner: ModelRunner) -> int:
+    """A follower process's loop: the leader's device calls, until it says STOP; returns the exit code 0."""
+    runner.no_history = no_history(runner.config)
+    log.info("process %d following process 0's steps", jax.process_index())
+    while True:
+        kind, *values = (int(v) for v in _broadcast(_header(), False))
+        if kind == STOP:
+            log.info("process %d: stop from process 0", jax.process_index())
+            return 0
+        if kind == MOVE:
+            move_kind, n = MOVE_KINDS[values[0]], values[1]
+            src, dst = _broadcast(np.zeros((2, runner._moves), np.int32), False)
+            runner.move(move_kind, src, dst, n)
+        elif kind == STEP:
+            num_tokens, has_history, has_bitmask, want_top = values
+            batch, sampling = _broadcast(_step_payload(runner.config, num_tokens, has_history, has_bitmask), False)
+            jax.block_until_ready(runner.run(*_complete(runner, batch, sampling, want_top)))
+        else:
+            raise RuntimeError(f"follower: unknown message {kind} from process 0")
