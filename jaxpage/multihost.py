@@ -34,8 +34,8 @@ ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_N
 @dataclasses.dataclass
 class DistributedArgs:
     """``jax.distributed.initialize``'s options; unset ones come from the environment (``JAX_COORDINATOR_ADDRESS``,
-    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), then from JAX's own cluster detection (SLURM, Open MPI, Cloud
-    TPU, ...). Without any of them the process runs alone."""
+    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); without any of them the process runs alone, and with some, JAX's
+    cluster detection (SLURM, Open MPI, Cloud TPU, ...) fills in the rest."""
 
     coordinator_address: str | None = None
     num_processes: int | None = None
