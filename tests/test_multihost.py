@@ -2,7 +2,7 @@
 (``jax.distributed`` on 127.0.0.1), two forced CPU devices each.
 
 - process 0 answers over gRPC with the tokens of one engine on one device (this process): greedy prompts of
-  several lengths, and seeded n=2 sampling on a small pool with swap preemption and shared prefixes, so that
+  several lengths, one with penalties, and seeded n=2 sampling on a small pool with swap preemption and shared prefixes, so that
   the followers replay block copies (copy-on-write) and swaps, which process 0's metrics confirm happened;
 - SIGTERM to process 0 stops both processes, each with exit code 0.
 """
@@ -31,6 +31,7 @@ OPTIONS = dict(block_size=16, num_kv_blocks=10, max_num_seqs=4, max_num_batched_
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=30, temperature=0.8, n=2, seed=7)
+PENALIZED = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +46,14 @@ def model_dir(tmp_path_factory):
 def workload() -> list[tuple[list[int], SamplingParams]]:
     rng = np.random.default_rng(3)
     greedy = [(rng.integers(1, VOCAB, n).tolist(), GREEDY) for n in (1, 9, 17, 33)]
+    greedy.append((rng.integers(1, VOCAB, 5).tolist(), PENALIZED))  # the penalty table goes to the followers
     shared = rng.integers(1, VOCAB, 20).tolist()
     return greedy + [(shared + rng.integers(1, VOCAB, n).tolist(), SAMPLED) for n in (3, 9, 14)]
 
 
 def proto_params(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, n=p.n,
+                             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                              **({"seed": p.seed} if p.seed is not None else {}))
 
 
