@@ -118,14 +118,14 @@ def _step_payload(config, num_tokens: int, has_history: bool, has_bitmask: bool)
     return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), (batch, sampling))
 
 
-def _complete(runner: ModelRunner, batch, sampling, want_top: int):
-    """A received step's inputs with what was not sent: the shared all -1 history, the all-allowed bitmask."""
-    where = replicated(runner.config)
+def _complete(config, batch, sampling, want_top: int, empty_history: jax.Array):
+    """A received step's inputs with what was not sent: the all -1 history, the all-allowed bitmask."""
     num_seqs = batch.block_tables.shape[0]
     if sampling.history is None:
-        sampling = dataclasses.replace(sampling, history=runner.no_history)
+        sampling = dataclasses.replace(sampling, history=empty_history)
     if sampling.allowed is None:
-        sampling = dataclasses.replace(sampling, allowed=_all_allowed(num_seqs, runner.config.model.vocab_size, where))
+        sampling = dataclasses.replace(sampling, allowed=_all_allowed(num_seqs, config.model.vocab_size,
+                                                                      replicated(config)))
     return batch, dataclasses.replace(sampling, want_top=np.bool_(want_top))
 
 
@@ -139,7 +139,7 @@ class LeaderRunner(ModelRunner):
         config = self.config
         self.input_batch.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len,
                                                           SingleDeviceSharding(jax.local_devices()[0]))
-        self.no_history = no_history(config)
+        self._empty_history = empty_history(config)
 
     def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
         _broadcast(_header(MOVE, MOVE_KINDS.index(kind), n), True)
@@ -155,7 +155,7 @@ class LeaderRunner(ModelRunner):
                                    allowed=sampling.allowed if has_bitmask else None)
         _broadcast(_header(STEP, batch.token_ids.shape[0], has_history, has_bitmask, want_top), True)
         batch, sampling = _broadcast((batch, sent), True)
-        return super().run(*_complete(self, batch, sampling, want_top))
+        return super().run(*_complete(self.config, batch, sampling, want_top, self._empty_history))
 
 
 def stop_followers() -> None:
@@ -164,14 +164,14 @@ def stop_followers() -> None:
         _broadcast(_header(STOP), True)
 
 
-def no_history(config) -> jax.Array:
+def empty_history(config) -> jax.Array:
     """The penalty table of steps without penalties (all -1), made by every process alike."""
     return put(np.full((config.max_num_seqs + 1, config.max_model_len), -1, np.int32), replicated(config))
 
 
 def follow(runner: ModelRunner) -> int:
     """A follower process's loop: the leader's device calls, until it says STOP; returns the exit code 0."""
-    runner.no_history = no_history(runner.config)
+    history = empty_history(runner.config)
     log.info("process %d following process 0's steps", jax.process_index())
     while True:
         kind, *values = (int(v) for v in _broadcast(_header(), False))
@@ -185,6 +185,6 @@ def follow(runner: ModelRunner) -> int:
         elif kind == STEP:
             num_tokens, has_history, has_bitmask, want_top = values
             batch, sampling = _broadcast(_step_payload(runner.config, num_tokens, has_history, has_bitmask), False)
-            jax.block_until_ready(runner.run(*_complete(runner, batch, sampling, want_top)))
+            jax.block_until_ready(runner.run(*_complete(runner.config, batch, sampling, want_top, history)))
         else:
             raise RuntimeError(f"follower: unknown message {kind} from process 0")

@@ -81,11 +81,16 @@ def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cac
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
     common = ["-m", "jaxpage.cli", "serve", "--model", str(model_dir), "--cache-dir", str(cache_dir), "--no-progress",
               "--tensor-parallel-size", "4", "--coordinator-address", coordinator, "--num-processes", "2",
-              "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0", *flags]
+              "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0",
+              "--max-seqs-per-request", "4", *flags]  # serve's default, 2, would run one n=2 request at a time
     procs = [spawn([*common, "--process-id", str(i)], tmp_path / f"process{i}.log", env=env) for i in range(2)]
     try:
         wait_serving(f"127.0.0.1:{port}", procs[0], 300, tmp_path / "process0.log")
-        assert asyncio.run(call_all(f"127.0.0.1:{port}", workload())) == reference
+        # the sampled requests together, on their own: each alone holds most of the pool, so they preempt
+        greedy = [i for i, (_, p) in enumerate(workload()) if p is not SAMPLED]
+        for part in (greedy, [i for i in range(len(workload())) if i not in greedy]):
+            got = asyncio.run(call_all(f"127.0.0.1:{port}", [workload()[i] for i in part]))
+            assert got == [reference[i] for i in part]
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         assert metric(url, "jaxpage:num_preemptions_total") > 0  # swaps happened (preemption_mode swap)
         procs[0].send_signal(signal.SIGTERM)
