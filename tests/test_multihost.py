@@ -4,7 +4,8 @@
 - process 0 answers over gRPC with the tokens of one engine on one device (this process): greedy prompts of
   several lengths, one with penalties, and seeded n=2 sampling on a small pool with swap preemption and shared prefixes, so that
   the followers replay block copies (copy-on-write) and swaps, which process 0's metrics confirm happened;
-- SIGTERM to process 0 stops both processes, each with exit code 0.
+- SIGTERM to process 0 stops both processes, each with exit code 0;
+- the options come from the flags, then JAX's environment variables; bad values are refused by name.
 """
 from __future__ import annotations
 
@@ -101,3 +102,22 @@ def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cac
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_distributed_options_come_from_flags_then_jax_environment(monkeypatch):
+    from jaxpage.cli import build_parser
+    from jaxpage.multihost import DistributedArgs, initialize
+
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    ns = build_parser().parse_args(["serve", "--process-id", "2"])
+    assert DistributedArgs.from_cli_args(ns) == DistributedArgs("10.0.0.1:1234", 4, 2)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "four")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='four' must be an integer"):
+        DistributedArgs.from_cli_args(ns)
+    with pytest.raises(ValueError, match=r"--process-id=2 must be in \[0, --num-processes=2\)"):
+        initialize(DistributedArgs("127.0.0.1:1", 2, 2))
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name)
+    assert not DistributedArgs.from_cli_args(build_parser().parse_args(["serve"])).requested
