@@ -113,14 +113,23 @@ def serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--data-parallel-size={ns.data_parallel_size}: several processes serve one engine "
                          "over one mesh (tensor parallel); data parallelism is within one process")
     ns.max_engine_restarts = 0  # the followers cannot rebuild theirs: a dead engine stops the whole mesh
-    if not multihost.is_leader():
-        from jaxpage.llm_engine import LLMEngine
+    from jaxpage.llm_engine import LLMEngine
 
+    if not multihost.is_leader():
         return multihost.follow(LLMEngine.from_args(EngineArgs.from_cli_args(ns)).runner)
+    engines: list[LLMEngine] = []
+
+    def make_engine():
+        from jaxpage.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_args(EngineArgs.from_cli_args(ns))
+        engines.append(engine.engine)
+        return engine
     try:
-        return run(ns)
+        return run(ns, make_engine)
     finally:
-        multihost.stop_followers()
+        if engines:  # once the engine has stopped
+            engines[-1].runner.stop_followers()
 
 
 def client(ns: argparse.Namespace) -> int:

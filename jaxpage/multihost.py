@@ -2,9 +2,10 @@
 
 Process 0 runs the scheduler and the servers; every other process runs ``follow``: the same compiled device
 calls (steps, block copies and swaps) on the inputs process 0 decides. Before each call the leader's runner
-(``LeaderRunner``) broadcasts a fixed-shape header (what comes, and its bucket) and then the call's small host
-arrays (``multihost_utils.broadcast_one_to_all``), so every process makes the same calls in the same order, as
-multi-controller JAX requires. A STOP header ends the followers when process 0 stops.
+(``LeaderRunner``) broadcasts one message of a fixed size (``multihost_utils.broadcast_one_to_all``): a header
+(what comes, its bucket) and the call's small host arrays, packed as bytes; a step's penalty table or bitmask,
+when it has one, follows in a broadcast of its own. So every process makes the same calls in the same order, as
+multi-controller JAX requires. A STOP message ends the followers once process 0's engine has stopped.
 """
 from __future__ import annotations
 
@@ -99,23 +100,68 @@ def runner_class() -> type[ModelRunner]:
     return LeaderRunner if is_multiprocess() and is_leader() else ModelRunner
 
 
+HEADER = 5  # int32s opening every message: the kind, then its values
+
+
 def _header(kind: int = 0, *values: int) -> np.ndarray:
-    header = np.zeros(5, np.int32)
+    header = np.zeros(HEADER, np.int32)
     header[:1 + len(values)] = (kind, *values)
     return header
 
 
+def _pack(tree) -> np.ndarray:
+    """The bytes of ``tree``'s arrays, one after the other."""
+    leaves = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in jax.tree.leaves(tree)]
+    return np.concatenate(leaves) if leaves else np.zeros(0, np.uint8)
+
+
+def _unpack(data: np.ndarray, like):
+    """``like``'s arrays (shapes and dtypes) read from ``data``'s bytes, as ``_pack`` wrote them."""
+    leaves, treedef = jax.tree.flatten(like)
+    offsets = np.cumsum([0] + [a.nbytes for a in leaves])
+    return jax.tree.unflatten(treedef, [data[lo:hi].view(a.dtype).reshape(a.shape)
+                                        for a, lo, hi in zip(leaves, offsets, offsets[1:])])
+
+
 def _broadcast(tree, is_source: bool):
-    return multihost_utils.broadcast_one_to_all(tree, is_source=is_source)
+    """``tree``'s arrays (the same shapes and dtypes on every process) as process 0 has them, in one broadcast
+    of their bytes: each array broadcast apart costs a collective of its own (about 2.5 ms on a CPU)."""
+    return _unpack(multihost_utils.broadcast_one_to_all(_pack(tree), is_source=is_source), tree)
+
+
+def message_size(config) -> int:
+    """Bytes of every message: a header and the largest payload (the largest bucket's step inputs, or a block
+    move's source and destination ids), so that one broadcast of a fixed shape carries each call."""
+    step = _step_payload(config, config.token_buckets()[-1], False, False)
+    return 4 * HEADER + max(_pack(step).nbytes, 2 * 4 * config.max_num_seqs)
+
+
+def _send(size: int, header: np.ndarray, payload=()) -> None:
+    message = np.zeros(size, np.uint8)
+    data = _pack((header, payload))
+    message[:len(data)] = data
+    multihost_utils.broadcast_one_to_all(message, is_source=True)
+
+
+def _receive(size: int) -> tuple[list[int], np.ndarray]:
+    """The next message: its header's values and the bytes of its payload."""
+    message = multihost_utils.broadcast_one_to_all(np.zeros(size, np.uint8), is_source=False)
+    return [int(v) for v in message[:4 * HEADER].view(np.int32)], message[4 * HEADER:]
 
 
 def _step_payload(config, num_tokens: int, has_history: bool, has_bitmask: bool):
     """Zeros shaped as a step's (batch, sampling) host arrays; None for those not sent (the penalty history
-    unless a row has penalties, the bitmask unless a row is constrained, want_top: in the header)."""
+    unless a row has penalties, the bitmask unless a row is constrained: each then follows in a broadcast of
+    its own; want_top: in the header)."""
     batch, sampling = abstract_step_inputs(config, num_tokens)
     sampling = dataclasses.replace(sampling, want_top=None, history=sampling.history if has_history else None,
                                    allowed=sampling.allowed if has_bitmask else None)
     return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), (batch, sampling))
+
+
+def _split(sampling):
+    """(sampling without the history and bitmask, (history, bitmask)): the fixed message's part and the rest."""
+    return dataclasses.replace(sampling, history=None, allowed=None), (sampling.history, sampling.allowed)
 
 
 def _complete(config, batch, sampling, want_top: int, empty_history: jax.Array):
@@ -140,28 +186,27 @@ class LeaderRunner(ModelRunner):
         self.input_batch.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len,
                                                           SingleDeviceSharding(jax.local_devices()[0]))
         self._empty_history = empty_history(config)
+        self._message_size = message_size(config)
 
     def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
-        _broadcast(_header(MOVE, MOVE_KINDS.index(kind), n), True)
-        src, dst = _broadcast(np.stack([src, dst]), True)
+        _send(self._message_size, _header(MOVE, MOVE_KINDS.index(kind), n), np.stack([src, dst]).astype(np.int32))
         super().move(kind, src, dst, n)
 
     def run(self, batch, sampling):
         has_history = bool(np.any(np.asarray(sampling.history_rows)))
         has_bitmask = isinstance(sampling.allowed, np.ndarray)
         want_top = int(sampling.want_top)
-        sent = dataclasses.replace(sampling, want_top=None,
-                                   history=np.asarray(sampling.history) if has_history else None,
-                                   allowed=sampling.allowed if has_bitmask else None)
-        _broadcast(_header(STEP, batch.token_ids.shape[0], has_history, has_bitmask, want_top), True)
-        batch, sampling = _broadcast((batch, sent), True)
+        fixed, _ = _split(dataclasses.replace(sampling, want_top=None))
+        _send(self._message_size, _header(STEP, batch.token_ids.shape[0], has_history, has_bitmask, want_top),
+              (batch, fixed))
+        history, allowed = (_broadcast(np.asarray(sampling.history), True) if has_history else None,
+                            _broadcast(sampling.allowed, True) if has_bitmask else None)
+        sampling = dataclasses.replace(fixed, history=history, allowed=allowed)
         return super().run(*_complete(self.config, batch, sampling, want_top, self._empty_history))
 
-
-def stop_followers() -> None:
-    """Process 0, once its engine has stopped: ends every follower's loop."""
-    if is_multiprocess():
-        _broadcast(_header(STOP), True)
+    def stop_followers(self) -> None:
+        """Once this engine has stopped: ends every follower's loop."""
+        _send(self._message_size, _header(STOP))
 
 
 def empty_history(config) -> jax.Array:
@@ -171,20 +216,25 @@ def empty_history(config) -> jax.Array:
 
 def follow(runner: ModelRunner) -> int:
     """A follower process's loop: the leader's device calls, until it says STOP; returns the exit code 0."""
-    history = empty_history(runner.config)
+    config, history = runner.config, empty_history(runner.config)
+    size = message_size(config)
     log.info("process %d following process 0's steps", jax.process_index())
     while True:
-        kind, *values = (int(v) for v in _broadcast(_header(), False))
+        (kind, *values), payload = _receive(size)
         if kind == STOP:
             log.info("process %d: stop from process 0", jax.process_index())
             return 0
         if kind == MOVE:
             move_kind, n = MOVE_KINDS[values[0]], values[1]
-            src, dst = _broadcast(np.zeros((2, runner._moves), np.int32), False)
+            src, dst = _unpack(payload, np.zeros((2, config.max_num_seqs), np.int32))
             runner.move(move_kind, src, dst, n)
         elif kind == STEP:
             num_tokens, has_history, has_bitmask, want_top = values
-            batch, sampling = _broadcast(_step_payload(runner.config, num_tokens, has_history, has_bitmask), False)
-            jax.block_until_ready(runner.run(*_complete(runner.config, batch, sampling, want_top, history)))
+            batch, sampling = _unpack(payload, _step_payload(config, num_tokens, False, False))
+            template = _step_payload(config, num_tokens, has_history, has_bitmask)[1]
+            sampling = dataclasses.replace(
+                sampling, history=_broadcast(template.history, False) if has_history else None,
+                allowed=_broadcast(template.allowed, False) if has_bitmask else None)
+            jax.block_until_ready(runner.run(*_complete(config, batch, sampling, want_top, history)))
         else:
             raise RuntimeError(f"follower: unknown message {kind} from process 0")
