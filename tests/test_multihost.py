@@ -2,8 +2,9 @@
 (``jax.distributed`` on 127.0.0.1), two forced CPU devices each.
 
 - process 0 answers over gRPC with the tokens of one engine on one device (this process): greedy prompts of
-  several lengths, one with penalties, and seeded n=2 sampling on a small pool with swap preemption and shared prefixes, so that
-  the followers replay block copies (copy-on-write) and swaps, which process 0's metrics confirm happened;
+  several lengths, one with penalties, and seeded n=2 sampling on a small pool with swap preemption and shared
+  prefixes, so that the followers replay block copies (copy-on-write) and swaps (process 0's metrics count the
+  preemptions);
 - SIGTERM to process 0 stops both processes, each with exit code 0;
 - the options come from the flags, then JAX's environment variables; bad values are refused by name.
 """
