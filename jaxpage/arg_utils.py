@@ -62,6 +62,9 @@ class EngineArgs:
         "layer's weights read in place); --no-scan-layers unrolls the layers into the step: ~3x the compile time"))
     tensor_parallel_size: int = dataclasses.field(default=1, metadata=_option(
         "devices the weights and the KV pool are split over, by attention head (a mesh axis 'model')"))
+    data_parallel_size: int = dataclasses.field(default=1, metadata=_option(
+        "engine replicas (`serve`), each on its own tensor-parallel-size devices; a request goes to the one with "
+        "the fewest running and waiting requests"))
     preemption_mode: str = dataclasses.field(default="recompute", metadata=_option(
         "what a preempted request's KV blocks become: recomputed later, or swapped to host memory",
         choices=PREEMPTION_MODES))

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from jaxpage.arg_utils import EngineArgs
+from jaxpage.multihost import DistributedArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "Bearer KEY') and on /metrics; default $JAXPAGE_API_KEY; health checks stay open")
     srv.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                      help="gRPC server reflection (--no-reflection turns it off)")
+    DistributedArgs.add_cli_args(srv)
 
     cli = sub.add_parser("client", help="call a running `jaxpage serve`; the text goes to stdout")
     cli.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
@@ -101,9 +103,33 @@ def serve(ns: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(ns, flag)} is out of range")
     if ns.max_seqs_per_request is None:  # a server has many clients: none may take every slot
         ns.max_seqs_per_request = max(1, ns.max_num_seqs // 2)
+    from jaxpage import multihost
     from serving.server import run
 
-    return run(ns)
+    multihost.initialize(DistributedArgs.from_cli_args(ns))
+    if not multihost.is_multiprocess():
+        return run(ns)
+    if ns.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size={ns.data_parallel_size}: several processes serve one engine "
+                         "over one mesh (tensor parallel); data parallelism is within one process")
+    ns.max_engine_restarts = 0  # the followers cannot rebuild theirs: a dead engine stops the whole mesh
+    from jaxpage.llm_engine import LLMEngine
+
+    if not multihost.is_leader():
+        return multihost.follow(LLMEngine.from_args(EngineArgs.from_cli_args(ns)).runner)
+    engines: list[LLMEngine] = []
+
+    def make_engine():
+        from jaxpage.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_args(EngineArgs.from_cli_args(ns))
+        engines.append(engine.engine)
+        return engine
+    try:
+        return run(ns, make_engine)
+    finally:
+        if engines:  # once the engine has stopped
+            engines[-1].runner.stop_followers()
 
 
 def client(ns: argparse.Namespace) -> int:

@@ -67,6 +67,8 @@ class EngineConfig:
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
     tensor_parallel_size: int = 1  # devices the model is split over (model's KV heads already replicated to fit)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see pallas_kernels.quant
+    data_parallel_size: int = 1  # engine replicas, each on its own group of tensor_parallel_size devices
+    data_parallel_rank: int = 0  # this replica's group: devices [rank * tp, (rank + 1) * tp) (parallel.device_group)
 
     @property
     def kv_dtype(self) -> str:
@@ -133,18 +135,20 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_model_len: int | None, gpu_memory_utilization: float,
                         attention_backend: str = "auto", scan_layers: bool = True,
                         tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                        quantization: str | None = None) -> EngineConfig:
+                        quantization: str | None = None, data_parallel_size: int = 1,
+                        data_parallel_rank: int = 0) -> EngineConfig:
     """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
     import jax
 
     from jaxpage import kv_cache
     from jaxpage.attention import resolve_backend
-    from jaxpage.parallel import make_mesh, model_for_tp
+    from jaxpage.parallel import device_group, make_mesh, model_for_tp
     from pallas_kernels.kv_write_tpu import tile_rows
 
     dtype = resolve_dtype(dtype)
     check_quantization(quantization)
     model = model_for_tp(dataclasses.replace(model, quantization=quantization), tensor_parallel_size)
+    group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
     _require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
              f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
     kv_dtype = kv_cache.kv_storage_dtype(kv_cache_dtype, dtype)
@@ -170,7 +174,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                  f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
                  f"blocks of {block_size} tokens, plus the null block")
     else:
-        devices = make_mesh(tensor_parallel_size).devices.flat
+        devices = make_mesh(tensor_parallel_size, group).devices.flat
         budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
         budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
         num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len,
@@ -179,7 +183,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         attention_backend=backend, scan_layers=scan_layers,
-                        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
+                        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+                        data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank)
 
 
 def check_quantization(quantization) -> None:

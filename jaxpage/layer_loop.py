@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxpage.config import EngineConfig
 from jaxpage.kv_cache import jit_on_pool
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
-from jaxpage.parallel import with_mesh
+from jaxpage.parallel import put, with_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +30,11 @@ class LayerLoop:
     layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
     end: object  # (top weights, x, batch, sampling) -> sampler output
     consts: tuple  # each layer's LayerConstants, on the device(s)
-    inputs: object  # where the batch goes, once for all layers (a device, or replicated over the mesh)
+    inputs: object  # the batch's sharding, placed once for all layers (a device, or replicated over the mesh)
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
-        batch = jax.device_put(batch, self.inputs)
+        batch = jax.tree.map(lambda a: put(np.asarray(a), self.inputs), batch)
         x, plans = self.begin(top, batch)
         for i, consts in enumerate(self.consts):
             x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
@@ -71,10 +72,9 @@ class LayerLoopJit:
             return sample_tokens(config, top, final_norm(cfg, top, x), batch, sampling)
 
         mesh = where if isinstance(where, Mesh) else None
-        inputs = NamedSharding(mesh, PartitionSpec()) if mesh else (where or jax.devices()[0])
+        inputs = NamedSharding(mesh, PartitionSpec()) if mesh else SingleDeviceSharding(where or jax.devices()[0])
         consts = layer_constants(cfg)
-        consts = tuple(jax.device_put(jax.tree.map(lambda a, i=i: a[i], consts), inputs)
-                       for i in range(cfg.num_layers))
+        consts = tuple(jax.tree.map(lambda a, i=i: put(a[i], inputs), consts) for i in range(cfg.num_layers))
         layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: layer}, config.kv_dtype)
         return cls(_jit_weights_first(begin, 2, mesh, top), layer_step, _jit_weights_first(end, 4, mesh, top),
                    consts, inputs)

@@ -14,7 +14,7 @@ from jaxpage.config import EngineConfig, build_engine_config
 from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.kv_cache_manager import KVCacheManager
 from jaxpage.model_loader import default_cache_dir, load_model
-from jaxpage.model_runner import ModelRunner
+from jaxpage.multihost import runner_class
 from jaxpage.models import config_from_hf
 from jaxpage.output_processor import OutputProcessor
 from jaxpage.outputs import RequestMetrics, RequestOutput
@@ -65,8 +65,12 @@ class LLMEngine:
         self.structured: StructuredOutputManager | None = None  # made with the first constrained request
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> "LLMEngine":
-        """Loads the model, sizes the pool, compiles every bucket: the engine ready to serve."""
+    def from_args(cls, args: EngineArgs, data_parallel_rank: int | None = None) -> "LLMEngine":
+        """Loads the model, sizes the pool, compiles every bucket: the engine ready to serve. data_parallel_rank:
+        which replica of ``args.data_parallel_size`` this is (jaxpage.data_parallel); None: the only engine."""
+        if data_parallel_rank is None and args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size!r}: one engine (LLM, `jaxpage generate`) "
+                             "is one replica; replicas are served by `jaxpage serve` (jaxpage.data_parallel)")
         cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
         enable_compilation_cache(cache_dir)
         started = time.perf_counter()
@@ -79,10 +83,11 @@ class LLMEngine:
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend, scan_layers=args.scan_layers,
             tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization)
+            quantization=args.quantization, data_parallel_size=args.data_parallel_size,
+            data_parallel_rank=data_parallel_rank or 0)
         per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype)
         num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
-        runner = ModelRunner(config, loaded.params, num_host_blocks)
+        runner = runner_class()(config, loaded.params, num_host_blocks)  # process 0 of several: broadcasts
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                      model_name=loaded.name, enable_prefix_caching=args.enable_prefix_caching,

@@ -17,7 +17,7 @@ from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.layer_loop import LayerLoopJit
 from jaxpage.models import (TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs,
                             unstack_layers)
-from jaxpage.parallel import make_mesh, place_params, replicate_kv_heads, spec_shardings
+from jaxpage.parallel import place_params, placement, put, replicate_kv_heads, spec_shardings
 from jaxpage.penalty_history import PenaltyHistory
 from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
 from jaxpage.scheduler import ScheduledSeq
@@ -77,10 +77,10 @@ def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None, unrol
 
 
 def replicated(config: EngineConfig):
-    """The sharding of the step's inputs other than weights and pool: the default device, or every device of
-    the tensor-parallel mesh."""
-    tp = config.tensor_parallel_size
-    return NamedSharding(make_mesh(tp), PartitionSpec()) if tp > 1 else None
+    """The sharding of the step's inputs other than weights and pool: the engine's device, or every device of
+    its tensor-parallel mesh."""
+    where = placement(config)
+    return NamedSharding(where, PartitionSpec()) if isinstance(where, Mesh) else SingleDeviceSharding(where)
 
 
 def _gather_blocks(pool, blocks: jax.Array):
@@ -92,8 +92,17 @@ def _scatter_blocks(pool, blocks: jax.Array, data):
 
 
 def _store_blocks(host: np.ndarray, gathered: jax.Array, blocks: np.ndarray) -> None:
-    """A swap-out into host memory: the first len(blocks) gathered blocks (the rest is padding)."""
-    host[:, blocks] = np.asarray(gathered)[:, :len(blocks)]
+    """A swap-out into host memory: the first len(blocks) gathered blocks (the rest is padding), shard by shard:
+    a process stores the KV heads of its own devices (all of them, unless several processes share the mesh)."""
+    for shard in gathered.addressable_shards:
+        host[(slice(None), blocks, *shard.index[2:])] = np.asarray(shard.data)[:, :len(blocks)]
+
+
+def _load_blocks(host: np.ndarray, sharding, blocks: np.ndarray) -> jax.Array:
+    """A swap-in's data: host blocks as a device array sharded as the pool is, each device's part from its own
+    process's host memory."""
+    data = host[:, blocks]
+    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,42 +113,44 @@ class BlockMoves:
     copy: object
     gather: object
     scatter: object
+    blocks_sharding: object  # of gathered blocks (as the pool's; a ScaledPool of two for an int8 pool)
 
     @classmethod
     def jit(cls, where=None, dtype=None) -> "BlockMoves":
         """On a device or a mesh; swapped blocks travel split as the pool is (each device's KV heads). dtype:
         the pool's stored dtype (an int8 pool is values and scales)."""
-        blocks = {2: jax.tree.map(lambda f: f.sharding, pool_format(where, dtype),
-                                  is_leaf=lambda x: hasattr(x, "sharding"))}
+        sharding = jax.tree.map(lambda f: f.sharding, pool_format(where, dtype),
+                                is_leaf=lambda x: hasattr(x, "sharding"))
         on_pool = functools.partial(jit_on_pool, where=where, dtype=dtype)
         return cls(on_pool(copy_blocks, 3, 0, "pool"), on_pool(_gather_blocks, 2, 0, "blocks"),
-                   on_pool(_scatter_blocks, 3, 0, "pool", arg_shardings=blocks))
+                   on_pool(_scatter_blocks, 3, 0, "pool", arg_shardings={2: sharding}), sharding)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, params: dict, num_host_blocks: int = 0):
         self.config = config
         dtype = jnp.dtype(config.dtype)
-        tp = config.tensor_parallel_size
-        self.mesh = make_mesh(tp) if tp > 1 else None
-        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+        where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
+        self.mesh = where if isinstance(where, Mesh) else None
+        device = self.mesh.devices.flat[0] if self.mesh is not None else where
         host_loop = config.scan_layers and device.platform in HOST_LAYER_LOOP_PLATFORMS
         unrolled = host_loop or not config.scan_layers
         if unrolled:
             params = unstack_layers(params)
         params = replicate_kv_heads(params, config.model.num_kv_heads)
-        shardings = weight_shardings(config, self.mesh, unrolled=unrolled)
+        shardings = weight_shardings(config, self.mesh, where, unrolled=unrolled)
         self.params = place_params(params, shardings, dtype)
         kv_dtype = jnp.dtype(config.kv_dtype)
-        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, self.mesh)
+        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where)
         self.host_pool = (host_kv_pool(config.model, num_host_blocks, config.block_size, kv_dtype)
                           if num_host_blocks else None)
-        self._step = (LayerLoopJit.make(config, sample_tokens, shardings, self.mesh) if host_loop
-                      else jit_step(config, self.mesh))
+        self._step = (LayerLoopJit.make(config, sample_tokens, shardings, where) if host_loop
+                      else jit_step(config, where))
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
-        moves = BlockMoves.jit(self.mesh, kv_dtype)
+        moves = BlockMoves.jit(where, kv_dtype)
         self._copy, self._gather, self._scatter = moves.copy, moves.gather, moves.scatter
+        self._blocks_sharding = moves.blocks_sharding
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
 
@@ -169,17 +180,21 @@ class ModelRunner:
         """Carries out the queued block copies and swaps, in order, in padded fixed-size calls."""
         for kind, src, dst in ops.batches():
             for i in range(0, len(src), self._moves):
-                s, d = self._padded(src[i:i + self._moves]), self._padded(dst[i:i + self._moves])
-                n = len(src[i:i + self._moves])
-                if kind == COPY:
-                    self.kv_pool = self._copy(self.kv_pool, s, d)
-                elif kind == SWAP_OUT:
-                    jax.tree.map(functools.partial(_store_blocks, blocks=d[:n]), self.host_pool,
-                                 self._gather(self.kv_pool, s))
-                elif kind == SWAP_IN:
-                    self.kv_pool = self._scatter(self.kv_pool, d, jax.tree.map(lambda h: h[:, s], self.host_pool))
-                else:
-                    raise ValueError(kind)
+                self.move(kind, self._padded(src[i:i + self._moves]), self._padded(dst[i:i + self._moves]),
+                          len(src[i:i + self._moves]))
+
+    def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
+        """One padded call: the first ``n`` of ``src`` -> ``dst`` (block ids, ``self._moves`` of each)."""
+        if kind == COPY:
+            self.kv_pool = self._copy(self.kv_pool, src, dst)
+        elif kind == SWAP_OUT:
+            jax.tree.map(functools.partial(_store_blocks, blocks=dst[:n]), self.host_pool,
+                         self._gather(self.kv_pool, src))
+        elif kind == SWAP_IN:
+            data = jax.tree.map(functools.partial(_load_blocks, blocks=src), self.host_pool, self._blocks_sharding)
+            self.kv_pool = self._scatter(self.kv_pool, dst, data)
+        else:
+            raise ValueError(kind)
 
     def _padded(self, ids: list[int]) -> np.ndarray:
         out = np.full(self._moves, NULL_BLOCK, np.int32)
@@ -190,12 +205,17 @@ class ModelRunner:
         """Runs one step; returns the sampler's output (numpy) for each scheduled sequence, in order. bitmask
         [rows, ceil(vocab / 32)] int32: the tokens each row may sample (structured outputs); None: any."""
         batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch, bitmask)
+        out = self.run(batch, sampling)
+        n = len(scheduled)
+        return jax.tree.map(lambda a: np.asarray(a)[:n], out)
+
+    def run(self, batch: TokenBatch, sampling: SamplingBatch) -> SamplerOutput:
+        """The compiled step of the batch's bucket on it (the pool updated in place)."""
         compiled = self._executables.get(batch.token_ids.shape[0])
         if compiled is None:
             raise RuntimeError(f"no compiled step for {batch.token_ids.shape[0]} tokens; call warm_up() first")
         out, self.kv_pool = compiled(self.params, self.kv_pool, batch, sampling)
-        n = len(scheduled)
-        return jax.tree.map(lambda a: np.asarray(a)[:n], out)
+        return out
 
 
 def abstract_step_inputs(config: EngineConfig, num_tokens: int):
@@ -228,7 +248,7 @@ def _plain_rows(num_seqs: int) -> tuple[np.ndarray, ...]:
 def _all_allowed(num_seqs: int, vocab_size: int, sharding=None) -> jax.Array:
     """The bitmask of a batch without structured outputs, on the device(s) once per shape: such batches pay no
     transfer for it."""
-    return jax.device_put(np.full((num_seqs, bitmask_words(vocab_size)), -1, np.int32), sharding)  # no compile
+    return put(np.full((num_seqs, bitmask_words(vocab_size)), -1, np.int32), sharding)  # no compile
 
 
 def _bitmask_rows(bitmask: np.ndarray | None, num_seqs: int, config: EngineConfig):
@@ -269,7 +289,7 @@ class InputBatch:
         self.config = config
         self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
         self._allocate(config.max_num_seqs * 2 + 1)
-        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len)
+        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len, replicated(config))
 
     def _allocate(self, capacity: int) -> None:
         """Makes room for ``capacity`` rows, keeping the rows written so far."""

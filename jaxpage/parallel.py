@@ -22,7 +22,7 @@ from jaxpage.models.layers import MODEL_AXIS
 from jaxpage.models.quant import SCALE, weight_dtype
 
 if TYPE_CHECKING:
-    from jaxpage.config import ModelConfig
+    from jaxpage.config import EngineConfig, ModelConfig
 
 POOL_SPEC = P(None, None, None, MODEL_AXIS, None, None)  # the pool's KV head axis
 SCALES_SPEC = P(None, None, None, MODEL_AXIS, None)  # an int8 pool's scales: its layout less head_dim
@@ -83,6 +83,28 @@ def make_mesh(tp: int, devices=None) -> Mesh:
     return Mesh(np.array(devices), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
 
 
+def device_group(tp: int, dp: int = 1, rank: int = 0, devices=None) -> list:
+    """Data-parallel replica ``rank``'s devices: ``[rank * tp, (rank + 1) * tp)`` of all of them (every process's,
+    when several run one mesh)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"data_parallel_size={dp!r} must be an integer >= 1")
+    if not 0 <= rank < dp:
+        raise ValueError(f"data_parallel_rank={rank!r} must be in [0, data_parallel_size={dp})")
+    if dp > 1 and dp * tp > len(devices):
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} devices exceeds the "
+                         f"{len(devices)} devices available")
+    return devices[rank * tp:(rank + 1) * tp]
+
+
+def placement(config: EngineConfig):
+    """Where an engine's arrays live: the mesh of its device group when it is tensor-parallel, else the group's
+    one device."""
+    tp = config.tensor_parallel_size
+    group = device_group(tp, config.data_parallel_size, config.data_parallel_rank)
+    return make_mesh(tp, group) if tp > 1 else group[0]
+
+
 def spec_fitting(spec: P, shape: tuple[int, ...], tp: int) -> P:
     """``spec`` without the model axis on dimensions it does not divide (e.g. a vocabulary): those stay
     replicated rather than padded."""
@@ -99,7 +121,16 @@ def spec_shardings(specs: dict, shapes: dict, mesh: Mesh) -> dict:
 def place_params(params: dict, shardings: dict, dtype) -> dict:
     """Each weight converted on the host and sent shard by shard to its devices (no full copy on one device)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, a, s: jax.device_put(np.asarray(a).astype(weight_dtype(p, a, dtype)), s), params, shardings)
+        lambda p, a, s: put(np.asarray(a).astype(weight_dtype(p, a, dtype)), s), params, shardings)
+
+
+def put(x: np.ndarray, sharding=None) -> jax.Array:
+    """``x`` on the devices of ``sharding`` (None: the default device), each of this process's devices getting its
+    part of this process's copy. Unlike ``jax.device_put``, no cross-process check that every process's copy is
+    the same (a collective), so a process may place arrays when the others do not (jaxpage.multihost)."""
+    if sharding is None:
+        return jax.device_put(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def model_axis_size() -> int:

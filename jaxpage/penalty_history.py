@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxpage.parallel import put
 from jaxpage.sequence import Sequence
 
 
@@ -25,12 +26,14 @@ class PenaltyHistory:
     how many of its tokens the device has. Slots of sequences gone are taken back when the slots run out; one
     step's rows (at most max_num_seqs) always fit."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int):
+    def __init__(self, max_num_seqs: int, max_model_len: int, sharding=None):
+        """sharding: where the table and its updates live (the engine's device or mesh; None: the default
+        device)."""
         self.num_slots, self.max_model_len, self.max_appends = max_num_seqs + 1, max_model_len, max_num_seqs
-        self.table = jax.device_put(np.full((self.num_slots, max_model_len), -1, np.int32))
+        self.table = put(np.full((self.num_slots, max_model_len), -1, np.int32), sharding)
         self._held: dict[Sequence, list[int]] = {}  # sequence -> [slot, tokens of it on the device]
         self._free = list(range(self.num_slots - 1, 0, -1))
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)  # noqa: E731
         table = i32(self.num_slots, max_model_len)
         # compiled now, so that serving never compiles (the table is donated: updated in place)
         self._write_row = jax.jit(_write_row, donate_argnums=0).lower(table, i32(), i32(max_model_len)).compile()

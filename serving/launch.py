@@ -20,9 +20,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(argv: list[str], log_path: str | os.PathLike, **popen) -> subprocess.Popen:
-    """Runs ``python ARGV...`` from the repository root with its output in log_path."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+def spawn(argv: list[str], log_path: str | os.PathLike, env: dict | None = None, **popen) -> subprocess.Popen:
+    """Runs ``python ARGV...`` from the repository root with its output in log_path (env: the environment,
+    default this process's; the repository goes on its PYTHONPATH)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     log = open(log_path, "wb")
     try:
         return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -33,34 +33,37 @@ class EngineStatsCollector:
         return []  # collected lazily: the engine may still be loading when the registry is built
 
     def collect(self):
+        """One series per metric; with data-parallel replicas (stats with ``"replicas"``), one per replica,
+        labelled ``replica="<rank>"``."""
         stats = self._stats()
         if stats is None:
             return
-        labels, values = ["model_name"], [self._model_name()]
+        model_name = self._model_name()
+        replicas = stats.get("replicas")
+        labels = ["model_name"] + (["replica"] if replicas else [])
+        rows = ([([model_name, str(rank)], s) for rank, s in enumerate(replicas)] if replicas
+                else [([model_name], stats)])
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+        def family(kind, name, doc, value):
+            f = kind(PREFIX + name, doc, labels=labels)
+            for values, s in rows:
+                f.add_metric(values, value(s))
+            return f
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
-        total = stats["num_blocks"]
-        yield gauge("num_requests_running", "Sequences being generated (in the batch).", stats["num_running"])
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats["num_waiting"])
-        yield gauge("num_requests_swapped", "Requests swapped out to host memory.", stats["num_swapped"])
+        gauge, counter = (lambda *a: family(GaugeMetricFamily, *a)), (lambda *a: family(CounterMetricFamily, *a))
+        yield gauge("num_requests_running", "Sequences being generated (in the batch).", lambda s: s["num_running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s["num_waiting"])
+        yield gauge("num_requests_swapped", "Requests swapped out to host memory.", lambda s: s["num_swapped"])
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
-                    1 - stats["num_free_blocks"] / total if total else 0.0)
+                    lambda s: 1 - s["num_free_blocks"] / s["num_blocks"] if s["num_blocks"] else 0.0)
         yield gauge("kv_blocks_free", "KV blocks that can be handed out (cached, unreferenced ones included).",
-                    stats["num_free_blocks"])
-        yield gauge("kv_blocks_total", "KV blocks in the pool (the null block excluded).", total)
-        yield counter("num_preemptions", "Preemptions of running sequences.", stats["num_preemptions"])
+                    lambda s: s["num_free_blocks"])
+        yield gauge("kv_blocks_total", "KV blocks in the pool (the null block excluded).", lambda s: s["num_blocks"])
+        yield counter("num_preemptions", "Preemptions of running sequences.", lambda s: s["num_preemptions"])
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats["prefix_cache_queries"])
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_cache_hits"])
+                      lambda s: s["prefix_cache_queries"])
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      lambda s: s["prefix_cache_hits"])
 
 
 class Metrics:

@@ -353,10 +353,10 @@ class GenerationService(pb_grpc.GenerationServicer):
 # --- the process ---------------------------------------------------------------------------------------
 def default_engine_factory(ns: argparse.Namespace) -> Callable[[], object]:
     def make():
-        from jaxpage.async_engine import AsyncEngine
         from jaxpage.arg_utils import EngineArgs
+        from jaxpage.data_parallel import make_async_engine
 
-        return AsyncEngine.from_args(EngineArgs.from_cli_args(ns))
+        return make_async_engine(EngineArgs.from_cli_args(ns))
     return make
 
 

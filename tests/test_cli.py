@@ -14,13 +14,13 @@ EVERY_FLAG = [
     "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--max-model-len", "256", "--dtype", "bfloat16",
     "--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
     "--attention-backend", "pallas_gpu", "--quantization", "int8", "--no-scan-layers", "--tensor-parallel-size", "2",
-    "--preemption-mode", "swap", "--swap-space", "1GiB", "--max-seqs-per-request", "2",
+    "--data-parallel-size", "3", "--preemption-mode", "swap", "--swap-space", "1GiB", "--max-seqs-per-request", "2",
     "--cache-dir", "/tmp/c", "--no-progress",
 ]
 EXPECTED = EngineArgs(model="m.gguf", block_size=32, kv_cache_memory=512 << 20, num_kv_blocks=100, max_num_seqs=4,
                       max_num_batched_tokens=128, max_model_len=256, dtype="bfloat16", kv_cache_dtype="int8",
                       gpu_memory_utilization=0.5, enable_prefix_caching=False, attention_backend="pallas_gpu",
-                      quantization="int8", scan_layers=False, tensor_parallel_size=2,
+                      quantization="int8", scan_layers=False, tensor_parallel_size=2, data_parallel_size=3,
                       preemption_mode="swap", swap_space=1 << 30, max_seqs_per_request=2, cache_dir="/tmp/c",
                       progress=False)
 

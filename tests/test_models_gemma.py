@@ -156,7 +156,7 @@ def test_gguf_loads_same_config_weights_and_tokens(built, cache_dir, tmp_path):
     cfg, hf_cfg = llm.engine.config.model, built.llm.engine.config.model
     assert cfg.query_pre_attn_scalar == cfg.head_dim
     assert dataclasses.replace(cfg, query_pre_attn_scalar=hf_cfg.query_pre_attn_scalar) == hf_cfg
-    ours, theirs = dict(_leaves(stack_layers(llm.engine.runner.params))), dict(_leaves(built.llm.engine.runner.params))
+    ours, theirs = dict(_leaves(stack_layers(llm.engine.runner.params))), dict(_leaves(stack_layers(built.llm.engine.runner.params)))
     assert set(ours) == set(theirs)
     for name, value in ours.items():
         np.testing.assert_allclose(np.asarray(value), np.asarray(theirs[name]), rtol=0, atol=1e-7, err_msg=name)

@@ -126,7 +126,7 @@ def test_engine_read_the_architecture(built):
     assert m.num_experts == kw.get("num_experts", kw.get("num_local_experts", 0))
     assert m.layer_windows().max() == 0
     if m.num_experts:
-        experts = built.llm.engine.runner.params["layers"]["mlp"]["gate"]["kernel"]
+        experts = stack_layers(built.llm.engine.runner.params)["layers"]["mlp"]["gate"]["kernel"]
         assert experts.shape == (2, m.num_experts, 64, kw.get("moe_intermediate_size", kw["intermediate_size"]))
 
 
@@ -144,7 +144,7 @@ def test_gguf_load_is_the_same_model(built):
     ours, theirs = built.gguf_llm.engine.config.model, built.llm.engine.config.model
     assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-6)
-    a, b = stack_layers(built.gguf_llm.engine.runner.params), built.llm.engine.runner.params
+    a, b = (stack_layers(llm.engine.runner.params) for llm in (built.gguf_llm, built.llm))
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{built.where()} {path}")

@@ -3,7 +3,8 @@
 The forced devices must be set before JAX starts, so the one test collected in the ordinary run re-runs this
 file under pytest in a child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``; the cases
 below run there only. For random models whose heads divide the TP size (one with fewer KV heads than the TP size,
-one with q/k/v biases, unrolled layers) and SmolLM2 at TP 3 (9 heads, 3 KV heads):
+one with q/k/v biases, unrolled layers, int8 weights, a Mixtral MoE, a Gemma 2 with a sliding window and soft caps)
+and SmolLM2 at TP 3 (9 heads, 3 KV heads):
 - greedy tokens identical to TP 1, through ``LLM.generate`` (XLA path; one case on the interpreted Pallas TPU
   kernel); a workload with a small pool, swap preemption, prefix caching and parallel sampling (copy-on-write)
   gives TP 1's tokens too;
@@ -38,7 +39,7 @@ def test_tensor_parallel_on_eight_cpu_devices():
 if IN_CHILD:
     import jax
     import numpy as np
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
     from jaxpage import LLM, SamplingParams
     from tests.conftest import SMOLLM2_OPTIONS
@@ -55,9 +56,22 @@ if IN_CHILD:
         "qwen2-4h-2kv-bias-unrolled": (Qwen2Config(  # KV heads replicated at TP 4; q/k/v biases; unrolled layers
             vocab_size=192, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, tie_word_embeddings=True, **COMMON), dict(scan_layers=False)),
+        "llama-8h-4kv-int8": (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                                          num_key_value_heads=4, head_dim=16, tie_word_embeddings=True, **COMMON),
+                              dict(quantization="int8")),
+        "mixtral-4h-1kv-moe": (MixtralConfig(  # top 2 of 4 experts; its one KV head replicated at TP 2
+            vocab_size=192, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False,
+            **COMMON), {}),
+        "gemma2-4h-2kv-window-softcaps": (Gemma2Config(  # a sliding layer (window 8) then a full one; soft caps
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention",
+            "full_attention"], attn_logit_softcapping=5.0, final_logit_softcapping=20.0, tie_word_embeddings=True,
+            **{**COMMON, "hidden_act": "gelu_pytorch_tanh"}), {}),
     }
     CASES = [("llama-8h-4kv", 2, "xla"), ("llama-8h-4kv", 4, "xla"), ("qwen2-4h-2kv-bias-unrolled", 4, "xla"),
-             ("qwen2-4h-2kv-bias-unrolled", 4, "pallas_tpu")]
+             ("qwen2-4h-2kv-bias-unrolled", 4, "pallas_tpu"), ("llama-8h-4kv-int8", 4, "xla"),
+             ("mixtral-4h-1kv-moe", 2, "xla"), ("gemma2-4h-2kv-window-softcaps", 4, "xla")]
     GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
     @functools.cache

@@ -1,0 +1,156 @@
+"""Data parallelism (jaxpage.data_parallel) against one device, on 4 forced CPU devices.
+
+As tests/test_tensor_parallel.py, the test collected in the ordinary run re-runs this file under pytest in a
+child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; the cases below run there only.
+- DP 2 x TP 2: a mixed workload (prompts of 1 to 40 tokens, greedy and n=2 seeded sampling) sent at once gives
+  the tokens of one engine on one device, both replicas take requests, and each replica's weights and KV pool
+  sit on its own two devices;
+- sizes that cannot work are refused by name;
+- `jaxpage serve --data-parallel-size 2` answers over gRPC with one device's tokens, and its metrics carry a
+  ``replica`` label per replica, each of which served requests.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NUM_DEVICES = 4
+IN_CHILD = os.environ.get("JAXPAGE_DP_CHILD") == "1"
+
+
+@pytest.mark.skipif(IN_CHILD, reason="the parent's test")
+def test_data_parallel_on_four_cpu_devices():
+    env = {**os.environ, "JAXPAGE_DP_CHILD": "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}"}
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                         cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"child pytest failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+
+
+if IN_CHILD:
+    import asyncio
+    import functools
+    import signal
+    import tempfile
+    import urllib.request
+
+    import grpc
+    import jax
+    import numpy as np
+    from prometheus_client.parser import text_string_to_metric_families
+    from transformers import LlamaConfig
+
+    from jaxpage import LLM, SamplingParams
+    from jaxpage.arg_utils import EngineArgs
+    from jaxpage.data_parallel import DataParallelEngine
+    from serving import generation_pb2 as pb
+    from serving import generation_pb2_grpc as pb_grpc
+    from serving.launch import free_port, spawn, wait_serving
+    from tests.reference import save_random_model
+
+    assert len(jax.devices()) == NUM_DEVICES, jax.devices()
+
+    WORK = Path(tempfile.mkdtemp(prefix="jaxpage-dp-"))
+    OPTIONS = dict(block_size=16, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96,
+                   dtype="float32", progress=False, cache_dir=str(WORK / "cache"))
+    VOCAB = 256
+    GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+    SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, n=2, seed=7)
+
+    @functools.cache
+    def model_dir() -> str:
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                             num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, num_hidden_layers=2,
+                             max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu")
+        save_random_model(config, WORK / "llama", seed=11)
+        return str(WORK / "llama")
+
+    def workload() -> list[tuple[list[int], SamplingParams]]:
+        rng = np.random.default_rng(0)
+        lengths = (1, 7, 17, 40, 23, 3)
+        return [(rng.integers(1, VOCAB, n).tolist(), SAMPLED if i == 2 else GREEDY) for i, n in enumerate(lengths)]
+
+    @functools.cache
+    def reference() -> list[list[list[int]]]:
+        """One engine on one device."""
+        llm = LLM(model=model_dir(), **OPTIONS)
+        outs = [llm.generate({"prompt_token_ids": ids}, params)[0] for ids, params in workload()]
+        return [[c.token_ids for c in out.outputs] for out in outs]
+
+    async def serve_all(engine, work) -> list[list[list[int]]]:
+        async def one(i, ids, params):
+            final = None
+            async for out in await engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params):
+                final = out
+            return [c.token_ids for c in final.outputs]
+        return list(await asyncio.gather(*(one(i, ids, p) for i, (ids, p) in enumerate(work))))
+
+    def test_dp2_tp2_gives_one_devices_tokens_on_both_replicas_own_devices():
+        engine = DataParallelEngine.from_args(EngineArgs(model=model_dir(), data_parallel_size=2,
+                                                         tensor_parallel_size=2, **OPTIONS))
+        try:
+            assert asyncio.run(serve_all(engine, workload())) == reference()
+            stats = engine.stats()
+            served = [len(r["requests"]) for r in stats["replicas"]]
+            assert all(served) and sum(served) == len(workload()) == len(stats["requests"]), served
+            assert engine.load == [0, 0]
+            devices = jax.devices()
+            for rank, replica in enumerate(engine.replicas):
+                runner = replica.engine.runner
+                group = set(devices[2 * rank:2 * rank + 2])
+                assert {s.device for s in runner.kv_pool.addressable_shards} == group
+                assert all(leaf.sharding.device_set == group for leaf in jax.tree.leaves(runner.params))
+                shard = runner.kv_pool.addressable_shards[0].data
+                assert shard.shape[3] * 2 == runner.kv_pool.shape[3]  # split by KV head within the replica
+        finally:
+            engine.shutdown()
+
+    def test_sizes_that_cannot_work_are_refused_by_name():
+        with pytest.raises(ValueError, match="data_parallel_size=3 x tensor_parallel_size=2 = 6 devices exceeds "
+                                             "the 4 devices available"):
+            DataParallelEngine.from_args(EngineArgs(model=model_dir(), data_parallel_size=3,
+                                                    tensor_parallel_size=2, **OPTIONS))
+        with pytest.raises(ValueError, match="data_parallel_size=2: one engine"):
+            LLM(model=model_dir(), data_parallel_size=2, **OPTIONS)
+        with pytest.raises(ValueError, match="data_parallel_size=0 must be an integer >= 1"):
+            DataParallelEngine.from_args(EngineArgs(model=model_dir(), data_parallel_size=0, **OPTIONS))
+
+    def replica_metrics(url: str) -> dict[tuple[str, str], float]:
+        """(metric name, replica label) -> value, for the series that carry a replica label."""
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return {(s.name, s.labels["replica"]): s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if "replica" in s.labels}
+
+    def test_grpc_server_with_two_replicas_answers_and_labels_their_metrics():
+        port, metrics_port = free_port(), free_port()
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items() if k != "progress"]
+        proc = spawn(["-m", "jaxpage.cli", "serve", "--model", model_dir(), "--port", str(port), "--metrics-port",
+                      str(metrics_port), "--http-port", "0", "--data-parallel-size", "2", "--no-progress", *flags],
+                     WORK / "server.log")
+        target = f"127.0.0.1:{port}"
+        try:
+            wait_serving(target, proc, 300, WORK / "server.log")
+            greedy = [(ids, p) for ids, p in workload() if p is GREEDY]
+
+            async def call_all():
+                async with grpc.aio.insecure_channel(target) as channel:
+                    stub = pb_grpc.GenerationStub(channel)
+                    calls = [stub.Generate(pb.GenerateRequest(
+                        prompt_token_ids=ids, sampling=pb.SamplingParams(temperature=0, max_tokens=10)), timeout=120)
+                        for ids, _ in greedy]
+                    return await asyncio.gather(*calls)
+            answers = asyncio.run(call_all())
+            want = [ref for ref, (_, p) in zip(reference(), workload()) if p is GREEDY]
+            assert [[list(c.token_ids) for c in a.completions] for a in answers] == want
+            metrics = replica_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+            queries = {r: metrics[("jaxpage:prefix_cache_queries_total", r)] for r in ("0", "1")}
+            assert queries["0"] > 3 and queries["1"] > 0, queries  # prompts on both (the 3-token warm-up: 0)
+            assert metrics[("jaxpage:num_requests_running", "0")] == metrics[("jaxpage:num_requests_running", "1")] == 0
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
