@@ -23,8 +23,9 @@ from jaxpage.parallel import put, with_mesh
 
 @dataclasses.dataclass(frozen=True)
 class LayerLoop:
-    """One bucket's step as three executables, called like the fused step: (params, pool, batch, sampling) ->
-    (sampler output, pool), params with the layers unrolled."""
+    """The step as three functions, called like the fused step: (params, pool, batch, sampling) -> (sampler
+    output, pool), params with the layers unrolled. ``make`` gives them jitted; ``compile``, one bucket's
+    executables."""
 
     begin: object  # (top weights, batch) -> (x, page plans)
     layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
@@ -40,23 +41,8 @@ class LayerLoop:
             x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
         return self.end(top, x, batch, sampling), pool
 
-    def as_text(self) -> str:
-        """The three executables' HLO, as a compiled step's ``as_text``."""
-        return "\n".join(f.as_text() for f in (self.begin, self.layer, self.end))
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerLoopJit:
-    """The loop's three functions jitted (not yet compiled); ``compile`` makes a bucket's LayerLoop."""
-
-    begin: object
-    layer: object
-    end: object
-    consts: tuple
-    inputs: object
-
     @classmethod
-    def make(cls, config: EngineConfig, sample_tokens, weights: dict, where=None) -> "LayerLoopJit":
+    def make(cls, config: EngineConfig, sample_tokens, weights: dict, where=None) -> "LayerLoop":
         """sample_tokens(config, top, hidden, batch, sampling): the step's tail; weights: the unrolled weights'
         shardings; where: a device or the tensor-parallel mesh."""
         cfg, backend = config.model, config.attention_backend
@@ -79,13 +65,17 @@ class LayerLoopJit:
         return cls(_jit_weights_first(begin, 2, mesh, top), layer_step, _jit_weights_first(end, 4, mesh, top),
                    consts, inputs)
 
-    def compile(self, params: dict, pool, batch, sampling) -> LayerLoop:
-        """Compiles for these (abstract or concrete) inputs: params with the layers unrolled."""
+    def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
+        """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled."""
         top, layer = top_weights(params), params["layers"][0]
         x, plans = jax.eval_shape(self.begin, top, batch)
-        return LayerLoop(self.begin.lower(top, batch).compile(),
-                         self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
-                         self.end.lower(top, x, batch, sampling).compile(), self.consts, self.inputs)
+        return dataclasses.replace(self, begin=self.begin.lower(top, batch).compile(),
+                                   layer=self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
+                                   end=self.end.lower(top, x, batch, sampling).compile())
+
+    def as_text(self) -> str:
+        """The three compiled executables' HLO, as a compiled step's ``as_text``."""
+        return "\n".join(f.as_text() for f in (self.begin, self.layer, self.end))
 
 
 def _jit_weights_first(fn, num_args: int, mesh: Mesh | None, weights: dict):

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, host_kv_pool, jit_on_pool, pool_format
 from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
-from jaxpage.layer_loop import LayerLoopJit
+from jaxpage.layer_loop import LayerLoop
 from jaxpage.models import (TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs,
                             unstack_layers)
 from jaxpage.parallel import place_params, placement, put, replicate_kv_heads, spec_shardings
@@ -53,8 +53,8 @@ def jit_step(config: EngineConfig, where=None):
 
 
 def compile_step(jitted, params, pool, batch, sampling):
-    """A bucket's executable of ``jit_step`` or a ``LayerLoopJit``, for these (abstract) inputs."""
-    if isinstance(jitted, LayerLoopJit):
+    """A bucket's executable of ``jit_step`` or a jitted ``LayerLoop``, for these (abstract) inputs."""
+    if isinstance(jitted, LayerLoop):
         return jitted.compile(params, pool, batch, sampling)
     return jitted.lower(params, pool, batch, sampling).compile()
 
@@ -144,7 +144,7 @@ class ModelRunner:
         self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where)
         self.host_pool = (host_kv_pool(config.model, num_host_blocks, config.block_size, kv_dtype)
                           if num_host_blocks else None)
-        self._step = (LayerLoopJit.make(config, sample_tokens, shardings, where) if host_loop
+        self._step = (LayerLoop.make(config, sample_tokens, shardings, where) if host_loop
                       else jit_step(config, where))
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._moves = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
