@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,16 @@ os.environ.setdefault("JAXPAGE_CACHE_DIR", str(Path.home() / ".cache" / "jaxpage
 # the tests themselves run on the CPU, and several processes (servers the tests start) may load libtpu at once.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+def run_on_forced_devices(test_file: str, num_devices: int, child_flag: str) -> None:
+    """Runs ``test_file``'s tests in a child pytest on ``num_devices`` forced CPU devices (XLA reads the count once,
+    when it starts), with the environment variable ``child_flag`` set to 1; fails with the child's output."""
+    env = {**os.environ, child_flag: "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
+                         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"child pytest failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+
 
 SMOLLM2_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, dtype="float32",
                        kv_cache_memory=256 << 20, progress=False)

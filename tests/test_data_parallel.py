@@ -12,11 +12,11 @@ child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; the c
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_on_forced_devices
 
 NUM_DEVICES = 4
 IN_CHILD = os.environ.get("JAXPAGE_DP_CHILD") == "1"
@@ -24,12 +24,7 @@ IN_CHILD = os.environ.get("JAXPAGE_DP_CHILD") == "1"
 
 @pytest.mark.skipif(IN_CHILD, reason="the parent's test")
 def test_data_parallel_on_four_cpu_devices():
-    env = {**os.environ, "JAXPAGE_DP_CHILD": "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}"}
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                         cwd=root, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, f"child pytest failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+    run_on_forced_devices(__file__, NUM_DEVICES, "JAXPAGE_DP_CHILD")
 
 
 if IN_CHILD:
