@@ -64,7 +64,9 @@ def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None, unrol
     the default device); a tree matching the stacked or (``unrolled``, default: not ``config.scan_layers``)
     unrolled weights."""
     specs, shapes = partition_specs(config.model), abstract_params(config.model, np.float32)
-    if not config.scan_layers if unrolled is None else unrolled:  # each layer's entry: the stacked one less its layer axis
+    if unrolled is None:
+        unrolled = not config.scan_layers
+    if unrolled:  # each layer's entry: the stacked one less its layer axis
         def per_layer(tree, drop_layer_axis):
             layer = jax.tree.map(drop_layer_axis, tree["layers"], is_leaf=lambda x: isinstance(x, PartitionSpec))
             return {**tree, "layers": {i: layer for i in range(config.model.num_layers)}}
