@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpage.models.layers import MODEL_AXIS
 from jaxpage.models.quant import SCALE, weight_dtype
+from jaxpage.vocab_shard import VocabShard
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig, ModelConfig
@@ -146,6 +147,17 @@ def over_heads(fn, q, k, v, pool, shared: dict):
     return jax.shard_map(lambda q, k, v, pool, shared: fn(q, k, v, pool, **shared),
                          in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, spec, P()),
                          out_specs=(HEADS_SPEC, spec), check_vma=False)(q, k, v, pool, shared)
+
+
+def over_vocab(fn, logits, noise, shared):
+    """``fn(logits, shared, vocab, noise) -> outputs`` on every device of the model axis, over its own slice of the
+    vocabulary: logits and noise [rows, V] split by vocabulary (``noise`` passed on as a callable), ``shared``
+    replicated, ``vocab`` the device's ``VocabShard``; the outputs (alike on every device) replicated."""
+    vocab, split = logits.shape[1], P(None, MODEL_AXIS)
+
+    def shard(logits, noise, shared):
+        return fn(logits, shared, VocabShard(logits.shape[1], vocab, MODEL_AXIS), lambda: noise)
+    return jax.shard_map(shard, in_specs=(split, split, P()), out_specs=P(), check_vma=False)(logits, noise, shared)
 
 
 def with_mesh(fn, mesh: Mesh | None):

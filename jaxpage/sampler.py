@@ -6,7 +6,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpage.parallel import model_axis_size, over_vocab
 from jaxpage.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from jaxpage.vocab_shard import VocabShard
 
 # EOS and stop token ids masked while a sequence is under min_tokens: room for MAX_STOP_TOKEN_IDS and 16 EOS ids
 MAX_BANNED = MAX_STOP_TOKEN_IDS + 16
@@ -59,85 +61,97 @@ jax.tree_util.register_dataclass(
 
 
 def sample(logits: jax.Array, sp: SamplingBatch) -> SamplerOutput:
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    """One token per row of logits [S, V]. Traced under a tensor-parallel mesh (``parallel.with_mesh``) whose
+    size divides V, each device samples from its own slice of the vocabulary (the logits as the LM head leaves
+    them: split by vocabulary), so no device gathers the full logits."""
+    tp, vocab = model_axis_size(), logits.shape[1]
+    if tp == 1 or vocab % tp:
+        return sample_shard(logits, sp, VocabShard(vocab, vocab), lambda: exponential_noise(sp, vocab))
+    noise = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: exponential_noise(sp, vocab),
+                         lambda: jnp.ones(logits.shape, jnp.float32))
+    return over_vocab(sample_shard, logits, noise, sp)
+
+
+def sample_shard(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard, noise) -> SamplerOutput:
+    """``sample`` on the slice ``vocab`` of the vocabulary: logits [S, vocab.size]; noise() gives the slice's
+    exponential noise (``exponential_noise``), asked for only when a row samples at random."""
+    logprobs = vocab.log_softmax(logits)
     has_penalty = (sp.presence_penalty != 0) | (sp.frequency_penalty != 0) | (sp.repetition_penalty != 1)
-    logits = jax.lax.cond(jnp.any(has_penalty), lambda: _apply_penalties(logits, sp), lambda: logits)
+    logits = jax.lax.cond(jnp.any(has_penalty), lambda: _apply_penalties(logits, sp, vocab), lambda: logits)
     rows = jnp.arange(logits.shape[0])[:, None]
-    logits = logits.at[rows, jnp.where(sp.banned >= 0, sp.banned, logits.shape[1])].set(-jnp.inf, mode="drop")
-    allowed = unpack_bitmask(sp.allowed, logits.shape[1])
+    logits = logits.at[rows, vocab.local(sp.banned)].set(-jnp.inf, mode="drop")
+    allowed = vocab.bits(sp.allowed)
     logits = jnp.where(allowed, logits, -jnp.inf)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _sample_random(logits, sp, greedy),
+    greedy = vocab.argmax(logits)
+    tokens = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _sample_random(logits, sp, greedy, vocab, noise),
                           lambda: greedy)
     top_logprobs, top_ids = jax.lax.cond(
-        sp.want_top, lambda: tuple(jax.lax.top_k(jnp.where(allowed, logprobs, -jnp.inf), MAX_LOGPROBS)),
+        sp.want_top, lambda: vocab.top_k(jnp.where(allowed, logprobs, -jnp.inf), MAX_LOGPROBS),
         lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), logprobs.dtype),
                  jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)))
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    return SamplerOutput(tokens, vocab.take(logprobs, tokens), top_ids.astype(jnp.int32), top_logprobs)
 
 
-def unpack_bitmask(words: jax.Array, vocab: int) -> jax.Array:
-    """[S, W] int32 bitmask words -> [S, vocab] bool."""
-    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
+def exponential_noise(sp: SamplingBatch, vocab: int) -> jax.Array:
+    """[S, vocab] Exp(1) draws: row i's from fold_in(key(seed), step), whatever else is in the batch. Each
+    element depends on its index only (JAX's partitionable threefry), so GSPMD computes a vocabulary-split copy
+    shard by shard, each device its own slice."""
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sp.seeds, sp.steps)
+    return jax.vmap(lambda k: jax.random.exponential(k, (vocab,)))(keys)
 
 
-def _apply_penalties(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
+def _apply_penalties(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard) -> jax.Array:
     """vLLM's penalties: repetition over prompt and output tokens, presence and frequency over output tokens."""
-    num_seqs, vocab = logits.shape
+    num_seqs, size = logits.shape
     history = sp.history[sp.history_rows]
-    valid = history >= 0
-    ids = jnp.where(valid, history, vocab)
-    is_output = valid & (jnp.arange(history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
+    ids = vocab.local(history)
+    is_output = (history >= 0) & (jnp.arange(history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], ids.shape)
-    seen = jnp.zeros((num_seqs, vocab), bool).at[rows, ids].set(True, mode="drop")
-    counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32),
-                                                                          mode="drop")
+    seen = jnp.zeros((num_seqs, size), bool).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((num_seqs, size), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32),
+                                                                         mode="drop")
     rp = sp.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits = logits - sp.frequency_penalty[:, None] * counts
     return logits - sp.presence_penalty[:, None] * (counts > 0)
 
 
-def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array) -> jax.Array:
+def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array, vocab: VocabShard, noise) -> jax.Array:
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
     scaled = logits / temp
     truncates = (sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)
-    # the filter sorts the whole vocabulary of every row (about 0.35 s for 32 rows on a CPU): only when a row asks
-    scaled = jax.lax.cond(jnp.any(truncates), lambda: _filter(scaled, sp), lambda: scaled)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sp.seeds, sp.steps)
-    noise = jax.vmap(lambda k: jax.random.exponential(k, (logits.shape[-1],)))(keys)
+    # the filter makes 32-pass bisections over every row's vocabulary: only when a row asks
+    scaled = jax.lax.cond(jnp.any(truncates), lambda: _filter(scaled, sp, vocab), lambda: scaled)
     # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, without a cumulative sum.
     # A draw of E = 0 (about once in 2**24 tokens) makes p / E NaN for a token of probability 0 (masked by top-k,
     # top-p or structured outputs), and argmax picks NaN: such tokens must score 0, whatever their E.
-    probs = jax.nn.softmax(scaled, axis=-1)
-    sampled = jnp.argmax(jnp.where(probs > 0, probs / noise, 0.0), axis=-1).astype(jnp.int32)
+    probs = vocab.softmax(scaled)
+    sampled = vocab.argmax(jnp.where(probs > 0, probs / noise(), 0.0))
     return jnp.where(sp.temperature > 0, sampled, greedy)
 
 
-def _filter(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
+def _filter(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard) -> jax.Array:
     """Masks tokens outside top-k, outside the top-p nucleus, and below min_p times the top probability.
 
     The k-th largest logit and the nucleus' smallest are found by bisection over the order of float32 values
     (32 passes of a count or a masked sum over the vocabulary), not by sorting the vocabulary: XLA:CPU's sort took
     1.4-1.7 s for 32 rows of 49152 logits, the bisections 55 ms. Ties are kept together, as after a sort."""
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     keys = _order_keys(logits)
-    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, vocab), vocab)[:, None]
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, vocab.total), vocab.total)[:, None]
     kth = jax.lax.cond(  # the largest key with at least k logits at or above it
-        jnp.any(sp.top_k > 0), lambda: _bisect(lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k, rows),
+        jnp.any(sp.top_k > 0), lambda: _bisect(lambda t: vocab.sum(keys >= t) >= k, rows),
         lambda: jnp.zeros((rows, 1), jnp.uint32))
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = vocab.softmax(logits)
     top_p = sp.top_p[:, None]
     # the largest key whose strictly greater logits hold at least top_p: the nucleus starts one key above it
     # (top_p 1 keeps every token, also those whose preceding mass rounds to 1)
     below = jax.lax.cond(
         jnp.any(top_p < 1),
-        lambda: _bisect(lambda t: jnp.sum(jnp.where(keys > t, probs, 0.0), axis=-1, keepdims=True) >= top_p, rows),
+        lambda: _bisect(lambda t: vocab.sum(jnp.where(keys > t, probs, 0.0)) >= top_p, rows),
         lambda: jnp.zeros((rows, 1), jnp.uint32))
     nucleus_min = jnp.where(top_p >= 1, jnp.uint32(0), below + 1)
-    min_p_floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
+    min_p_floor = vocab.max(logits) + jnp.log(jnp.maximum(sp.min_p, 1e-30))[:, None]
     keep = keys >= jnp.maximum(kth, nucleus_min)
     keep &= logits >= jnp.where(sp.min_p[:, None] > 0, min_p_floor, -jnp.inf)
     return jnp.where(keep, logits, -jnp.inf)

@@ -11,6 +11,7 @@ import numpy as np
 from jaxpage import SamplingParams
 from jaxpage.model_runner import InputBatch, build_batch
 from jaxpage.sampler import _apply_penalties
+from jaxpage.vocab_shard import VocabShard
 from jaxpage.scheduler import ScheduledSeq
 from jaxpage.sequence import Sequence, SequenceGroup
 from tests.reference import NEAR_TIE, hf_logits
@@ -59,7 +60,7 @@ def test_penalties_over_steps_match_the_reference_as_slots_are_reused():
             scheduled.append(ScheduledSeq(seq, new, groups[i], True))
         batch, sampling = build_batch(config, scheduled, (), state)
         logits = rng.normal(size=(len(sampling.temperature), vocab)).astype(np.float32) * 3
-        ours = np.asarray(_apply_penalties(jnp.asarray(logits), sampling))
+        ours = np.asarray(_apply_penalties(jnp.asarray(logits), sampling, VocabShard(vocab, vocab)))
         for row, i in enumerate(subset):
             ref = penalized(logits[row], seqs[i].token_ids, seqs[i].num_prompt_tokens, PARAMS[i])
             np.testing.assert_allclose(ours[row], ref, rtol=1e-6, atol=1e-6, err_msg=f"sequence {i}")

@@ -10,12 +10,15 @@ and SmolLM2 at TP 3 (9 heads, 3 KV heads):
   gives TP 1's tokens too;
 - teacher-forced logits within float32 tolerance of TP 1's;
 - the KV pool really is split: each device holds 1/TP of it, its share of the KV head slots;
+- the LM head and the sampler work on each device's slice of the vocabulary (no array spans all of it), and the
+  sampler so split gives the one-device sampler's tokens for every sampling setting;
 - sizes that cannot work are refused by name.
 """
 from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -131,6 +134,63 @@ if IN_CHILD:
         batch = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
         assert tokens(llm, batch, GREEDY) == tokens(engine("smollm2", 1, "xla"), batch, GREEDY)
         assert llm.engine.runner.kv_pool.addressable_shards[0].data.shape[3] == 1  # 3 KV heads over 3 devices
+
+    def test_lm_head_and_sampler_never_hold_the_full_logits():
+        """SmolLM2 at TP 3: each device's LM head and sampler see its own third of the 49152-token vocabulary;
+        no array of the compiled step (per device, after partitioning) spans the whole vocabulary."""
+        llm = engine("smollm2", 3, "xla")
+        vocab = llm.engine.config.model.vocab_size
+        hlo = "\n".join(e.as_text() for e in llm.engine.runner._executables.values())
+        assert re.search(rf"f32\[\d+,{vocab // 3}\]", hlo)  # the logits, split
+        assert not re.search(rf"[\[,]{vocab}[\],]", hlo), re.findall(rf".*[\[,]{vocab}[\],].*", hlo)[:3]
+
+    @pytest.mark.parametrize("tp,vocab", [(2, 100), (3, 192), (4, 256), (8, 49152)])
+    def test_sampler_split_by_vocabulary_equals_one_device(tp, vocab):
+        """The sampler on logits split by vocabulary over a TP mesh against the one-device sampler: the same
+        tokens (seeded random draws, top-k, top-p, min-p, penalties, bans, structured-output bitmasks, ties),
+        the same top log-probabilities and ids, log-probabilities within float32 rounding. Slices of 50 and 64
+        tokens start inside bitmask words."""
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxpage.parallel import make_mesh, with_mesh
+        from jaxpage.sampler import sample
+
+        mesh = make_mesh(tp)
+        split, whole = NamedSharding(mesh, PartitionSpec(None, "model")), NamedSharding(mesh, PartitionSpec())
+        sharded = jax.jit(with_mesh(sample, mesh), in_shardings=(split, whole), out_shardings=whole)
+        rng = np.random.default_rng(tp)
+        logits = (rng.normal(size=(8, vocab)) * 3).astype(np.float32)
+        logits[0, [5, vocab - 7]] = logits[0].max() + 1  # a tie across devices: the lower id wins
+        for sampling in (mixed_sampling(vocab, rng), mixed_sampling(vocab, rng, greedy=True)):
+            ours, ref = sharded(jax.device_put(logits, split), sampling), jax.jit(sample)(jnp.asarray(logits), sampling)
+            np.testing.assert_array_equal(ours.tokens, ref.tokens)
+            np.testing.assert_array_equal(ours.top_ids, ref.top_ids)
+            np.testing.assert_allclose(ours.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(ours.top_logprobs, ref.top_logprobs, rtol=1e-5, atol=1e-5)
+        assert int(ref.tokens[0]) == 5
+
+    def mixed_sampling(vocab: int, rng, greedy: bool = False):
+        """Eight rows, each with its own setting: greedy, plain random, top-k, top-p, min-p, penalties, a bitmask
+        of allowed tokens, all of them at once (all greedy when ``greedy``)."""
+        from jaxpage.sampler import MAX_BANNED, SamplingBatch
+
+        rows = 8
+        temperature = np.array([0, 1.0, 0.7, 1.0, 1.0, 0.9, 1.0, 0.8], np.float32) * (not greedy)
+        top_k, top_p = np.array([0, 0, 5, 0, 0, 0, 0, 40], np.int32), np.array([1, 1, 1, .8, 1, 1, 1, .9], np.float32)
+        min_p = np.array([0, 0, 0, 0, .1, 0, 0, .05], np.float32)
+        penalty = np.array([0, 0, 0, 0, 0, 1, 0, 1], np.float32)
+        history = np.full((2, 40), -1, np.int32)
+        history[1, :30] = rng.integers(0, vocab, 30)
+        words = -(-vocab // 32)
+        allowed = np.full((rows, words), -1, np.int32)
+        allowed[6:] = rng.integers(-2**31, 2**31, size=(2, words), dtype=np.int64).astype(np.int32)
+        banned = np.full((rows, MAX_BANNED), -1, np.int32)
+        banned[:, :2] = [3, vocab - 1]
+        return SamplingBatch(temperature, top_k, top_p, min_p, np.arange(rows, dtype=np.uint32),
+                             np.arange(rows, dtype=np.int32) * 3, 0.5 * penalty, 0.2 * penalty, 1 + 0.3 * penalty,
+                             history, penalty.astype(np.int32), np.full(rows, 5, np.int32), banned, np.bool_(True),
+                             allowed)
 
     def test_sizes_that_cannot_work_are_refused_by_name():
         with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=8"):
