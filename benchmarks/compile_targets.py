@@ -243,7 +243,8 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     batch, sampling = abstract_step_inputs(config, num_tokens)
     shape = (f"{config.attention_backend} T{num_tokens} pool {pool_gib(config) / tp:.2f} GiB/chip"
              + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else "")
-             + ("" if config.kv_cache_dtype == "auto" else f" kv {config.kv_cache_dtype}"))
+             + ("" if config.kv_cache_dtype == "auto" else f" kv {config.kv_cache_dtype}")
+             + (f" weights {config.model.quantization}" if config.model.quantization else ""))
     return compile_for(where, chip, f"step {model}", shape, jit_step(config, where), (params, pool, batch, sampling))
 
 
@@ -300,10 +301,11 @@ def pool_gib(config) -> float:
 # Llama-3-8B in bfloat16 (16 GB of weights) does not fit a 16 GiB v5e chip: its row there is the compiler's
 # out-of-memory message, which is the point (that model needs the scale-out issue's tensor parallelism).
 STEP_TARGETS = {"smollm2-135m": ("v5e", "v6e", "v5p"), "llama-3-8b": ("v5e", "v6e", "v5p")}
-TP_STEP_TARGETS = {"llama-3-70b": ("v5e", "v6e")}  # at tensor_parallel_size=8, on 8 chips
+# at tensor_parallel_size=8, on 8 chips; (model, weights) -> chips: bfloat16 weights, or int8 ones ("int8")
+TP_STEP_TARGETS = {("llama-3-70b", None): ("v5e", "v6e"), ("llama-3-70b", "int8"): ("v5e",)}
 
 
-def run(chips: list[str], quick: bool, tp_only: bool = False) -> list[Compiled]:
+def run(chips: list[str], quick: bool, tp_only: bool = False, tp_weights=("bfloat16", "int8")) -> list[Compiled]:
     results = []
     for chip in [] if tp_only else chips:
         for shape in kernel_shapes(quick):
@@ -317,14 +319,16 @@ def run(chips: list[str], quick: bool, tp_only: bool = False) -> list[Compiled]:
             results += [_report(r) for r in compile_block_moves(chip, model, config)]
     for chip in [] if tp_only else chips:
         results.append(_report(compile_moe_layer(chip, 512)))
-    return results + run_tp(chips)
+    return results + run_tp(chips, tp_weights)
 
 
-def run_tp(chips: list[str]) -> list[Compiled]:
-    """The tensor-parallel steps (TP=8), at the smallest and the largest bucket."""
+def run_tp(chips: list[str], weights=("bfloat16", "int8")) -> list[Compiled]:
+    """The tensor-parallel steps (TP=8), at the smallest and the largest bucket, with the ``weights`` asked for."""
     results = []
-    for model, model_chips in TP_STEP_TARGETS.items():
-        config = engine_config(model, tensor_parallel_size=8)
+    for (model, quantization), model_chips in TP_STEP_TARGETS.items():
+        if (quantization or "bfloat16") not in weights:
+            continue
+        config = engine_config(model, tensor_parallel_size=8, quantization=quantization)
         for chip in (c for c in chips if c in model_chips):
             for num_tokens in (config.token_buckets()[0], config.token_buckets()[-1]):
                 results.append(_report(compile_step(chip, model, num_tokens, config)))
@@ -345,10 +349,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few kernel shapes, first and last bucket only")
     parser.add_argument("--json", help="write every result here")
     parser.add_argument("--tp-only", action="store_true", help="only the tensor-parallel (TP=8) steps")
+    parser.add_argument("--tp-weights", nargs="+", default=["bfloat16", "int8"], choices=["bfloat16", "int8"],
+                        help="the TP steps' weights")
     args = parser.parse_args()
     print("| chip | kernel / step | shape | result | compile | memory per chip (arguments incl. weights and "
           "pool; temporaries) |\n| --- | --- | --- | --- | --- | --- |")
-    results = run(args.chips, args.quick, args.tp_only)
+    results = run(args.chips, args.quick, args.tp_only, args.tp_weights)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"} for r in results], f, indent=1)

@@ -105,6 +105,11 @@ class AsyncEngine:
         finally:
             self._outside.pop()
 
+    def replica_of(self, request_id: str) -> int:
+        """The data-parallel rank of the replica serving ``request_id``: this engine's (as ``DataParallelEngine``
+        says it of its replicas)."""
+        return self.engine.config.data_parallel_rank
+
     def abort(self, request_id: str) -> None:
         with self._locked():
             self._streams.pop(request_id, None)

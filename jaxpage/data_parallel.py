@@ -86,6 +86,10 @@ class DataParallelEngine:
         if rank is not None:
             self.load[rank] -= 1
 
+    def replica_of(self, request_id: str) -> int:
+        """The rank of the replica serving ``request_id`` (from ``add_request`` until its stream ends)."""
+        return self._owner[request_id]
+
     def abort(self, request_id: str) -> None:
         rank = self._owner.get(request_id)
         if rank is not None:

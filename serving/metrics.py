@@ -1,7 +1,8 @@
 """Prometheus metrics with vLLM's names (prefix ``jaxpage:`` instead of ``vllm:``), in a registry of their own.
 
 Latencies and token counts are observed by the request handlers, as the client sees them from the server:
-time to first token counts from the moment the call reached the handler. Engine state (running, waiting,
+time to first token counts from the moment the call reached the handler. With data-parallel replicas, every
+series of one replica's work (the engine's and the requests') carries ``replica="<rank>"``. Engine state (running, waiting,
 KV usage, preemptions, prefix cache) is read from ``AsyncEngine.stats()`` at scrape time. The HTTP endpoint is
 served by serving.security (``/metrics`` only, TLS and the bearer token when configured).
 """
@@ -67,29 +68,38 @@ class EngineStatsCollector:
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], dict | None] = lambda: None, model_name: Callable[[], str] = lambda: ""):
+    def __init__(self, stats: Callable[[], dict | None] = lambda: None, model_name: Callable[[], str] = lambda: "",
+                 replicas: int = 1):
+        """replicas: the data-parallel size; above 1 the requests' latencies, token counts and successes are
+        labelled by the replica that served them (``replica``); queue-level series (in flight, errors) are not."""
         disable_created_metrics()  # no *_created series (process-wide; they only add noise here)
         self.registry = CollectorRegistry(auto_describe=False)
         self._model_name = model_name
         self._children: dict[tuple, object] = {}
         r, labels = self.registry, ["model_name"]
+        self.by_replica = replicas > 1
+        served = labels + (["replica"] if self.by_replica else [])
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token, at the server.",
-                              labels, registry=r, buckets=TTFT_BUCKETS)
+                              served, registry=r, buckets=TTFT_BUCKETS)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two streamed outputs.",
-                             labels, registry=r, buckets=ITL_BUCKETS)
+                             served, registry=r, buckets=ITL_BUCKETS)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             labels, registry=r, buckets=E2E_BUCKETS)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", labels,
+                             served, registry=r, buckets=E2E_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", served,
                                      registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens sent back.", labels,
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens sent back.", served,
                                          registry=r)
         self.request_success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
-                                       labels + ["finished_reason"], registry=r)
+                                       served + ["finished_reason"], registry=r)
         self.request_errors = Counter(PREFIX + "request_errors", "Requests that ended with an error status.",
                                       labels + ["code"], registry=r)
         self.in_flight = Gauge(PREFIX + "num_requests_in_flight", "Generate calls being handled.", labels,
                                registry=r)
         r.register(EngineStatsCollector(stats, model_name))
+
+    def served_by(self, rank: int) -> dict:
+        """The extra labels of a request's series: its replica's rank, when there are several."""
+        return {"replica": str(rank)} if self.by_replica else {}
 
     def labels(self, metric, **extra):
         """The metric's child for the served model (cached: this is on the per-token path)."""

@@ -145,6 +145,7 @@ class OpenAIServing:
         try:
             try:
                 stream = await engine.add_request(request_id, prompt, params, priority=priority)
+                served = m.served_by(engine.replica_of(request_id))
             except ValueError as e:
                 raise _invalid(e, prompt_field) from None
             except EngineDeadError as e:
@@ -152,10 +153,10 @@ class OpenAIServing:
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     now = time.monotonic()
-                    service._observe(out, started, last, now, params)
+                    service._observe(out, started, last, now, params, served)
                     last = now
                     if out.finished:
-                        m.labels(m.e2e).observe(now - started)
+                        m.labels(m.e2e, **served).observe(now - started)
                     yield out
         except EngineDeadError as e:
             raise OpenAIError(503, f"{e}; {RESTARTING}", code="engine_restarting") from None

@@ -245,13 +245,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         m = self.metrics
         m.labels(m.in_flight).inc()
         context.add_done_callback(lambda _: self._on_done(engine, request_id, task))
-        stream, iterating, finished, last = None, False, False, None
+        stream, iterating, finished, last, served = None, False, False, None, {}
         try:
             try:
                 params = sampling_params(request.sampling, output_kind)
                 check_prompt_size(request, self.max_prompt_bytes)
                 prompt = engine_prompt(request, engine.engine)
                 stream = await engine.add_request(request_id, prompt, params, priority=request.priority)
+                served = m.served_by(engine.replica_of(request_id))
             except DoesNotFitError as e:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             except ValueError as e:
@@ -262,7 +263,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 iterating = True
                 async for out in stream:
                     now = time.monotonic()
-                    self._observe(out, started, last, now, params)
+                    self._observe(out, started, last, now, params, served)
                     last = now
                     finished = out.finished
                     yield out, now
@@ -292,7 +293,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     self._abort(engine, request_id)
             self._forget(request_id, task)
         if finished:
-            m.labels(m.e2e).observe(time.monotonic() - started)
+            m.labels(m.e2e, **served).observe(time.monotonic() - started)
 
     def _forget(self, request_id: str, task) -> None:
         if self.in_flight.get(request_id) is task:
@@ -313,28 +314,29 @@ class GenerationService(pb_grpc.GenerationServicer):
         except Exception:  # noqa: BLE001 - a dead engine may fail to abort; nothing is left to free then
             log.exception("abort of %s failed", request_id)
 
-    def _observe(self, out, started: float, last: float | None, now: float, params) -> None:
+    def _observe(self, out, started: float, last: float | None, now: float, params, served: dict) -> None:
+        """One output's latencies and token counts; served: the request's replica label (``Metrics.served_by``)."""
         m = self.metrics
         new_tokens = sum(len(c.token_ids) for c in out.outputs)
         if last is None:
-            m.labels(m.prompt_tokens).inc(len(out.prompt_token_ids))
+            m.labels(m.prompt_tokens, **served).inc(len(out.prompt_token_ids))
             if params.output_kind == "delta":
-                m.labels(m.ttft).observe(now - started)
+                m.labels(m.ttft, **served).observe(now - started)
             elif out.metrics is not None and out.metrics.first_token_time is not None:
                 # one response at the end: the engine's own first-token time, from this call's start
-                m.labels(m.ttft).observe(out.metrics.first_token_time - started)
+                m.labels(m.ttft, **served).observe(out.metrics.first_token_time - started)
                 tpot = out.metrics.time_per_output_token
                 if tpot is not None:
-                    itl = m.labels(m.itl)
+                    itl = m.labels(m.itl, **served)
                     for _ in range(out.metrics.num_output_tokens - 1):
                         itl.observe(tpot)
         elif new_tokens:
-            m.labels(m.itl).observe(now - last)
+            m.labels(m.itl, **served).observe(now - last)
         if new_tokens:
-            m.labels(m.generation_tokens).inc(new_tokens)
+            m.labels(m.generation_tokens, **served).inc(new_tokens)
         if out.finished:
             reason = out.outputs[0].finish_reason if out.outputs else "stop"
-            m.labels(m.request_success, finished_reason=reason or "stop").inc()
+            m.labels(m.request_success, **served, finished_reason=reason or "stop").inc()
 
     def _count_error(self, code: grpc.StatusCode) -> None:
         self.metrics.labels(self.metrics.request_errors, code=code.name).inc()
@@ -393,8 +395,8 @@ class Server:
     def __init__(self, ns: argparse.Namespace, make_engine: Callable[[], object]):
         self.ns = ns
         self.make_engine = make_engine
-        self.service = GenerationService(Metrics(self._stats, self._model_name), ns.max_queue,
-                                         getattr(ns, "max_prompt_bytes", None))
+        metrics = Metrics(self._stats, self._model_name, getattr(ns, "data_parallel_size", 1))
+        self.service = GenerationService(metrics, ns.max_queue, getattr(ns, "max_prompt_bytes", None))
         self.health = health_aio.HealthServicer()
         self.stopping = asyncio.Event()
         self.signals = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import re
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +168,24 @@ def test_llama3_70b_step_compiles_tensor_parallel_on_eight_v5e_chips():
     embedding = config.model.vocab_size * config.model.hidden_size * 2
     assert r.memory["alias"] >= pool_bytes(config) // 8, r.memory
     assert r.memory["argument"] <= (weights + pool_bytes(config)) // 8 + embedding, r.memory
+    assert_no_vocabulary_collective(r.hlo, config.model.vocab_size // 8)
+
+
+def assert_no_vocabulary_collective(hlo: str, vocab_slice: int) -> None:
+    """The chips exchange no logits: no collective has a dimension as long as a chip's slice of the vocabulary
+    (the layers' are [tokens, hidden]; the sampler's [rows, 1] reductions and [rows, 20, tp] top-k candidates)."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^ ]* (?:all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+                        r"(?:-start)?\(", hlo)
+    assert shapes and all(int(d) < vocab_slice for s in shapes for d in filter(None, s.split(","))), shapes
+
+
+def test_llama3_70b_whole_step_with_int8_weights_fits_eight_v5e_chips():
+    """All 80 layers, int8 weights (per-channel scales), TP=8 on v5e:2x4: each chip's weights, its eighth of the
+    pool and the temporaries fit a 16 GiB chip (15.75 GiB usable), which the bfloat16 weights (16.4 GiB a chip)
+    cannot (benchmarks/RESULTS.md)."""
+    config = ct.engine_config("llama-3-70b", tensor_parallel_size=8, quantization="int8")
+    r = ct.compile_step("v5e", "llama-3-70b", config.token_buckets()[0], config)
+    assert_compiled(r)
+    assert r.memory["alias"] >= pool_bytes(config) // 8, r.memory
+    assert r.memory["argument"] + r.memory["temp"] < 15.75 * 2**30, r.memory
+    assert_no_vocabulary_collective(r.hlo, config.model.vocab_size // 8)

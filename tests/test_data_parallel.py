@@ -6,8 +6,9 @@ child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; the c
   the tokens of one engine on one device, both replicas take requests, and each replica's weights and KV pool
   sit on its own two devices;
 - sizes that cannot work are refused by name;
-- `jaxpage serve --data-parallel-size 2` answers over gRPC with one device's tokens, and its metrics carry a
-  ``replica`` label per replica, each of which served requests.
+- `jaxpage serve --data-parallel-size 2` answers over gRPC and over the OpenAI-compatible HTTP API with one
+  device's tokens, and its metrics carry a ``replica`` label per replica, each of which served requests: the
+  engine's gauges and counters and the requests' latency histograms and token counts.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_data_parallel_on_four_cpu_devices():
 if IN_CHILD:
     import asyncio
     import functools
+    import json
     import signal
     import tempfile
     import urllib.request
@@ -121,11 +123,19 @@ if IN_CHILD:
         return {(s.name, s.labels["replica"]): s.value for family in text_string_to_metric_families(text)
                 for s in family.samples if "replica" in s.labels}
 
-    def test_grpc_server_with_two_replicas_answers_and_labels_their_metrics():
-        port, metrics_port = free_port(), free_port()
+    def http_completion(port: int, prompt_token_ids: list[int]) -> list[int]:
+        """The token ids of a greedy /v1/completions answer (vLLM's return_token_ids)."""
+        body = json.dumps({"prompt": prompt_token_ids, "max_tokens": 10, "temperature": 0,
+                           "return_token_ids": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["token_ids"]
+
+    def test_grpc_and_http_server_with_two_replicas_answers_and_labels_their_metrics():
+        port, metrics_port, http_port = free_port(), free_port(), free_port()
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items() if k != "progress"]
         proc = spawn(["-m", "jaxpage.cli", "serve", "--model", model_dir(), "--port", str(port), "--metrics-port",
-                      str(metrics_port), "--http-port", "0", "--data-parallel-size", "2", "--no-progress", *flags],
+                      str(metrics_port), "--http-port", str(http_port), "--data-parallel-size", "2", "--no-progress", *flags],
                      WORK / "server.log")
         target = f"127.0.0.1:{port}"
         try:
@@ -142,10 +152,16 @@ if IN_CHILD:
             answers = asyncio.run(call_all())
             want = [ref for ref, (_, p) in zip(reference(), workload()) if p is GREEDY]
             assert [[list(c.token_ids) for c in a.completions] for a in answers] == want
+            over_http = [http_completion(http_port, ids) for ids, _ in greedy[:2]]
+            assert over_http == [w[0] for w in want[:2]]
             metrics = replica_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
             queries = {r: metrics[("jaxpage:prefix_cache_queries_total", r)] for r in ("0", "1")}
             assert queries["0"] > 3 and queries["1"] > 0, queries  # prompts on both (the 3-token warm-up: 0)
             assert metrics[("jaxpage:num_requests_running", "0")] == metrics[("jaxpage:num_requests_running", "1")] == 0
+            served = {r: metrics[("jaxpage:e2e_request_latency_seconds_count", r)] for r in ("0", "1")}
+            assert served["0"] + served["1"] == len(greedy) + 2 and min(served.values()) > 0, served
+            assert min(metrics[("jaxpage:time_to_first_token_seconds_count", r)] for r in ("0", "1")) > 0
+            assert min(metrics[("jaxpage:generation_tokens_total", r)] for r in ("0", "1")) > 0
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
