@@ -12,13 +12,13 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
 from jaxpage.config import EngineConfig
 from jaxpage.kv_cache import jit_on_pool
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
-from jaxpage.parallel import put, with_mesh
+from jaxpage.parallel import put
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class LayerLoop:
     layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
     end: object  # (top weights, x, batch, sampling) -> sampler output
     consts: tuple  # each layer's LayerConstants, on the device(s)
-    inputs: object  # the batch's sharding, placed once for all layers (a device, or replicated over the mesh)
+    inputs: object  # the batch's sharding, placed once for all layers
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
@@ -44,9 +44,9 @@ class LayerLoop:
     @classmethod
     def make(cls, config: EngineConfig, sample_tokens, weights: dict, where=None) -> "LayerLoop":
         """sample_tokens(config, top, hidden, batch, sampling): the step's tail; weights: the unrolled weights'
-        shardings; where: a device or the tensor-parallel mesh."""
+        shardings; where: the device (one device only: a mesh's layer call is a launch on each of its devices, see
+        ``model_runner.HOST_LAYER_LOOP_PLATFORMS``)."""
         cfg, backend = config.model, config.attention_backend
-        top, layer = top_weights(weights), weights["layers"][0]
 
         def begin(top, batch):
             return begin_layers(cfg, top, batch, backend, config.block_size)
@@ -57,13 +57,11 @@ class LayerLoop:
         def end(top, x, batch, sampling):
             return sample_tokens(config, top, final_norm(cfg, top, x), batch, sampling)
 
-        mesh = where if isinstance(where, Mesh) else None
-        inputs = NamedSharding(mesh, PartitionSpec()) if mesh else SingleDeviceSharding(where or jax.devices()[0])
+        inputs = SingleDeviceSharding(where or jax.devices()[0])
         consts = layer_constants(cfg)
         consts = tuple(jax.tree.map(lambda a, i=i: put(a[i], inputs), consts) for i in range(cfg.num_layers))
-        layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: layer}, config.kv_dtype)
-        return cls(_jit_weights_first(begin, 2, mesh, top), layer_step, _jit_weights_first(end, 4, mesh, top),
-                   consts, inputs)
+        layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: weights["layers"][0]}, config.kv_dtype)
+        return cls(jax.jit(begin), layer_step, jax.jit(end), consts, inputs)
 
     def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
         """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled."""
@@ -76,13 +74,4 @@ class LayerLoop:
     def as_text(self) -> str:
         """The three compiled executables' HLO, as a compiled step's ``as_text``."""
         return "\n".join(f.as_text() for f in (self.begin, self.layer, self.end))
-
-
-def _jit_weights_first(fn, num_args: int, mesh: Mesh | None, weights: dict):
-    """jit with the first argument (weights) split as ``weights`` says over ``mesh``, the rest replicated."""
-    if mesh is None:
-        return jax.jit(fn)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(with_mesh(fn, mesh), in_shardings=(weights,) + (replicated,) * (num_args - 1),
-                   out_shardings=replicated)
 
