@@ -2,6 +2,9 @@
 
     python -m benchmarks.cuda_lowering [--no-compile]   # the table: kernel or step, shape, target, result, time
 
+With 4 or more devices (``XLA_FLAGS=--xla_force_host_platform_device_count=4``) the table also lowers
+Llama-3-8B's step at tensor_parallel_size=4 (the Triton kernel under ``shard_map``, the all-reduces).
+
 ``jax.export`` with ``platforms=["cuda"]`` runs the Pallas Triton lowering (Pallas -> Triton IR, carried in the
 ``__gpu$xla.gpu.triton`` custom call, whose export safety check is disabled): a kernel that does not lower fails
 here, without a GPU. With pip ``triton`` installed (the ``cuda-compile`` extra), each kernel's IR then goes
@@ -28,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
+from jaxpage.models.layers import MODEL_AXIS
+
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TARGETS = {"sm80": "NVIDIA A100", "sm90": "NVIDIA H100"}
 # JAX >= 0.11 reads the target GPU of a Triton lowering from the abstract mesh's device (module present there)
@@ -40,20 +45,28 @@ class LoweringCase:
     shape: str
     fn: Callable
     args: tuple  # jax.ShapeDtypeStruct pytrees
+    tensor_parallel_size: int = 1  # > 1: fn is the jitted step over a mesh of that many devices
 
 
 @contextlib.contextmanager
-def cuda_target(target: str):
-    """Lower Triton kernels for ``target`` ("sm80" or "sm90") without a GPU."""
+def cuda_target(target: str, tensor_parallel_size: int = 1):
+    """Lower Triton kernels for ``target`` ("sm80" or "sm90") without a GPU; at a TP size > 1, on that many GPUs
+    (the engine's mesh axis, whose abstract devices the step's own mesh context then keeps)."""
     device = jax.sharding.AbstractDevice(device_kind=TARGETS[target], num_cores=None, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+    if tensor_parallel_size == 1:
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    else:
+        mesh = jax.sharding.AbstractMesh((tensor_parallel_size,), (MODEL_AXIS,),
+                                         axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
         yield
 
 
 def lower_for_cuda(case: LoweringCase, target: str = "sm90") -> str:
     """The exported module's text (StableHLO with the Triton custom calls)."""
-    with cuda_target(target):  # the engine step takes the compiled kernels: it is lowered for CUDA
-        exported = export.export(jax.jit(case.fn), platforms=["cuda"],
+    fn = case.fn if case.tensor_parallel_size > 1 else jax.jit(case.fn)  # a TP step comes jitted, on its mesh
+    with cuda_target(target, case.tensor_parallel_size):  # the engine step takes the compiled kernels
+        exported = export.export(fn, platforms=["cuda"],
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*case.args)
     return exported.mlir_module()
 
@@ -194,6 +207,29 @@ def step_cases(buckets=None) -> list[LoweringCase]:
     return cases
 
 
+def tp_step_case(tp: int = 4) -> LoweringCase:
+    """Llama-3-8B's jitted engine step (bfloat16, smallest bucket) at tensor_parallel_size ``tp``, over the
+    first ``tp`` devices (forced CPU devices stand in for the GPUs: only their number is lowered into the
+    module)."""
+    from benchmarks.random_model import LLAMA3_8B
+    from jaxpage.config import build_engine_config
+    from jaxpage.kv_cache import abstract_kv_pool
+    from jaxpage.model_runner import abstract_step_inputs, jit_step
+    from jaxpage.models import abstract_params
+    from jaxpage.parallel import placement
+
+    config = build_engine_config(LLAMA3_8B, dtype="bfloat16", block_size=16, kv_cache_memory=None,
+                                 num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=256,
+                                 max_model_len=4096, gpu_memory_utilization=0.9, attention_backend="pallas_gpu",
+                                 tensor_parallel_size=tp)
+    num_tokens = config.token_buckets()[0]
+    batch, sampling = abstract_step_inputs(config, num_tokens)
+    args = (abstract_params(config.model, config.dtype),
+            abstract_kv_pool(config.model, config.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
+    return LoweringCase("step", f"Llama-3-8B bfloat16 T{num_tokens} TP{tp}", jit_step(config, placement(config)),
+                        args, tp)
+
+
 def run_case(case: LoweringCase, target: str, compile_ir: bool = False) -> dict:
     """One lowering (and, with compile_ir, Triton's compilation of its kernels): ok, seconds, Triton calls in
     the module and the kernels' shared memory, or the error."""
@@ -215,7 +251,7 @@ def table(targets=None, compile_ir: bool = False) -> list[dict]:
     """Every case for every target; the rows main() prints (and the lead's compile_targets can print)."""
     targets = targets or (list(TARGETS) if TARGET_HONOURED else ["sm90"])
     rows = []
-    for case in kernel_cases() + step_cases():
+    for case in kernel_cases() + step_cases() + ([tp_step_case(4)] if len(jax.devices()) >= 4 else []):
         for target in targets:
             rows.append({"what": case.what, "shape": case.shape, "target": target,
                          **run_case(case, target, compile_ir)})

@@ -167,6 +167,9 @@ def with_mesh(fn, mesh: Mesh | None):
         return fn
 
     def traced(*args):
+        ambient = jax.sharding.get_abstract_mesh()
+        if not ambient.empty and ambient.shape_tuple == mesh.abstract_mesh.shape_tuple:
+            return fn(*args)  # the caller's abstract mesh, e.g. naming other devices to lower for (CUDA lane)
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args)
     return traced

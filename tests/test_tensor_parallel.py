@@ -192,6 +192,15 @@ if IN_CHILD:
                              history, penalty.astype(np.int32), np.full(rows, 5, np.int32), banned, np.bool_(True),
                              allowed)
 
+    def test_tp4_step_with_the_triton_kernel_lowers_for_cuda():
+        """The CUDA lane at TP 4 (Llama-3-8B's shapes, attention_backend="pallas_gpu"): the step lowers for four
+        GPUs with its one Triton attention call inside the shard_map and the layers' all-reduces."""
+        from benchmarks.cuda_lowering import TRITON_CALL, lower_for_cuda, tp_step_case
+
+        text = lower_for_cuda(tp_step_case(4))
+        assert text.count(f"@{TRITON_CALL}") == 1, "the scanned layer holds one Triton attention call"
+        assert "num_partitions = 4" in text and "all_reduce" in text
+
     def test_sizes_that_cannot_work_are_refused_by_name():
         with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=8"):
             LLM(model=model_dir("llama-8h-4kv"), tensor_parallel_size=3, **OPTIONS)
