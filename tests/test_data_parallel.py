@@ -135,7 +135,8 @@ if IN_CHILD:
         port, metrics_port, http_port = free_port(), free_port(), free_port()
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items() if k != "progress"]
         proc = spawn(["-m", "jaxpage.cli", "serve", "--model", model_dir(), "--port", str(port), "--metrics-port",
-                      str(metrics_port), "--http-port", str(http_port), "--data-parallel-size", "2", "--no-progress", *flags],
+                      str(metrics_port), "--http-port", str(http_port), "--data-parallel-size", "2", "--no-progress",
+                      *flags],
                      WORK / "server.log")
         target = f"127.0.0.1:{port}"
         try:

@@ -135,6 +135,26 @@ if IN_CHILD:
         assert tokens(llm, batch, GREEDY) == tokens(engine("smollm2", 1, "xla"), batch, GREEDY)
         assert llm.engine.runner.kv_pool.addressable_shards[0].data.shape[3] == 1  # 3 KV heads over 3 devices
 
+    def test_smollm2_tp3_structured_sampled_outputs_and_logprobs_equal_tp1():
+        """Seeded sampling under a regex, a choice and top-k/top-p, with top log-probabilities, at TP 3 (each
+        device samples from its third of the vocabulary and of each row's token bitmask): TP 1's tokens and
+        top-token ids, log-probabilities within float32 rounding."""
+        from jaxpage.structured_outputs import StructuredOutputsParams
+
+        sampled = dict(max_tokens=14, temperature=0.9, seed=11, logprobs=3)
+        params = [SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")),
+                  SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(
+                      choice=["positive", "negative", "neutral"])),
+                  SamplingParams(**sampled, top_k=20, top_p=0.9, repetition_penalty=1.2)]
+        prompts = ["A phone number:", "The review was great. Sentiment:", "Once upon a time"]
+        ours, ref = (engine("smollm2", tp, "xla").generate(prompts, params) for tp in (3, 1))
+        for a, b in zip(ours, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert mine.keys() == theirs.keys()
+                np.testing.assert_allclose(list(mine.values()), list(theirs.values()), rtol=1e-4, atol=1e-4)
+        assert ours[1].outputs[0].text in ("positive", "negative", "neutral")
+
     def test_lm_head_and_sampler_never_hold_the_full_logits():
         """SmolLM2 at TP 3: each device's LM head and sampler see its own third of the 49152-token vocabulary;
         no array of the compiled step (per device, after partitioning) spans the whole vocabulary."""
