@@ -3,8 +3,8 @@
 Latencies and token counts are observed by the request handlers, as the client sees them from the server:
 time to first token counts from the moment the call reached the handler. Engine state (running, waiting,
 KV usage, preemptions, prefix cache) is read from ``AsyncEngine.stats()`` at scrape time. With data-parallel
-replicas, every series of one replica's work (the engine's and its requests') carries ``replica="<rank>"``. The HTTP endpoint is
-served by serving.security (``/metrics`` only, TLS and the bearer token when configured).
+replicas, every series of one replica's work (the engine's and its requests') carries ``replica="<rank>"``.
+The HTTP endpoint is served by serving.security (``/metrics`` only, TLS and the bearer token when configured).
 """
 from __future__ import annotations
 
