@@ -3,13 +3,14 @@
 The forced devices must be set before JAX starts, so the one test collected in the ordinary run re-runs this
 file under pytest in a child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``; the cases
 below run there only. For random models whose heads divide the TP size (one with fewer KV heads than the TP size,
-one with q/k/v biases, unrolled layers, int8 weights, a Mixtral MoE, a Gemma 2 with a sliding window and soft caps)
-and SmolLM2 at TP 3 (9 heads, 3 KV heads):
-- greedy tokens identical to TP 1, through ``LLM.generate`` (XLA path; one case on the interpreted Pallas TPU
-  kernel); a workload with a small pool, swap preemption, prefix caching and parallel sampling (copy-on-write)
+one with q/k/v biases, unrolled layers, int8 weights, an int8 KV pool, a Mixtral MoE, a Qwen3 MoE with q/k norms,
+a Gemma 2 with a sliding window and soft caps) and SmolLM2 at TP 3 (9 heads, 3 KV heads):
+- greedy tokens identical to TP 1, through ``LLM.generate`` (XLA path; one case on each interpreted Pallas
+  kernel, TPU and GPU); seeded sampling under structured-output constraints with log-probabilities too; a workload with a small pool, swap preemption, prefix caching and parallel sampling (copy-on-write)
   gives TP 1's tokens too;
 - teacher-forced logits within float32 tolerance of TP 1's;
 - the KV pool really is split: each device holds 1/TP of it, its share of the KV head slots;
+- the step with the Triton kernel lowers for four GPUs (the CUDA lane at TP 4);
 - the LM head and the sampler work on each device's slice of the vocabulary (no array spans all of it), and the
   sampler so split gives the one-device sampler's tokens for every sampling setting;
 - sizes that cannot work are refused by name.
@@ -37,7 +38,7 @@ def test_tensor_parallel_on_eight_cpu_devices():
 if IN_CHILD:
     import jax
     import numpy as np
-    from transformers import Gemma2Config, LlamaConfig, MixtralConfig, Qwen2Config
+    from transformers import Gemma2Config, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
     from jaxpage import LLM, SamplingParams
     from tests.conftest import SMOLLM2_OPTIONS
@@ -61,6 +62,13 @@ if IN_CHILD:
             vocab_size=192, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
             head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False,
             **COMMON), {}),
+        "llama-8h-4kv-kv-int8": (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                             tie_word_embeddings=False, **COMMON), dict(kv_cache_dtype="int8")),
+        "qwen3moe-4h-2kv-qknorm": (Qwen3MoeConfig(  # q/k norms per head; top 2 of 8 experts
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            tie_word_embeddings=True, **COMMON), {}),
         "gemma2-4h-2kv-window-softcaps": (Gemma2Config(  # a sliding layer (window 8) then a full one; soft caps
             vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention",
@@ -69,7 +77,9 @@ if IN_CHILD:
     }
     CASES = [("llama-8h-4kv", 2, "xla"), ("llama-8h-4kv", 4, "xla"), ("qwen2-4h-2kv-bias-unrolled", 4, "xla"),
              ("qwen2-4h-2kv-bias-unrolled", 4, "pallas_tpu"), ("llama-8h-4kv-int8", 4, "xla"),
-             ("mixtral-4h-1kv-moe", 2, "xla"), ("gemma2-4h-2kv-window-softcaps", 4, "xla")]
+             ("mixtral-4h-1kv-moe", 2, "xla"), ("gemma2-4h-2kv-window-softcaps", 4, "xla"),
+             ("llama-8h-4kv-kv-int8", 4, "xla"), ("llama-8h-4kv-kv-int8", 2, "pallas_gpu"),
+             ("qwen3moe-4h-2kv-qknorm", 2, "xla")]
     GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
     @functools.cache
