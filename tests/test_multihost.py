@@ -5,15 +5,19 @@
   several lengths, one with penalties, and seeded n=2 sampling on a small pool with swap preemption and shared
   prefixes, so that the followers replay block copies (copy-on-write) and swaps (process 0's metrics count the
   preemptions);
-- SIGTERM to process 0 stops both processes, each with exit code 0;
+- SIGTERM to every process at once (as an orchestrator stops a deployment), with a call in flight: the call
+  finishes with its tokens (the followers leave SIGTERM to JAX's preemption notifier and follow process 0 until it
+  has drained and stops them) and both processes exit with code 0;
 - the options come from the flags, then JAX's environment variables; bad values are refused by name.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
+import time
 import urllib.request
 
 import grpc
@@ -76,6 +80,8 @@ def metric(url: str, name: str) -> float:
 def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cache_dir, tmp_path):
     llm = LLM(model=str(model_dir), cache_dir=str(cache_dir), progress=False, **OPTIONS)
     reference = [[c.token_ids for c in llm.generate({"prompt_token_ids": ids}, p)[0].outputs] for ids, p in workload()]
+    draining = (workload()[0][0], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    drained = [c.token_ids for c in llm.generate({"prompt_token_ids": draining[0]}, draining[1])[0].outputs]
 
     coordinator, port, metrics_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -95,7 +101,13 @@ def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cac
             assert got == [reference[i] for i in part]
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         assert metric(url, "jaxpage:num_preemptions_total") > 0  # swaps happened (preemption_mode swap)
-        procs[0].send_signal(signal.SIGTERM)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(lambda: asyncio.run(call_all(f"127.0.0.1:{port}", [draining])))
+            while metric(url, "jaxpage:num_requests_running") < 1:
+                time.sleep(0.05)
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            assert in_flight.result(120) == [drained]
         codes = [p.wait(60) for p in procs]
         assert codes == [0, 0], [(tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(2)]
     finally:
