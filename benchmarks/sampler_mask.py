@@ -1,5 +1,6 @@
 """The jitted sampler alone on [32, vocab] logits at temperature 1.0: every token allowed against ~64 allowed a row
-(structured outputs' mask). Shows where a CPU step's sampling time goes (the full-vocabulary sort of _filter).
+(structured outputs' mask). Shows where a CPU step's sampling time goes (once the full-vocabulary sort of _filter, now bisections),
+and the greedy path's argmax in its two forms.
 
     python benchmarks/sampler_mask.py
 """
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.sampler import MAX_BANNED, SamplingBatch, sample
+from jaxpage.vocab_shard import VocabShard
 
 S, V, W = 32, 49152, 1536  # rows, SmolLM2's vocabulary, bitmask words
 
@@ -28,11 +30,20 @@ def main() -> None:
     few[:, :4] = 0x0F0F0F0F  # 16 tokens a word, 4 words: 64 allowed a row
     f = jax.jit(sample)
     for name, m in [("all allowed", ones), ("64 allowed", few)] * 2:
-        jax.block_until_ready(f(logits, batch(m)))
-        started = time.perf_counter()
-        for _ in range(10):
-            jax.block_until_ready(f(logits, batch(m)))
-        print(f"{name}: {(time.perf_counter() - started) * 100:.1f} ms a call")
+        print(f"{name}: {milliseconds(f, logits, batch(m)):.1f} ms a call")
+    vocab = VocabShard(V, V)
+    forms = {"jnp.argmax": jax.jit(lambda x: jnp.argmax(x, axis=-1)), "VocabShard.argmax": jax.jit(vocab.argmax)}
+    for name, form in list(forms.items()) * 2:  # the greedy path's reduction, each form alone
+        print(f"{name} of [{S}, {V}]: {milliseconds(form, logits):.2f} ms a call")
+
+
+def milliseconds(f, *args) -> float:
+    """Mean of 10 calls after a warm one."""
+    jax.block_until_ready(f(*args))
+    started = time.perf_counter()
+    for _ in range(10):
+        jax.block_until_ready(f(*args))
+    return (time.perf_counter() - started) * 100
 
 
 if __name__ == "__main__":

@@ -50,13 +50,14 @@ class VocabShard:
         return unnormalized / self.sum(unnormalized)
 
     def argmax(self, x: jax.Array) -> jax.Array:
-        """[rows] int32 token ids: the first (lowest id) of each row's largest values, as ``jnp.argmax``."""
-        local = jnp.argmax(x, axis=-1).astype(jnp.int32)
-        if self.axis is None:
-            return local
-        best = jnp.take_along_axis(x, local[:, None], axis=-1)
-        ids = jnp.where(best == self.max(x), local[:, None] + self.start, self.total)
-        return jax.lax.pmin(ids, self.axis)[:, 0]
+        """[rows] int32 token ids: the first (lowest id) of each row's largest values, as ``jnp.argmax`` (a row
+        with a NaN: the last token). A max and a min over the ids at the max: XLA:CPU vectorizes those two
+        reductions, not argmax's pair reduction (1.5 ms against 3.9 ms for 32 rows of 49152)."""
+        ids = jnp.arange(self.size, dtype=jnp.int32) + self.start
+        first = jnp.min(jnp.where(x == self.max(x), ids, self.total), axis=-1)
+        if self.axis is not None:
+            first = jax.lax.pmin(first, self.axis)
+        return jnp.minimum(first, self.total - 1)
 
     def top_k(self, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         """Each row's k largest values [rows, k] and their token ids, as ``jax.lax.top_k`` (ties: lower ids
