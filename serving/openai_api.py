@@ -43,7 +43,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 METRIC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
                 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-RESTARTING = "the server restarts the engine: retry shortly"
 
 
 class OpenAIError(Exception):
@@ -159,12 +158,13 @@ class OpenAIServing:
                         m.labels(m.e2e, **served).observe(now - started)
                     yield out
         except EngineDeadError as e:
-            raise OpenAIError(503, f"{e}; {RESTARTING}", code="engine_restarting") from None
+            raise OpenAIError(503, f"{e}; {service.after_engine_death()}", code="engine_restarting") from None
         except RequestFailedError as e:
             raise OpenAIError(500, str(e), code="engine_error") from None
         except asyncio.CancelledError:
             if request_id in service._failed_by_watcher:
-                raise OpenAIError(503, f"the engine loop died; {RESTARTING}", code="engine_restarting") from None
+                raise OpenAIError(503, f"the engine loop died; {service.after_engine_death()}",
+                                  code="engine_restarting") from None
             self._count_error(499)  # the client left
             raise
         finally:

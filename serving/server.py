@@ -158,6 +158,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.not_accepting_reason = "the server is starting: the engine is loading"
         self.in_flight: dict[str, asyncio.Task] = {}
         self._failed_by_watcher: set[str] = set()
+        self.will_restart: Callable[[], bool] = lambda: True  # whether a dead engine is replaced (the Server says)
+
+    def after_engine_death(self) -> str:
+        """What a call failed by the engine's death is told comes next."""
+        return ("the server restarts the engine: retry shortly" if self.will_restart()
+                else "no engine restarts are left: the server stops")
 
     # --- the RPCs ---------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -268,14 +274,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                     finished = out.finished
                     yield out, now
             except EngineDeadError as e:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{e}; the server restarts the engine: "
-                                   "retry shortly") from None
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{e}; {self.after_engine_death()}") from None
             except RequestFailedError as e:
                 raise RequestError(grpc.StatusCode.INTERNAL, str(e)) from None
             except asyncio.CancelledError:
                 if request_id in self._failed_by_watcher:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine loop died; the server restarts "
-                                       "the engine: retry shortly") from None
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                       f"the engine loop died; {self.after_engine_death()}") from None
                 log.info("request %s ended early (client cancel, disconnect, deadline or server stop): "
                          "aborted", request_id)
                 remaining = context.time_remaining()
@@ -397,6 +402,7 @@ class Server:
         self.make_engine = make_engine
         metrics = Metrics(self._stats, self._model_name, getattr(ns, "data_parallel_size", 1))
         self.service = GenerationService(metrics, ns.max_queue, getattr(ns, "max_prompt_bytes", None))
+        self.service.will_restart = lambda: self.restarts < getattr(ns, "max_engine_restarts", 3)
         self.health = health_aio.HealthServicer()
         self.stopping = asyncio.Event()
         self.signals = 0
@@ -511,7 +517,8 @@ class Server:
 
     async def _engine_died(self, engine) -> None:
         self.service.accepting = False
-        self.service.not_accepting_reason = f"the engine loop died ({engine.error!r}); it is being restarted"
+        next_step = self.service.after_engine_death()
+        self.service.not_accepting_reason = f"the engine loop died ({engine.error!r}); {next_step}"
         await self.set_health(NOT_SERVING)
         log.error("engine loop died (%r): health NOT_SERVING", engine.error)
         await asyncio.sleep(ENGINE_DEATH_GRACE_SECONDS)

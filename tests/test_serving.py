@@ -404,6 +404,26 @@ def test_an_engine_that_keeps_dying_makes_the_process_exit_1(tmp_path):
         server.stop()
 
 
+def test_with_no_restarts_left_a_failed_call_is_told_the_server_stops(tmp_path):
+    """--max-engine-restarts 0 (as with several hosts): the call the dying engine fails hears that the server
+    stops, not "retry shortly", and the process exits 1."""
+    flag = tmp_path / "fail"
+    server = start(["-c", STAND_IN_SERVER, str(flag), "--max-engine-restarts", "0", "--grace-seconds", "1"],
+                   tmp_path / "server.log")
+    try:
+        wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
+        flag.write_text("always")
+        with grpc.insecure_channel(server.target) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.GenerationStub(channel).Generate(
+                    pb.GenerateRequest(prompt_token_ids=[1], sampling=greedy(2)), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no engine restarts are left: the server stops" in e.value.details(), e.value.details()
+        assert server.proc.wait(60) == 1
+    finally:
+        server.stop()
+
+
 # --- the generated stubs -------------------------------------------------------------------------------
 VERSION_LINES = re.compile(r"^(# Protobuf Python Version: .*|GRPC_GENERATED_VERSION = .*|\s+\d+,)$", re.M)
 
