@@ -384,11 +384,14 @@ def test_an_engine_failure_fails_the_calls_in_flight_and_the_server_restarts_the
     assert "restarting the engine (1 of at most 3)" in stand_in.log.read_text()
 
 
-def test_an_engine_that_keeps_dying_makes_the_process_exit_1(tmp_path):
+@pytest.mark.parametrize("restarts,told", [(2, "the server restarts the engine: retry shortly"),
+                                            (0, "no engine restarts are left: the server stops")])
+def test_an_engine_that_keeps_dying_makes_the_process_exit_1(tmp_path, restarts, told):
     """Restarts are bounded: a device that fails on every step uses them up, then the process exits non-zero (a
-    supervisor restarts it), instead of staying up serving nothing."""
+    supervisor restarts it), instead of staying up serving nothing. The call the first death fails hears what
+    comes next: a restart, or, with no restarts left (as with several hosts), the server's stop."""
     flag = tmp_path / "fail"
-    server = start(["-c", STAND_IN_SERVER, str(flag), "--max-engine-restarts", "2", "--grace-seconds", "1"],
+    server = start(["-c", STAND_IN_SERVER, str(flag), "--max-engine-restarts", str(restarts), "--grace-seconds", "1"],
                    tmp_path / "server.log")
     try:
         wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
@@ -398,28 +401,9 @@ def test_an_engine_that_keeps_dying_makes_the_process_exit_1(tmp_path):
                 pb_grpc.GenerationStub(channel).Generate(
                     pb.GenerateRequest(prompt_token_ids=[1], sampling=greedy(2)), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert told in e.value.details(), e.value.details()
         assert server.proc.wait(60) == 1
-        assert "2 restarts are used up: exiting 1" in server.log.read_text()
-    finally:
-        server.stop()
-
-
-def test_with_no_restarts_left_a_failed_call_is_told_the_server_stops(tmp_path):
-    """--max-engine-restarts 0 (as with several hosts): the call the dying engine fails hears that the server
-    stops, not "retry shortly", and the process exits 1."""
-    flag = tmp_path / "fail"
-    server = start(["-c", STAND_IN_SERVER, str(flag), "--max-engine-restarts", "0", "--grace-seconds", "1"],
-                   tmp_path / "server.log")
-    try:
-        wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
-        flag.write_text("always")
-        with grpc.insecure_channel(server.target) as channel:
-            with pytest.raises(grpc.RpcError) as e:
-                pb_grpc.GenerationStub(channel).Generate(
-                    pb.GenerateRequest(prompt_token_ids=[1], sampling=greedy(2)), timeout=10)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no engine restarts are left: the server stops" in e.value.details(), e.value.details()
-        assert server.proc.wait(60) == 1
+        assert f"{restarts} restarts are used up: exiting 1" in server.log.read_text()
     finally:
         server.stop()
 
