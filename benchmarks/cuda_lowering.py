@@ -176,11 +176,21 @@ def windowed_cases(cases: list[LoweringCase]) -> list[LoweringCase]:
     return out
 
 
+def gpu_engine_config(model, dtype: str, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                      num_kv_blocks: int, **options):
+    """An engine config on the Pallas GPU backend (block 16, a fixed pool) for ``model``'s shapes."""
+    from jaxpage.config import build_engine_config
+
+    return build_engine_config(model, dtype=dtype, block_size=16, kv_cache_memory=None, num_kv_blocks=num_kv_blocks,
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                               max_model_len=max_model_len, gpu_memory_utilization=0.9,
+                               attention_backend="pallas_gpu", **options)
+
+
 def step_cases(buckets=None) -> list[LoweringCase]:
     """The jitted engine step of SmolLM2-135M (bfloat16 and float32) and Llama-3-8B (bfloat16), shapes only:
     the smallest, a middle and the largest token bucket."""
     from benchmarks.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes
-    from jaxpage.config import build_engine_config
     from jaxpage.kv_cache import abstract_kv_pool
     from jaxpage.model_runner import abstract_step_inputs, step
 
@@ -190,9 +200,7 @@ def step_cases(buckets=None) -> list[LoweringCase]:
             ("SmolLM2-135M", SMOLLM2_135M, "float32", 2048, 64, 256, "auto"),
             ("Llama-3-8B", LLAMA3_8B, "bfloat16", 8192, 256, 512, "auto"),
             ("SmolLM2-135M", SMOLLM2_135M, "bfloat16", 2048, 64, 256, "int8")):
-        config = build_engine_config(model, dtype=dtype, block_size=16, kv_cache_memory=None, num_kv_blocks=8192,
-                                     max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len,
-                                     gpu_memory_utilization=0.9, attention_backend="pallas_gpu", kv_cache_dtype=kv)
+        config = gpu_engine_config(model, dtype, max_len, seqs, tokens, 8192, kv_cache_dtype=kv)
         pool = abstract_kv_pool(model, config.num_kv_blocks, 16, config.kv_dtype)
         all_buckets = config.token_buckets()
         default = (all_buckets[0],) if kv != "auto" else (all_buckets[0], all_buckets[len(all_buckets) // 2],
@@ -212,16 +220,12 @@ def tp_step_case(tp: int = 4) -> LoweringCase:
     first ``tp`` devices (forced CPU devices stand in for the GPUs: only their number is lowered into the
     module)."""
     from benchmarks.random_model import LLAMA3_8B
-    from jaxpage.config import build_engine_config
     from jaxpage.kv_cache import abstract_kv_pool
     from jaxpage.model_runner import abstract_step_inputs, jit_step
     from jaxpage.models import abstract_params
     from jaxpage.parallel import placement
 
-    config = build_engine_config(LLAMA3_8B, dtype="bfloat16", block_size=16, kv_cache_memory=None,
-                                 num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=256,
-                                 max_model_len=4096, gpu_memory_utilization=0.9, attention_backend="pallas_gpu",
-                                 tensor_parallel_size=tp)
+    config = gpu_engine_config(LLAMA3_8B, "bfloat16", 4096, 64, 256, 1024, tensor_parallel_size=tp)
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
     args = (abstract_params(config.model, config.dtype),
