@@ -51,7 +51,7 @@ def tpu_mesh(chip: str, tp: int):
     """A tensor-parallel mesh over the first ``tp`` chips of an 8-chip topology."""
     from jax.experimental import topologies
 
-    from jaxpage.parallel import make_mesh
+    from jaxpage.distributed.parallel import make_mesh
 
     return make_mesh(tp, topologies.get_topology_desc(platform="tpu", topology_name=TP_TOPOLOGIES[chip]).devices)
 
@@ -122,7 +122,8 @@ class KernelShape:
     def call(self):
         """(fn, abstract args, donated argnums) of this kernel call, as the engine makes it."""
         import pallas_kernels
-        from jaxpage.kv_cache import abstract_kv_pool, kv_storage_dtype
+        from jaxpage.attention.kv_cache import abstract_kv_pool
+        from jaxpage.config import kv_storage_dtype
 
         dtype, i32 = jnp.dtype(self.dtype), jnp.int32
         s = jax.ShapeDtypeStruct
@@ -217,7 +218,7 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
                   **options):
     """The engine's defaults (block 16, 64 sequences, 512 batched tokens, bfloat16) for ``model``'s shapes
     (``num_layers``: fewer layers, for a quicker compile of the same layer)."""
-    from jaxpage.config import build_engine_config
+    from jaxpage.engine.config_builder import build_engine_config
 
     kw = dict(dtype="bfloat16", block_size=16, kv_cache_memory=None, num_kv_blocks=num_kv_blocks,
               max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096, gpu_memory_utilization=0.9,
@@ -231,9 +232,9 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
 def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:
     """The whole jitted engine step of one bucket (the runner's own function and inputs), pool donated; at the
     config's tensor_parallel_size > 1, over that many chips of an 8-chip topology."""
-    from jaxpage.kv_cache import abstract_kv_pool
+    from jaxpage.attention.kv_cache import abstract_kv_pool
     from jaxpage.models import abstract_params
-    from jaxpage.model_runner import abstract_step_inputs, jit_step
+    from jaxpage.worker.model_runner import abstract_step_inputs, jit_step
 
     config = config or engine_config(model)
     tp = config.tensor_parallel_size
@@ -250,8 +251,8 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
 
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
     """The runner's copy-on-write copy and swap gather/scatter of whole blocks, on the pool in its format."""
-    from jaxpage.kv_cache import abstract_kv_pool
-    from jaxpage.model_runner import BlockMoves
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.worker.model_runner import BlockMoves
 
     config = config or engine_config(model)
     moves = BlockMoves.jit(tpu_device(chip), config.kv_dtype)
@@ -291,7 +292,7 @@ def compile_moe_layer(chip: str, num_tokens: int, dtype: str = "bfloat16") -> Co
 
 
 def pool_gib(config) -> float:
-    from jaxpage.kv_cache import bytes_per_block
+    from jaxpage.attention.kv_cache import bytes_per_block
 
     return bytes_per_block(config.model, config.block_size, config.kv_dtype, lanes=128) * config.num_kv_blocks / 2**30
 

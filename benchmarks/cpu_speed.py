@@ -124,7 +124,7 @@ MODES = {
     "jaxpage-int8-weight-only": JaxpagePatched({"dtype": "float32", "quantization": "int8"}, "jaxpage.models.quant",
                                                "CPU_DOT", lambda m: m.int8_dot_weight_only),
     # the layers in one lax.scan, as on a TPU/GPU, instead of the CPU's host loop over one compiled layer
-    "jaxpage-f32-scan": JaxpagePatched({"dtype": "float32"}, "jaxpage.model_runner", "HOST_LAYER_LOOP_PLATFORMS",
+    "jaxpage-f32-scan": JaxpagePatched({"dtype": "float32"}, "jaxpage.worker.model_runner", "HOST_LAYER_LOOP_PLATFORMS",
                                        lambda m: ()),
     "jaxpage-f32-unrolled": Jaxpage({"dtype": "float32", "scan_layers": False}),
     "jaxpage-bf16": Jaxpage({"dtype": "bfloat16"}),
@@ -138,7 +138,7 @@ def hf_model(model_path: str | None, dtype):
     """transformers' model and tokenizer read from the GGUF file (as tests/conftest.py), never from a hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxpage.model_loader import default_model_path
+    from jaxpage.models.loader import default_model_path
 
     path = Path(model_path) if model_path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -164,7 +164,7 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
-    from jaxpage.model_loader import default_model_path
+    from jaxpage.models.loader import default_model_path
 
     path = Path(args.model) if args.model else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from jaxpage.models.layers import MODEL_AXIS
+from jaxpage.distributed.parallel import MODEL_AXIS
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TARGETS = {"sm80": "NVIDIA A100", "sm90": "NVIDIA H100"}
@@ -150,7 +150,8 @@ def kernel_cases() -> list[LoweringCase]:
 
 def quantized_cases(cases: list[LoweringCase]) -> list[LoweringCase]:
     """int8 (with scales) and fp8 KV pools, on SmolLM2's heads at 48 tokens."""
-    from jaxpage.kv_cache import abstract_kv_pool, kv_storage_dtype
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.config import kv_storage_dtype
 
     out = []
     for case, kv in ((c, kv) for c in cases if c.shape == "bs16 d64 kvh3 g3 bfloat16 n48" for kv in ("int8", "fp8")):
@@ -179,7 +180,7 @@ def windowed_cases(cases: list[LoweringCase]) -> list[LoweringCase]:
 def gpu_engine_config(model, dtype: str, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                       num_kv_blocks: int, **options):
     """An engine config on the Pallas GPU backend (block 16, a fixed pool) for ``model``'s shapes."""
-    from jaxpage.config import build_engine_config
+    from jaxpage.engine.config_builder import build_engine_config
 
     return build_engine_config(model, dtype=dtype, block_size=16, kv_cache_memory=None, num_kv_blocks=num_kv_blocks,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -191,8 +192,8 @@ def step_cases(buckets=None) -> list[LoweringCase]:
     """The jitted engine step of SmolLM2-135M (bfloat16 and float32) and Llama-3-8B (bfloat16), shapes only:
     the smallest, a middle and the largest token bucket."""
     from benchmarks.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes
-    from jaxpage.kv_cache import abstract_kv_pool
-    from jaxpage.model_runner import abstract_step_inputs, step
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.worker.model_runner import abstract_step_inputs, step
 
     cases = []
     for name, model, dtype, max_len, seqs, tokens, kv in (
@@ -220,10 +221,10 @@ def tp_step_case(tp: int = 4) -> LoweringCase:
     first ``tp`` devices (forced CPU devices stand in for the GPUs: only their number is lowered into the
     module)."""
     from benchmarks.random_model import LLAMA3_8B
-    from jaxpage.kv_cache import abstract_kv_pool
-    from jaxpage.model_runner import abstract_step_inputs, jit_step
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.worker.model_runner import abstract_step_inputs, jit_step
     from jaxpage.models import abstract_params
-    from jaxpage.parallel import placement
+    from jaxpage.distributed.parallel import placement
 
     config = gpu_engine_config(LLAMA3_8B, "bfloat16", 4096, 64, 256, 1024, tensor_parallel_size=tp)
     num_tokens = config.token_buckets()[0]

@@ -33,8 +33,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import kernel_bench, random_model, throughput, workloads  # noqa: E402
-from jaxpage.compile_cache import enable_compilation_cache  # noqa: E402
-from jaxpage.model_loader import default_cache_dir  # noqa: E402
+from jaxpage.worker.compile_cache import enable_compilation_cache  # noqa: E402
+from jaxpage.models.loader import default_cache_dir  # noqa: E402
 from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_reference  # noqa: E402
 
 FULL = dict(heads=((32, 8, 128, 16, "bfloat16"), (9, 3, 64, 16, "float32")), model=random_model.LLAMA3_8B,
@@ -99,7 +99,7 @@ def prefill_bench(setup: dict, interpret: bool) -> dict:
     few query-block sizes (``prefill_rows``: tokens x G rows per program; 16 is about what one token per
     program had before query blocks), and of the XLA path (write_kv + paged_attention_xla); the pool donated
     and threaded through the calls, as in the engine."""
-    from jaxpage.attention import write_and_attend
+    from jaxpage.attention.backends import write_and_attend
 
     heads, kv_heads, head_dim, block_size, dtype = setup["heads"][0]
     args = ragged_inputs(np.random.default_rng(1), heads, kv_heads, head_dim, block_size, jnp.dtype(dtype),

@@ -163,7 +163,7 @@ def main() -> None:
     port = free_port()
     target = f"127.0.0.1:{port}"
     log_path = Path(tempfile.gettempdir()) / f"grpc_overhead_server_{port}.log"
-    proc = spawn(["-m", "jaxpage.cli", "serve", "--port", str(port), "--metrics-port", "0", "--http-port", "0",
+    proc = spawn(["-m", "serving.cli", "serve", "--port", str(port), "--metrics-port", "0", "--http-port", "0",
                   *engine_flags(args)], log_path)
     try:
         from jaxpage import LLM

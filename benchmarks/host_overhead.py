@@ -5,7 +5,7 @@ token bookkeeping, detokenization and the streamed (delta) outputs of every requ
 
     python benchmarks/host_overhead.py [--seqs 256] [--steps 200] [--json out.json]
 
-A stand-in runner builds the real flat batch (jaxpage.model_runner.build_batch, over a persistent InputBatch as
+A stand-in runner builds the real flat batch (jaxpage.worker.model_runner.build_batch, over a persistent InputBatch as
 ModelRunner keeps one) and returns a token per row, so everything the host does per step is timed, and nothing
 of the device.
 """
@@ -22,11 +22,11 @@ import time
 import numpy as np
 from transformers import LlamaConfig
 
-from jaxpage.config import build_engine_config
+from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf
-from jaxpage.llm_engine import LLMEngine
-from jaxpage.model_runner import InputBatch, build_batch
-from jaxpage.sampler import SamplerOutput
+from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.worker.model_runner import InputBatch, build_batch
+from jaxpage.worker.sampler import SamplerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 
 

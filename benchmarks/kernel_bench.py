@@ -1,5 +1,5 @@
 """Paged decode attention on one GPU: our Pallas kernel against JAX's own Pallas GPU paged_attention and the
-engine's XLA path (jaxpage.attention.paged_attention_xla), after checking ours against the reference.
+engine's XLA path (jaxpage.attention.backends.paged_attention_xla), after checking ours against the reference.
 
     python benchmarks/kernel_bench.py [--json out.json]       # on a GPU: Llama-3-8B heads, bfloat16
     python benchmarks/kernel_bench.py --smoke                  # anywhere: tiny shapes, interpret=True
@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpage.attention import paged_attention_xla  # noqa: E402
+from jaxpage.attention.backends import paged_attention_xla  # noqa: E402
 from pallas_kernels import paged_decode_attention_gpu, paged_decode_attention_reference  # noqa: E402
 
 L2_BYTES = 50 << 20  # H100/H200: 50 MiB

@@ -31,9 +31,9 @@ def measure() -> dict:
     import jax
     import numpy as np
 
-    from jaxpage.config import build_engine_config
-    from jaxpage.model_loader import default_cache_dir, load_model
-    from jaxpage.model_runner import ModelRunner, abstract_step_inputs
+    from jaxpage.engine.config_builder import build_engine_config
+    from jaxpage.models.loader import default_cache_dir, load_model
+    from jaxpage.worker.model_runner import ModelRunner, abstract_step_inputs
     from jaxpage.config import ModelConfig
     if hasattr(ModelConfig, "from_hf"):  # the baseline
         config_from_hf = ModelConfig.from_hf

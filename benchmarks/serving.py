@@ -19,7 +19,7 @@ median over repeats of tokens/s and mean TTFT for each protocol. Every run sends
 with fresh random prompt tokens (no prefix-cache hits from one run to the next); the next run starts when the
 previous one has drained.
 
-Without --address the script starts a `jaxpage serve` subprocess (python -m jaxpage.cli serve, the engine
+Without --address the script starts a `jaxpage serve` subprocess (python -m serving.cli serve, the engine
 options below) and waits for health SERVING; with it, it drives the server given (and reads its Prometheus
 metrics if --metrics-url is given).
 
@@ -455,7 +455,7 @@ def main(argv=None) -> dict:
         args.http_url = f"http://127.0.0.1:{http_port}"
         log_path = Path(tempfile.gettempdir()) / f"serving_bench_server_{port}.log"
         print(f"starting jaxpage serve on {target} (log {log_path})", flush=True)
-        proc = spawn(["-m", "jaxpage.cli", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
+        proc = spawn(["-m", "serving.cli", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
                       "--http-port", str(http_port), *server_flags(args)], log_path)
     try:
         if proc is not None:

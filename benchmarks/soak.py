@@ -116,7 +116,7 @@ def main() -> None:
     log = Path(ns.log)
     flags = ["--max-model-len", "256", "--num-kv-blocks", str(ns.num_kv_blocks), "--max-num-seqs", "32",
              "--max-num-batched-tokens", "64", "--dtype", "float32"]
-    proc = spawn(["-m", "jaxpage.cli", "serve", *flags, "--port", str(port), "--metrics-port", str(metrics_port)],
+    proc = spawn(["-m", "serving.cli", "serve", *flags, "--port", str(port), "--metrics-port", str(metrics_port)],
                  log)
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:

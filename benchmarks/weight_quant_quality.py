@@ -17,8 +17,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxpage.kv_cache import allocate_kv_pool
-    from jaxpage.model_loader import default_cache_dir, default_model_path, load_model
+    from jaxpage.attention.kv_cache import allocate_kv_pool
+    from jaxpage.models.loader import default_cache_dir, default_model_path, load_model
     from jaxpage.models import cast_weights, config_from_hf, quant
     from tests.test_weight_quant import SEGMENT, agreement, teacher_forced_log_probs, varied_segments
 

@@ -1,9 +1,13 @@
-"""The one config object: what the model is and how the engine holds it."""
+"""The one config object: what the model is and how the engine holds it (the types and their field checks;
+jaxpage.engine.config_builder makes an EngineConfig from the engine's options)."""
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.quant import STORED_DTYPES
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -73,8 +77,6 @@ class EngineConfig:
     @property
     def kv_dtype(self) -> str:
         """The pool's stored dtype."""
-        from jaxpage.kv_cache import kv_storage_dtype
-
         return kv_storage_dtype(self.kv_cache_dtype, self.dtype).name
 
     @property
@@ -113,7 +115,6 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = (None, "int8")  # the weights': jaxpage.models.quant
@@ -130,68 +131,16 @@ def resolve_dtype(dtype: str) -> str:
     return dtype
 
 
-def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_cache_memory: int | None,
-                        num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
-                        max_model_len: int | None, gpu_memory_utilization: float,
-                        attention_backend: str = "auto", scan_layers: bool = True,
-                        tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                        quantization: str | None = None, data_parallel_size: int = 1,
-                        data_parallel_rank: int = 0) -> EngineConfig:
-    """Validates the engine options and sizes the KV pool; the one place an EngineConfig is made."""
-    import jax
-
-    from jaxpage import kv_cache
-    from jaxpage.attention import resolve_backend
-    from jaxpage.parallel import device_group, make_mesh, model_for_tp
-    from pallas_kernels.kv_write_tpu import tile_rows
-
-    dtype = resolve_dtype(dtype)
-    check_quantization(quantization)
-    model = model_for_tp(dataclasses.replace(model, quantization=quantization), tensor_parallel_size)
-    group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
-    _require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
-             f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
-    kv_dtype = kv_cache.kv_storage_dtype(kv_cache_dtype, dtype)
-    _require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
-    backend = resolve_backend(attention_backend)
-    if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
-        _require(block_size % tile_rows(kv_dtype) == 0, "block_size", block_size,
-                 f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
-                 f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
-    if backend == "pallas_tpu":
-        _require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
-                 "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
-    _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
-    _require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
-             f"must be >= max_num_seqs={max_num_seqs}")
-    limit = model.max_position_embeddings
-    max_model_len = max_model_len or limit
-    _require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
-             f"must be between 1 and the model's max_position_embeddings={limit}")
-    if num_kv_blocks is not None:
-        needed = -(-max_model_len // block_size) + 1
-        _require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
-                 f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
-                 f"blocks of {block_size} tokens, plus the null block")
-    else:
-        devices = make_mesh(tensor_parallel_size, group).devices.flat
-        budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
-        budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
-        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len,
-                                                       tensor_parallel_size)
-    return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens,
-                        attention_backend=backend, scan_layers=scan_layers,
-                        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-                        data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank)
+def kv_storage_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
+    """The pool's stored dtype: the model's for "auto", else int8 or float8_e4m3fn."""
+    return jnp.dtype(STORED_DTYPES.get(kv_cache_dtype, dtype))
 
 
 def check_quantization(quantization) -> None:
-    _require(quantization in QUANTIZATIONS, "quantization", quantization,
-             f"must be one of {', '.join(map(repr, QUANTIZATIONS))}")
+    require(quantization in QUANTIZATIONS, "quantization", quantization,
+            f"must be one of {', '.join(map(repr, QUANTIZATIONS))}")
 
 
-def _require(ok: bool, field: str, value, rule: str) -> None:
+def require(ok: bool, field: str, value, rule: str) -> None:
     if not ok:
         raise ValueError(f"{field}={value!r} {rule}")

@@ -1,7 +1,7 @@
 """Pure-jnp references for the paged-attention kernels, and the argument checks every kernel shares.
 
 The references define the semantics; each kernel takes the same data arguments (and the same ``scale`` and
-``soft_cap``) and adds only tuning keywords. All work on the engine's one KV layout (jaxpage.kv_cache):
+``soft_cap``) and adds only tuning keywords. All work on the engine's one KV layout (jaxpage.attention.kv_cache):
 
     pool: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]   (axis 2: 0 = K, 1 = V)
 
@@ -153,7 +153,7 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
     if k.shape[0] == 1:
         # XLA turns a one-update scatter into a bounds-checked dynamic-update-slice, and then copies the whole
         # pool around it (measured: 10 s per SmolLM2 step on a CPU); a second write, into slot 0 of the null
-        # block (jaxpage.kv_cache.NULL_BLOCK, which padding tokens write too), keeps it an in-place scatter
+        # block (jaxpage.attention.kv_cache.NULL_BLOCK, which padding tokens write too), keeps it an in-place scatter
         k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
         slot_mapping = jnp.concatenate([jnp.asarray(slot_mapping, jnp.int32), jnp.zeros(1, jnp.int32)])
     kv, kv_scales = quantize(jnp.stack([k, v], axis=1), pool.dtype)  # [T, 2, KVH, D], [T, 2, KVH]
@@ -171,7 +171,7 @@ def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, p
     row of block_tables [S, W] each token belongs to; positions [T]: token t attends to the key positions
     ``<= positions[t]`` (and ``> positions[t] - window`` when window > 0) of its own sequence; slot_mapping [T]: where token t's K/V go. First every token's K/V
     is written to its slot (write_kv), then every token attends over its sequence's pages
-    (jaxpage.attention.paged_attention_xla). Returns (out [T, H, D] in q's dtype, the updated pool).
+    (jaxpage.attention.backends.paged_attention_xla). Returns (out [T, H, D] in q's dtype, the updated pool).
     """
     check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap,
                       window)

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxpage
-from jaxpage.async_engine import EngineDeadError, RequestFailedError
+from jaxpage.engine.async_engine import EngineDeadError, RequestFailedError
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from serving import openai_protocol as oai

@@ -232,8 +232,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         disconnect, deadline) raises CancelledError inside the engine stream, whose own clean-up aborts; a
         call ended while its handler was not waiting on the stream is aborted by the done callback.
         """
-        from jaxpage.async_engine import EngineDeadError, RequestFailedError
-        from jaxpage.llm_engine import DoesNotFitError
+        from jaxpage.engine.async_engine import EngineDeadError, RequestFailedError
+        from jaxpage.engine.llm_engine import DoesNotFitError
 
         started = time.monotonic()
         if isinstance(request, UndecodableRequest):
@@ -360,8 +360,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 # --- the process ---------------------------------------------------------------------------------------
 def default_engine_factory(ns: argparse.Namespace) -> Callable[[], object]:
     def make():
-        from jaxpage.arg_utils import EngineArgs
-        from jaxpage.data_parallel import make_async_engine
+        from jaxpage.engine.arg_utils import EngineArgs
+        from jaxpage.engine.data_parallel import make_async_engine
 
         return make_async_engine(EngineArgs.from_cli_args(ns))
     return make

@@ -41,7 +41,7 @@ def hf_smollm2():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxpage.model_loader import default_model_path
+    from jaxpage.models.loader import default_model_path
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

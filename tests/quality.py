@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.kv_cache import allocate_kv_pool, kv_storage_dtype
+from jaxpage.attention.kv_cache import allocate_kv_pool
+from jaxpage.config import kv_storage_dtype
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden
 
 REPO = Path(__file__).resolve().parents[1]
 # prose, Python, a results table of numbers, a protobuf IDL: four kinds of text, SEGMENT tokens each
-SOURCES = ("README.md", "jaxpage/scheduler.py", "benchmarks/RESULTS.md", "serving/generation.proto")
+SOURCES = ("README.md", "jaxpage/core/scheduler.py", "benchmarks/RESULTS.md", "serving/generation.proto")
 SEGMENT = 512
 
 

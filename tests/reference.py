@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden
-from jaxpage.parallel import with_mesh
+from jaxpage.distributed.parallel import with_mesh
 
 NEAR_TIE = 1e-3
 

@@ -12,11 +12,11 @@ import time
 import numpy as np
 from transformers import LlamaConfig
 
-from jaxpage.async_engine import AsyncEngine
-from jaxpage.config import build_engine_config
+from jaxpage.engine.async_engine import AsyncEngine
+from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf
-from jaxpage.llm_engine import LLMEngine
-from jaxpage.sampler import SamplerOutput
+from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.worker.sampler import SamplerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS
 
 TOKEN = 7

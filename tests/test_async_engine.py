@@ -8,7 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 from jaxpage import LLM, SamplingParams
-from jaxpage.async_engine import AsyncEngine, EngineDeadError
+from jaxpage.engine.async_engine import AsyncEngine, EngineDeadError
 from tests.reference import save_random_model
 
 OPTIONS = dict(block_size=16, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,

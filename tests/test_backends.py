@@ -26,7 +26,7 @@ def test_smollm2_greedy_tokens_equal_xla_and_transformers(backend, smollm2, hf_s
 
 
 def test_unknown_backend_is_refused():
-    from jaxpage.attention import resolve_backend
+    from jaxpage.attention.backends import resolve_backend
 
     with pytest.raises(ValueError, match="attention_backend='cuda'"):
         resolve_backend("cuda")

@@ -33,11 +33,11 @@ import transformers
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from jaxpage.config import build_engine_config
+from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf
-from jaxpage.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
-from jaxpage.llm_engine import LLMEngine
-from jaxpage.sampler import SamplerOutput
+from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
+from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.worker.sampler import SamplerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpage.sequence import SequenceStatus
 

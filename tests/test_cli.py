@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from jaxpage.arg_utils import EngineArgs, parse_bytes
-from jaxpage.cli import build_parser
+from jaxpage.engine.arg_utils import EngineArgs, parse_bytes
+from serving.cli import build_parser
 
 EVERY_FLAG = [
     "--model", "m.gguf", "--block-size", "32", "--kv-cache-memory", "512MiB", "--num-kv-blocks", "100",

@@ -71,7 +71,7 @@ def least_pool_bytes(config) -> int:
     """The pool's bytes with its values' rows padded to 128 lanes and an int8 pool's scales unpadded: libtpu
     versions tile the small float32 scales differently (0.0.42 pads a page's [KVH, block] to (8, 128), 0.0.50
     less), so an aliased pool is at least this."""
-    from jaxpage.kv_cache import bytes_per_block
+    from jaxpage.attention.kv_cache import bytes_per_block
 
     m, n, bs = config.model, config.num_kv_blocks, config.block_size
     values = bytes_per_block(m, bs, config.kv_dtype if config.kv_dtype != "int8" else "uint8", 128) * n
@@ -139,7 +139,7 @@ def test_shapes_are_the_real_models():
     """The lane's SmolLM2 config is the GGUF file's, and abstract_params has the loaded weights' shapes."""
     from jaxpage.models import config_from_hf
     from jaxpage.models import abstract_params
-    from jaxpage.model_loader import default_cache_dir, load_model
+    from jaxpage.models.loader import default_cache_dir, load_model
 
     loaded = load_model(None, default_cache_dir())
     assert ct.smollm2_config() == config_from_hf(loaded.hf_config)

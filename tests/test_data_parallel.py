@@ -1,4 +1,4 @@
-"""Data parallelism (jaxpage.data_parallel) against one device, on 4 forced CPU devices.
+"""Data parallelism (jaxpage.engine.data_parallel) against one device, on 4 forced CPU devices.
 
 As tests/test_tensor_parallel.py, the test collected in the ordinary run re-runs this file under pytest in a
 child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; the cases below run there only.
@@ -43,8 +43,8 @@ if IN_CHILD:
     from transformers import LlamaConfig
 
     from jaxpage import LLM, SamplingParams
-    from jaxpage.arg_utils import EngineArgs
-    from jaxpage.data_parallel import DataParallelEngine
+    from jaxpage.engine.arg_utils import EngineArgs
+    from jaxpage.engine.data_parallel import DataParallelEngine
     from serving import generation_pb2 as pb
     from serving import generation_pb2_grpc as pb_grpc
     from serving.launch import free_port, spawn, wait_serving
@@ -134,7 +134,7 @@ if IN_CHILD:
     def test_grpc_and_http_server_with_two_replicas_answers_and_labels_their_metrics():
         port, metrics_port, http_port = free_port(), free_port(), free_port()
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items() if k != "progress"]
-        proc = spawn(["-m", "jaxpage.cli", "serve", "--model", model_dir(), "--port", str(port), "--metrics-port",
+        proc = spawn(["-m", "serving.cli", "serve", "--model", model_dir(), "--port", str(port), "--metrics-port",
                       str(metrics_port), "--http-port", str(http_port), "--data-parallel-size", "2", "--no-progress",
                       *flags],
                      WORK / "server.log")

@@ -89,7 +89,7 @@ def test_missing_model_path_is_refused(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxpage.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("args, message", [

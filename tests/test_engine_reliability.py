@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpage import SamplingParams
-from jaxpage.llm_engine import DoesNotFitError
+from jaxpage.engine.llm_engine import DoesNotFitError
 from jaxpage.sampling_params import MAX_STOP_TOKEN_IDS
 from tests.stand_in import TOKEN, make_engine
 
@@ -130,9 +130,9 @@ def test_min_tokens_bans_eos_and_every_stop_id_however_many():
     """A fixed ban list of 16 used to drop EOS once 16 stop ids filled it (EOS went last)."""
     import jax.numpy as jnp
 
-    from jaxpage.model_runner import build_batch
-    from jaxpage.sampler import sample
-    from jaxpage.scheduler import ScheduledSeq
+    from jaxpage.worker.model_runner import build_batch
+    from jaxpage.worker.sampler import sample
+    from jaxpage.core.scheduler import ScheduledSeq
     from jaxpage.sequence import Sequence, SequenceGroup
 
     engine = make_engine()

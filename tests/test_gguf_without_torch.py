@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from jaxpage.model_loader import default_model_path
+from jaxpage.models.loader import default_model_path
 
 TEXTS = ["The capital of France is", " hello  world\n\n\u00fc\u00f1 \u65e5\u672c\u8a9e <|im_start|>x<|im_end|>", "", "1234567"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
@@ -15,8 +15,8 @@ NO_TORCH = """
 import json, sys
 sys.modules["torch"] = None  # every `import torch` now fails, as on a machine without it
 from pathlib import Path
-from jaxpage.gguf_metadata import gguf_config, use_without_torch
-from jaxpage.model_loader import _load_tokenizer
+from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
+from jaxpage.models.loader import _load_tokenizer
 path = Path(sys.argv[1])
 use_without_torch()
 config = gguf_config(str(path)).to_diff_dict()

@@ -29,7 +29,7 @@ BYSTANDERS = [pb.GenerateRequest(prompt=f"Bystander {i} counts:", sampling=greed
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start(["-m", "jaxpage.cli", "serve", *FLAGS], tmp_path_factory.mktemp("hostile") / "server.log")
+    server = start(["-m", "serving.cli", "serve", *FLAGS], tmp_path_factory.mktemp("hostile") / "server.log")
     try:
         wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
         yield server

@@ -251,7 +251,7 @@ class RaggedCase:
     width: int
     soft_cap: float | None = None
     # "distinct": padding tokens belong to an all-null row and take null slots 0, 1, ...; "engine": as
-    # jaxpage.model_runner.build_batch pads: token_seq 0 (the FIRST sequence's row), position 0, slot 0
+    # jaxpage.worker.model_runner.build_batch pads: token_seq 0 (the FIRST sequence's row), position 0, slot 0
     padding: str = "distinct"
     mix: str = "mixed"  # "mixed": decodes then prompt chunks; "one": a single prompt chunk; "long": decodes
     # then prompt chunks of 40+ tokens (several query blocks of the GPU kernel, not aligned to them)
@@ -423,8 +423,8 @@ def test_tpu_ragged_in_tpu_simulator(case, params):
 def test_ragged_reference_is_the_engines_attention(kv):
     """The references (NaN-safe masking) equal jaxpage's own write_kv + paged_attention_xla on finite inputs,
     quantized pools included."""
-    from jaxpage.attention import paged_attention_xla
-    from jaxpage.kv_cache import write_kv
+    from jaxpage.attention.backends import paged_attention_xla
+    from jaxpage.attention.kv_cache import write_kv
 
     rng, msg = fresh_rng()
     case = RaggedCase("float32", 16, 4, 64, 2, 3, kv=kv)
@@ -448,7 +448,7 @@ def test_ragged_reference_is_the_engines_attention(kv):
 def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, monkeypatch):
     """Decodes of very different lengths plus prompt chunks: the (token, page) pairs span many loop chunks,
     and (7 pairs per chunk) a token's pages are split across chunk boundaries; equal to the reference."""
-    import jaxpage.attention as attention
+    import jaxpage.attention.backends as attention
 
     if pairs_per_chunk:
         monkeypatch.setattr(attention, "PAIRS_PER_CHUNK", pairs_per_chunk)
@@ -479,7 +479,7 @@ def test_engine_attention_with_per_layer_windows_and_soft_cap():
     selected by a traced index inside lax.scan, as write_and_attend's XLA path runs them; soft-capped logits.
     The windowed layer's keys wholly before every window are NaN: reading one (rather than skipping its page)
     makes the output NaN, since the XLA path multiplies V by zero weights. Equal to the reference per layer."""
-    from jaxpage.attention import page_pairs_by_window, select_pairs, write_and_attend
+    from jaxpage.attention.backends import page_pairs_by_window, select_pairs, write_and_attend
 
     rng, msg = fresh_rng()
     bs, width, kv_heads, ratio, head_dim, window, cap = 16, 24, 2, 2, 64, 37, 1.5
@@ -518,7 +518,7 @@ def test_engine_attention_with_per_layer_windows_and_soft_cap():
 @pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
 def test_write_and_attend_passes_window_and_soft_cap_to_the_kernels(backend):
     """The engine's entry point, jitted with a traced window, equals the reference (kernels interpreted here)."""
-    from jaxpage.attention import write_and_attend
+    from jaxpage.attention.backends import write_and_attend
 
     rng, msg = fresh_rng()
     case = RaggedCase("float32", 16, 2, 64, 2, 4)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from transformers import LlamaConfig
 
-from jaxpage.config import build_engine_config
-from jaxpage.kv_cache import allocate_kv_pool, bytes_per_block, host_kv_pool
-from jaxpage.model_runner import BlockMoves, _store_blocks
+from jaxpage.engine.config_builder import build_engine_config
+from jaxpage.attention.kv_cache import allocate_kv_pool, bytes_per_block, host_kv_pool
+from jaxpage.worker.model_runner import BlockMoves, _store_blocks
 from jaxpage.models import config_from_hf
 from pallas_kernels.quant import FP8, ScaledPool, dequantize, quantize
 
@@ -72,8 +72,8 @@ def test_a_bad_kv_cache_dtype_names_the_field():
 
 
 def test_the_cli_takes_kv_cache_dtype():
-    from jaxpage.arg_utils import EngineArgs
-    from jaxpage.cli import build_parser
+    from jaxpage.engine.arg_utils import EngineArgs
+    from serving.cli import build_parser
 
     args = EngineArgs.from_cli_args(build_parser().parse_args(["generate", "--kv-cache-dtype", "fp8", "hello"]))
     assert args.kv_cache_dtype == "fp8"
@@ -115,7 +115,7 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def smollm2_quality():
     """(config, params, segments, float32 reference hidden states), the model loaded without an engine."""
-    from jaxpage.model_loader import default_cache_dir, load_model
+    from jaxpage.models.loader import default_cache_dir, load_model
     from tests import quality
 
     loaded = load_model(None, default_cache_dir())

@@ -1,4 +1,4 @@
-"""Two processes, one mesh (jaxpage.multihost): `jaxpage serve --tensor-parallel-size 4` over two local processes
+"""Two processes, one mesh (jaxpage.worker.multihost): `jaxpage serve --tensor-parallel-size 4` over two local processes
 (``jax.distributed`` on 127.0.0.1), two forced CPU devices each.
 
 - process 0 answers over gRPC with the tokens of one engine on one device (this process): greedy prompts of
@@ -87,7 +87,7 @@ def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cac
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
-    common = ["-m", "jaxpage.cli", "serve", "--model", str(model_dir), "--cache-dir", str(cache_dir), "--no-progress",
+    common = ["-m", "serving.cli", "serve", "--model", str(model_dir), "--cache-dir", str(cache_dir), "--no-progress",
               "--tensor-parallel-size", "4", "--coordinator-address", coordinator, "--num-processes", "2",
               "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0",
               "--max-seqs-per-request", "4", *flags]  # serve's default, 2, would run one n=2 request at a time
@@ -118,8 +118,8 @@ def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cac
 
 
 def test_distributed_options_come_from_flags_then_jax_environment(monkeypatch):
-    from jaxpage.cli import build_parser
-    from jaxpage.multihost import DistributedArgs, initialize
+    from serving.cli import build_parser
+    from jaxpage.worker.multihost import DistributedArgs, initialize
 
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "4")

@@ -59,7 +59,7 @@ def start(argv: list[str], log) -> HttpServer:
 
 @pytest.fixture(scope="module")
 def server_started(tmp_path_factory):
-    server = start(["-m", "jaxpage.cli", "serve", *ENGINE_FLAGS, "--num-kv-blocks", "160", "--grace-seconds", "60",
+    server = start(["-m", "serving.cli", "serve", *ENGINE_FLAGS, "--num-kv-blocks", "160", "--grace-seconds", "60",
                     "--served-model-name", *NAMES], tmp_path_factory.mktemp("http") / "server.log")
     yield server
     server.stop()

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage import SamplingParams
-from jaxpage.model_runner import InputBatch, build_batch
-from jaxpage.sampler import _apply_penalties
-from jaxpage.vocab_shard import VocabShard
-from jaxpage.scheduler import ScheduledSeq
+from jaxpage.worker.model_runner import InputBatch, build_batch
+from jaxpage.worker.sampler import _apply_penalties
+from jaxpage.distributed.vocab_shard import VocabShard
+from jaxpage.core.scheduler import ScheduledSeq
 from jaxpage.sequence import Sequence, SequenceGroup
 from tests.reference import NEAR_TIE, hf_logits
 from tests.stand_in import make_engine

@@ -22,8 +22,8 @@ import torch
 from transformers import LlamaConfig
 
 from jaxpage import LLM, SamplingParams
-from jaxpage.detokenizer import IncrementalDetokenizer
-from jaxpage.llm_engine import LLMEngine
+from jaxpage.engine.detokenizer import IncrementalDetokenizer
+from jaxpage.engine.llm_engine import LLMEngine
 from tests.reference import NEAR_TIE, hf_logits, save_random_model
 
 SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
@@ -302,7 +302,7 @@ class BeamResult:
 @torch.no_grad()
 def reference_beam_search(model, prompt: list[int], width: int, n: int, length_penalty: float, max_tokens: int,
                           eos: int | None) -> BeamResult:
-    """jaxpage.beam_search's docstring, step by step, with full recomputation in transformers: every live beam
+    """jaxpage.core.beam_search's docstring, step by step, with full recomputation in transformers: every live beam
     offers its 2W best next tokens scored by cumulative log-probability; candidates are taken best first: an EOS
     among the first W ranks ends a hypothesis, other tokens extend a beam, until W beams live. Stop once W
     hypotheses have ended or the beams reach max length; return the n best by cum_logprob / len**length_penalty.
@@ -505,7 +505,7 @@ def test_samples_survive_a_sibling_stopping_on_its_first_token(tiny):
 def smol_tokenizer():
     from transformers import AutoTokenizer
 
-    from jaxpage.model_loader import default_model_path
+    from jaxpage.models.loader import default_model_path
 
     path = default_model_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

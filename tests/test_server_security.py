@@ -216,7 +216,7 @@ def test_the_cli_client_speaks_mutual_tls_with_the_token(mtls_server, certs):
 
     from serving.launch import ROOT
 
-    argv = [sys.executable, "-m", "jaxpage.cli", "client", "--target", mtls_server.target, "--info",
+    argv = [sys.executable, "-m", "serving.cli", "client", "--target", mtls_server.target, "--info",
             "--tls-ca", str(certs["ca.pem"]), "--tls-cert", str(certs["client.pem"]),
             "--tls-key", str(certs["client.key"])]
     ok = subprocess.run([*argv, "--api-key", KEY], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -88,7 +88,7 @@ def start(argv: list[str], log: Path) -> Server:
 @pytest.fixture(scope="session")
 def server_started(tmp_path_factory):
     """The real server, launched (session scope, so that it warms up while `smollm2` loads in this process)."""
-    server = start(["-m", "jaxpage.cli", "serve", *ENGINE_FLAGS, "--grace-seconds", "60"],
+    server = start(["-m", "serving.cli", "serve", *ENGINE_FLAGS, "--grace-seconds", "60"],
                    tmp_path_factory.mktemp("serve") / "server.log")
     yield server
     server.stop()
@@ -183,7 +183,7 @@ def test_unary_chat_model_info_and_the_cli_client(server, stub):
     assert info.kv_cache_dtype == "auto"
     assert info.quantization == ""
 
-    cli = subprocess.run([sys.executable, "-m", "jaxpage.cli", "client", "--target", server.target, "--stream",
+    cli = subprocess.run([sys.executable, "-m", "serving.cli", "client", "--target", server.target, "--stream",
                           "--max-tokens", "8", "The capital of France is"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
@@ -304,8 +304,8 @@ def test_sigterm_lets_streams_finish_then_exits_0(server):
 # --- a stand-in engine: queue limit and engine failure -----------------------------------------------------
 STAND_IN_SERVER = r'''
 import sys
-from jaxpage.async_engine import AsyncEngine
-from jaxpage.cli import build_parser
+from jaxpage.engine.async_engine import AsyncEngine
+from serving.cli import build_parser
 from serving.server import run
 from tests.stand_in import make_engine
 

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxpage.block_pool import BlockPool
-from jaxpage.kv_cache import NULL_BLOCK
-from jaxpage.kv_cache_manager import SWAP_OUT, KVCacheManager
+from jaxpage.core.block_pool import BlockPool
+from jaxpage.attention.kv_cache import NULL_BLOCK
+from jaxpage.core.kv_cache_manager import SWAP_OUT, KVCacheManager
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence
 from tests.test_block_accounting import (BLOCK_SIZE, VOCAB, _run, _step, check_accounting, check_all_free,

@@ -183,8 +183,8 @@ if IN_CHILD:
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from jaxpage.parallel import make_mesh, with_mesh
-        from jaxpage.sampler import sample
+        from jaxpage.distributed.parallel import make_mesh, with_mesh
+        from jaxpage.worker.sampler import sample
 
         mesh = make_mesh(tp)
         split, whole = NamedSharding(mesh, PartitionSpec(None, "model")), NamedSharding(mesh, PartitionSpec())
@@ -203,7 +203,7 @@ if IN_CHILD:
     def mixed_sampling(vocab: int, rng, greedy: bool = False):
         """Eight rows, each with its own setting: greedy, plain random, top-k, top-p, min-p, penalties, a bitmask
         of allowed tokens, all of them at once (all greedy when ``greedy``)."""
-        from jaxpage.sampler import MAX_BANNED, SamplingBatch
+        from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
 
         rows = 8
         temperature = np.array([0, 1.0, 0.7, 1.0, 1.0, 0.9, 1.0, 0.8], np.float32) * (not greedy)
@@ -240,7 +240,7 @@ if IN_CHILD:
     def test_kv_heads_that_neither_divide_nor_are_divided_are_refused_by_name():
         import dataclasses
 
-        from jaxpage.parallel import check_tensor_parallel
+        from jaxpage.distributed.parallel import check_tensor_parallel
 
         model = dataclasses.replace(engine("llama-8h-4kv", 2, "xla").engine.config.model, num_heads=12,
                                     num_kv_heads=8)

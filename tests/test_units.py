@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config, LlamaConfig, MistralConfig
 
-from jaxpage.block_pool import BlockPool
-from jaxpage.config import ModelConfig, build_engine_config
+from jaxpage.core.block_pool import BlockPool
+from jaxpage.config import ModelConfig
+from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf, params_from_hf_state
-from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
+from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
 
 
 def test_block_pool_hands_out_each_block_once_and_never_the_null_block():
@@ -96,7 +97,7 @@ def test_second_load_restores_converted_weights_instead_of_converting(tmp_path, 
     torch = pytest.importorskip("torch")  # the newest-JAX lane has no torch
     from transformers import LlamaForCausalLM
 
-    from jaxpage import model_loader
+    from jaxpage.models import loader as model_loader
 
     torch.manual_seed(np.random.SeedSequence().entropy % 2**31)
     hf = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -134,7 +135,7 @@ def test_vocabulary_argmax_is_jnp_argmax_with_ties_and_masked_rows():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from jaxpage.vocab_shard import VocabShard
+    from jaxpage.distributed.vocab_shard import VocabShard
 
     @settings(max_examples=60, deadline=None)
     @given(st.integers(1, 5), st.integers(1, 70), st.integers(0, 2**31 - 1))

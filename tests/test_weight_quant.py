@@ -136,7 +136,7 @@ def agreement(ref_log_probs: np.ndarray, log_probs: np.ndarray) -> tuple[float, 
 @pytest.fixture(scope="module")
 def smollm2_int8():
     """(ModelConfig with quantization, int8 weights in a float32 engine) through the loader and its cache."""
-    from jaxpage.model_loader import default_cache_dir, load_model
+    from jaxpage.models.loader import default_cache_dir, load_model
     from jaxpage.models import config_from_hf
 
     loaded = load_model(None, default_cache_dir(), "int8")
@@ -147,7 +147,7 @@ def smollm2_int8():
 def test_smollm2_int8_teacher_forced_quality_against_float32(smollm2_int8, hf_smollm2):
     import torch
 
-    from jaxpage.kv_cache import allocate_kv_pool
+    from jaxpage.attention.kv_cache import allocate_kv_pool
 
     model, tokenizer = hf_smollm2
     cfg, params = smollm2_int8
@@ -188,8 +188,8 @@ def test_an_unknown_quantization_is_refused_naming_the_field(value):
 
 
 def test_cli_takes_quantization():
-    from jaxpage.arg_utils import EngineArgs
-    from jaxpage.cli import build_parser
+    from jaxpage.engine.arg_utils import EngineArgs
+    from serving.cli import build_parser
 
     for command in (["generate", "hi"], ["serve"]):
         ns = build_parser().parse_args([command[0], "--quantization", "int8", *command[1:]])
@@ -207,7 +207,7 @@ def test_get_model_info_and_v1_models_report_the_quantization():
     from serving.openai_api import OpenAIServing
     from serving.server import GenerationService
     from serving import generation_pb2 as pb
-    from jaxpage.config import build_engine_config
+    from jaxpage.engine.config_builder import build_engine_config
 
     for quantization, reported in (("int8", "int8"), (None, "")):
         config = build_engine_config(_tiny_config(tie_word_embeddings=True), dtype="float32", block_size=16,

@@ -1,4 +1,5 @@
-"""The model layer: shared NNX layers, one module per architecture, and the registry that picks it.
+"""Layer 3, models: shared NNX layers, one module per architecture, the registry that picks it, and loading
+(GGUF or a Hugging Face directory, converted and cached with orbax).
 
 Adding an architecture: a module beside llama.py (see registry.py for what it gives) and a line in the registry.
 """

@@ -20,7 +20,8 @@ from flax import nnx
 from jaxpage.config import ModelConfig
 from jaxpage.models.attention import LayerConstants, StepContext, layer_constants
 from jaxpage.models.batch import TokenBatch
-from jaxpage.models.layers import MODEL_AXIS, Embedding, Linear, RMSNorm, embed_scale, soft_cap
+from jaxpage.distributed.parallel import MODEL_AXIS
+from jaxpage.models.layers import Embedding, Linear, RMSNorm, embed_scale, soft_cap
 from jaxpage.models.quant import building, weight_dtype
 from jaxpage.models.registry import architecture
 
@@ -120,7 +121,7 @@ def _layer_graph(cfg: ModelConfig):
 
 def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch, backend: str = "xla"):
     """Runs all layers over the flat batch; returns final-normed hidden states [T, D] and the updated pool.
-    backend: the attention backend (jaxpage.attention.BACKENDS, resolved), static under jit."""
+    backend: the attention backend (jaxpage.attention.backends.BACKENDS, resolved), static under jit."""
     return bind(cfg, params)(pool, batch, backend)
 
 

@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.quant import int8_dot, quantization_being_built
-
-MODEL_AXIS = "model"
 
 
 def param(shape: tuple[int, ...], names: tuple, dtype=jnp.float32) -> nnx.Param:

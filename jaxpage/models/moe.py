@@ -8,7 +8,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpage.config import ModelConfig
-from jaxpage.models.layers import MODEL_AXIS, Linear, activation, param
+from jaxpage.distributed.parallel import MODEL_AXIS
+from jaxpage.models.layers import Linear, activation, param
 
 
 class GroupedLinear(nnx.Module):

@@ -5,10 +5,10 @@ import collections
 import dataclasses
 import logging
 
-from jaxpage.beam_search import final_beams
-from jaxpage.detokenizer import IncrementalDetokenizer
+from jaxpage.core.beam_search import final_beams
+from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxpage.scheduler import ScheduledSeq, Scheduler
+from jaxpage.core.scheduler import ScheduledSeq, Scheduler
 from jaxpage.sequence import Sequence, SequenceGroup
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ import dataclasses
 import re
 import typing
 
-from jaxpage.attention import BACKENDS
+from jaxpage.attention.backends import BACKENDS
 from jaxpage.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
-from jaxpage.scheduler import PREEMPTION_MODES
+from jaxpage.core.scheduler import PREEMPTION_MODES
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 

@@ -1,5 +1,5 @@
 """Tensor parallelism on JAX's sharding machinery: a mesh with one ``model`` axis, the sizes a model allows, and
-where the weights and the KV pool live on it.
+where the weights and the KV pool live on it (the weights' own transforms: jaxpage.models.placement).
 
 The weights are split by their ``nnx.Param`` names (attention heads, MLP columns/rows, LM head columns, embedding
 rows; a dimension the TP size does not divide stays whole) and GSPMD
@@ -11,20 +11,17 @@ pool (split by KV head). When the TP size exceeds the KV heads, each KV head is 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpage.models.layers import MODEL_AXIS
-from jaxpage.models.quant import SCALE, weight_dtype
-from jaxpage.vocab_shard import VocabShard
+from jaxpage.distributed.vocab_shard import VocabShard
 
-if TYPE_CHECKING:
-    from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.config import EngineConfig, ModelConfig
 
+MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 POOL_SPEC = P(None, None, None, MODEL_AXIS, None, None)  # the pool's KV head axis
 SCALES_SPEC = P(None, None, None, MODEL_AXIS, None)  # an int8 pool's scales: its layout less head_dim
 
@@ -60,18 +57,6 @@ def model_for_tp(model: ModelConfig, tp: int) -> ModelConfig:
     """The config the engine runs at TP size ``tp``: the model's, with the KV heads replicated where needed."""
     check_tensor_parallel(model, tp)
     return dataclasses.replace(model, num_kv_heads=kv_head_slots(model, tp))
-
-
-def replicate_kv_heads(params: dict, slots: int) -> dict:
-    """The k/v projections (kernel [.., D, kvh, hd], bias [.., kvh, hd]) with each KV head repeated so there
-    are ``slots`` (numpy, before placement); unchanged when they already have that many."""
-    def repeat(path, a):
-        names = [getattr(k, "key", None) for k in path]
-        if names[-2] not in ("k", "v") or names[-1] not in ("kernel", "bias", SCALE):
-            return a
-        axis = a.ndim - 2  # kernel [..., D, kvh, hd], bias and int8 scale [..., kvh, hd]: KV heads second to last
-        return a if a.shape[axis] == slots else np.repeat(a, slots // a.shape[axis], axis=axis)
-    return jax.tree_util.tree_map_with_path(repeat, params)
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
@@ -119,16 +104,10 @@ def spec_shardings(specs: dict, shapes: dict, mesh: Mesh) -> dict:
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def place_params(params: dict, shardings: dict, dtype) -> dict:
-    """Each weight converted on the host and sent shard by shard to its devices (no full copy on one device)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, a, s: put(np.asarray(a).astype(weight_dtype(p, a, dtype)), s), params, shardings)
-
-
 def put(x: np.ndarray, sharding=None) -> jax.Array:
     """``x`` on the devices of ``sharding`` (None: the default device), each of this process's devices getting its
     part of this process's copy. Unlike ``jax.device_put``, no cross-process check that every process's copy is
-    the same (a collective), so a process may place arrays when the others do not (jaxpage.multihost)."""
+    the same (a collective), so a process may place arrays when the others do not (jaxpage.worker.multihost)."""
     if sharding is None:
         return jax.device_put(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -16,7 +16,6 @@ pytree: allocated, donated, laid out, copied and swapped together.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,22 +23,16 @@ import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pallas_kernels.quant import STORED_DTYPES, ScaledPool
+from jaxpage.config import ModelConfig
+from jaxpage.distributed.parallel import pool_spec, with_mesh
+from pallas_kernels.quant import ScaledPool
 from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
-
-if TYPE_CHECKING:  # annotations only: config imports this module to size the pool
-    from jaxpage.config import ModelConfig
 
 NULL_BLOCK = 0
 
 
 def kv_pool_shape(model: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     return (model.num_layers, num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
-
-
-def kv_storage_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
-    """The pool's stored dtype: the model's for "auto", else int8 or float8_e4m3fn."""
-    return jnp.dtype(STORED_DTYPES.get(kv_cache_dtype, dtype))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -95,8 +88,6 @@ def _shardings(where, dtype=None) -> tuple[object, object]:
     device (None: the default one), or a mesh (the pool split by KV head over its model axis, everything else
     replicated)."""
     if isinstance(where, Mesh):
-        from jaxpage.parallel import pool_spec
-
         pool = jax.tree.map(lambda spec: NamedSharding(where, spec), pool_spec(dtype),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
         return pool, NamedSharding(where, PartitionSpec())
@@ -150,8 +141,6 @@ def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, where=None, arg_
     the pool donated, "result" (fn only reads the pool) or "blocks" (returns blocks of the pool, sharded as it
     is). where: a device or a mesh (fn then traced under it); arg_shardings: other arguments' shardings by
     position (else on the device, or replicated)."""
-    from jaxpage.parallel import with_mesh
-
     pool_sharding, other = _shardings(where, dtype)
     pool, arg_shardings = pool_format(where, dtype), arg_shardings or {}
     in_shardings = tuple(pool if i == pool_arg else arg_shardings.get(i, other) for i in range(num_args))

@@ -7,21 +7,22 @@ import os
 import time
 from pathlib import Path
 
-from jaxpage.arg_utils import EngineArgs
-from jaxpage.block_pool import BlockPool
-from jaxpage.compile_cache import enable_compilation_cache
-from jaxpage.config import EngineConfig, build_engine_config
-from jaxpage.kv_cache import NULL_BLOCK, bytes_per_block
-from jaxpage.kv_cache_manager import KVCacheManager
-from jaxpage.model_loader import default_cache_dir, load_model
-from jaxpage.multihost import runner_class
+from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.core.block_pool import BlockPool
+from jaxpage.worker.compile_cache import enable_compilation_cache
+from jaxpage.config import EngineConfig
+from jaxpage.engine.config_builder import build_engine_config
+from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
+from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.models.loader import default_cache_dir, load_model
+from jaxpage.worker.multihost import runner_class
 from jaxpage.models import config_from_hf
-from jaxpage.output_processor import OutputProcessor
+from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import Scheduler
+from jaxpage.core.scheduler import Scheduler
 from jaxpage.sequence import Sequence, SequenceGroup
-from jaxpage.structured_matcher import StructuredOutputManager
+from jaxpage.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,10 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs, data_parallel_rank: int | None = None) -> "LLMEngine":
         """Loads the model, sizes the pool, compiles every bucket: the engine ready to serve. data_parallel_rank:
-        which replica of ``args.data_parallel_size`` this is (jaxpage.data_parallel); None: the only engine."""
+        which replica of ``args.data_parallel_size`` this is (jaxpage.engine.data_parallel); None: the only engine."""
         if data_parallel_rank is None and args.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={args.data_parallel_size!r}: one engine (LLM, `jaxpage generate`) "
-                             "is one replica; replicas are served by `jaxpage serve` (jaxpage.data_parallel)")
+                             "is one replica; replicas are served by `jaxpage serve` (jaxpage.engine.data_parallel)")
         cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
         enable_compilation_cache(cache_dir)
         started = time.perf_counter()

@@ -15,10 +15,10 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from jaxpage.config import EngineConfig
-from jaxpage.kv_cache import jit_on_pool
+from jaxpage.attention.kv_cache import jit_on_pool
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
-from jaxpage.parallel import put
+from jaxpage.distributed.parallel import put
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
-from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT
-from jaxpage.model_runner import ModelRunner, _all_allowed, abstract_step_inputs, replicated
-from jaxpage.parallel import put
-from jaxpage.penalty_history import PenaltyHistory
+from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT
+from jaxpage.worker.model_runner import ModelRunner, _all_allowed, abstract_step_inputs, replicated
+from jaxpage.distributed.parallel import put
+from jaxpage.worker.penalty_history import PenaltyHistory
 
 log = logging.getLogger(__name__)
 

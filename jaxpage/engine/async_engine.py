@@ -15,7 +15,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from jaxpage.llm_engine import EngineArgs, LLMEngine
+from jaxpage.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-from jaxpage.kv_cache import NULL_BLOCK
+from jaxpage.attention.kv_cache import NULL_BLOCK
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxpage.parallel import put
+from jaxpage.distributed.parallel import put
 from jaxpage.sequence import Sequence
 
 

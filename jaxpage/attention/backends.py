@@ -7,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpage.kv_cache import write_kv
+from jaxpage.attention.kv_cache import write_kv
+from jaxpage.distributed.parallel import model_axis_size, over_heads
 from pallas_kernels.quant import dequantize, pool_parts
 from pallas_kernels.reference import soft_cap_logits, window_start
 
@@ -35,10 +36,9 @@ def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, poo
     the XLA path's per-step plan (``page_pairs``, built for the same ``window``), made once per step rather than
     once per layer. window: an int32 scalar, traced or not (0: full causal attention); soft_cap: a static float.
 
-    Traced under a tensor-parallel mesh (jaxpage.parallel), every device runs this on its own heads and its
+    Traced under a tensor-parallel mesh (jaxpage.distributed.parallel), every device runs this on its own heads and its
     slice of the pool (``shard_map``), whichever the backend.
     """
-    from jaxpage.parallel import model_axis_size, over_heads
 
     local = functools.partial(_write_and_attend, backend, scale=scale, soft_cap=soft_cap)
     shared = dict(layer=layer, token_seq=token_seq, positions=positions, slot_mapping=slot_mapping,
@@ -136,7 +136,7 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
                         pairs: PagePairs | None = None, window=0, soft_cap: float | None = None) -> jax.Array:
     """Causal attention of each query token over its own sequence's pages (split-K over pages, XLA ops only).
 
-    q: ``[T, num_heads, head_dim]``; pool: the whole KV pool (see jaxpage.kv_cache), already holding this step's
+    q: ``[T, num_heads, head_dim]``; pool: the whole KV pool (see jaxpage.attention.kv_cache), already holding this step's
     K/V, read at ``layer`` page by page (never sliced whole, which would copy a layer per call); token_seq: ``[T]``,
     the row of ``block_tables`` ``[S, W]`` that each token belongs to; positions: ``[T]``. Token t attends to key
     positions ``<= positions[t]`` and, with ``window`` W > 0 (an int32 scalar, traced or not), ``> positions[t] - W``;

@@ -6,7 +6,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from jaxpage.llm_engine import EngineArgs, LLMEngine
+from jaxpage.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 

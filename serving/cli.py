@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxpage.arg_utils import EngineArgs
-from jaxpage.multihost import DistributedArgs
+from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.worker.multihost import DistributedArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def generate(ns: argparse.Namespace) -> int:
-    from jaxpage.llm_engine import LLMEngine
+    from jaxpage.engine.llm_engine import LLMEngine
     from jaxpage.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed)
@@ -103,7 +103,7 @@ def serve(ns: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(ns, flag)} is out of range")
     if ns.max_seqs_per_request is None:  # a server has many clients: none may take every slot
         ns.max_seqs_per_request = max(1, ns.max_num_seqs // 2)
-    from jaxpage import multihost
+    from jaxpage.worker import multihost
     from serving.server import run
 
     multihost.initialize(DistributedArgs.from_cli_args(ns))
@@ -113,14 +113,14 @@ def serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--data-parallel-size={ns.data_parallel_size}: several processes serve one engine "
                          "over one mesh (tensor parallel); data parallelism is within one process")
     ns.max_engine_restarts = 0  # the followers cannot rebuild theirs: a dead engine stops the whole mesh
-    from jaxpage.llm_engine import LLMEngine
+    from jaxpage.engine.llm_engine import LLMEngine
 
     if not multihost.is_leader():
         return multihost.follow(LLMEngine.from_args(EngineArgs.from_cli_args(ns)).runner)
     engines: list[LLMEngine] = []
 
     def make_engine():
-        from jaxpage.async_engine import AsyncEngine
+        from jaxpage.engine.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_args(EngineArgs.from_cli_args(ns))
         engines.append(engine.engine)

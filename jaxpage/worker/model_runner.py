@@ -12,21 +12,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from tqdm.auto import tqdm
 
 from jaxpage.config import EngineConfig, pick_bucket
-from jaxpage.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, host_kv_pool, jit_on_pool, pool_format
-from jaxpage.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
-from jaxpage.layer_loop import LayerLoop
+from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, copy_blocks, host_kv_pool, jit_on_pool, pool_format
+from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
+from jaxpage.worker.layer_loop import LayerLoop
 from jaxpage.models import (TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs,
                             unstack_layers)
-from jaxpage.parallel import place_params, placement, put, replicate_kv_heads, spec_shardings
-from jaxpage.penalty_history import PenaltyHistory
-from jaxpage.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
-from jaxpage.scheduler import ScheduledSeq
+from jaxpage.distributed.parallel import placement, put, spec_shardings
+from jaxpage.models.placement import place_params, replicate_kv_heads
+from jaxpage.worker.penalty_history import PenaltyHistory
+from jaxpage.worker.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
+from jaxpage.core.scheduler import ScheduledSeq
 from jaxpage.sequence import Sequence
-from jaxpage.structured_matcher import bitmask_words
+from jaxpage.structured.manager import bitmask_words
 
 log = logging.getLogger(__name__)
 
-# where one compiled layer runs once per layer from the host (jaxpage.layer_loop) instead of in a lax.scan:
+# where one compiled layer runs once per layer from the host (jaxpage.worker.layer_loop) instead of in a lax.scan:
 # XLA:CPU copies a scanned layer's weights out of the stack. One device only: a tensor-parallel layer call is a
 # launch on every device of the mesh, and 30 of them made a step 4x the fused step's on 3 forced CPU devices
 # (SmolLM2, 8 streams: 4.0 s against 1.0 s).

@@ -14,8 +14,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxpage.block_pool import BlockPool, hash_block
-from jaxpage.kv_cache import NULL_BLOCK
+from jaxpage.core.block_pool import BlockPool, hash_block
+from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.sequence import Sequence
 
 

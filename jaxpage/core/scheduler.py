@@ -7,9 +7,9 @@ import os
 
 import numpy as np
 
-from jaxpage.beam_search import beam_search_step
+from jaxpage.core.beam_search import beam_search_step
 from jaxpage.config import EngineConfig
-from jaxpage.kv_cache_manager import NULL_HOST, DeviceOps, KVCacheManager
+from jaxpage.core.kv_cache_manager import NULL_HOST, DeviceOps, KVCacheManager
 from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,66 @@
+"""Builds the EngineConfig from the engine's options: validates each (a ValueError naming the field) and sizes
+the KV pool from a memory budget. The one place an EngineConfig is made."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxpage.attention import kv_cache
+from jaxpage.attention.backends import resolve_backend
+from jaxpage.config import (KV_CACHE_DTYPES, EngineConfig, ModelConfig, check_quantization, kv_storage_dtype,
+                            require, resolve_dtype)
+from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
+from pallas_kernels.kv_write_tpu import tile_rows
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_cache_memory: int | None,
+                        num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
+                        max_model_len: int | None, gpu_memory_utilization: float,
+                        attention_backend: str = "auto", scan_layers: bool = True,
+                        tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                        quantization: str | None = None, data_parallel_size: int = 1,
+                        data_parallel_rank: int = 0) -> EngineConfig:
+    """Validates the engine options and sizes the KV pool."""
+    dtype = resolve_dtype(dtype)
+    check_quantization(quantization)
+    model = model_for_tp(dataclasses.replace(model, quantization=quantization), tensor_parallel_size)
+    group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
+    require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
+            f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+    require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
+    backend = resolve_backend(attention_backend)
+    if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
+        require(block_size % tile_rows(kv_dtype) == 0, "block_size", block_size,
+                 f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
+                 f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
+    if backend == "pallas_tpu":
+        require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
+                 "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
+    require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
+    require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
+            f"must be >= max_num_seqs={max_num_seqs}")
+    limit = model.max_position_embeddings
+    max_model_len = max_model_len or limit
+    require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
+            f"must be between 1 and the model's max_position_embeddings={limit}")
+    if num_kv_blocks is not None:
+        needed = -(-max_model_len // block_size) + 1
+        require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
+                 f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
+                 f"blocks of {block_size} tokens, plus the null block")
+    else:
+        devices = make_mesh(tensor_parallel_size, group).devices.flat
+        budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
+        budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
+        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len,
+                                                       tensor_parallel_size)
+    return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        attention_backend=backend, scan_layers=scan_layers,
+                        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+                        data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank)

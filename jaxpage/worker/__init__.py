@@ -1,0 +1,2 @@
+"""Layer 6, worker: what runs on the device. The model runner (weights, the pool, warm-up), the jitted step and
+its sampler, the host layer loop, penalty history, and the runner of several hosts."""
