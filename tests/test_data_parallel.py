@@ -47,7 +47,7 @@ if IN_CHILD:
     from jaxpage.engine.data_parallel import DataParallelEngine
     from serving import generation_pb2 as pb
     from serving import generation_pb2_grpc as pb_grpc
-    from serving.launch import free_port, spawn, wait_serving
+    from benchmarks.launch import free_port, spawn, wait_serving
     from tests.reference import save_random_model
 
     assert len(jax.devices()) == NUM_DEVICES, jax.devices()

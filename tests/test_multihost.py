@@ -29,7 +29,7 @@ from transformers import LlamaConfig
 from jaxpage import LLM, SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from serving.launch import free_port, spawn, wait_serving
+from benchmarks.launch import free_port, spawn, wait_serving
 from tests.reference import save_random_model
 
 OPTIONS = dict(block_size=16, num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,

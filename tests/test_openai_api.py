@@ -28,7 +28,7 @@ from test_serving import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, Server
 from jaxpage import SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from serving.launch import free_port, spawn, wait_serving
+from benchmarks.launch import free_port, spawn, wait_serving
 
 NAMES = ["smollm2-test", "another-name"]  # --served-model-name
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]

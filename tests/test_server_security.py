@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from serving.launch import free_port, spawn, wait_serving
+from benchmarks.launch import free_port, spawn, wait_serving
 from tests.test_serving import STAND_IN_SERVER, START_TIMEOUT, Server
 
 KEY = "s3cret-token"
@@ -214,7 +214,7 @@ def test_the_cli_client_speaks_mutual_tls_with_the_token(mtls_server, certs):
     import subprocess
     import sys
 
-    from serving.launch import ROOT
+    from benchmarks.launch import ROOT
 
     argv = [sys.executable, "-m", "serving.cli", "client", "--target", mtls_server.target, "--info",
             "--tls-ca", str(certs["ca.pem"]), "--tls-cert", str(certs["client.pem"]),

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxpage import SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from serving.launch import ROOT, free_port, health_status, spawn, wait_serving
+from benchmarks.launch import ROOT, free_port, health_status, spawn, wait_serving
 
 ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "64",
                 "--dtype", "float32"]

@@ -1,4 +1,5 @@
-"""Start a `jaxpage serve` subprocess and wait until its health says SERVING (for tests and benchmarks)."""
+"""Start a `jaxpage serve` subprocess and wait until its health says SERVING (test and benchmark tooling, not part
+of the product package)."""
 from __future__ import annotations
 
 import os
