@@ -46,6 +46,16 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is taken too
 
     def __post_init__(self):
+        self._normalize()
+        self._check_counts()
+        self._check_sampling()
+        self._check_lengths_and_stops()
+        self._check_outputs()
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _normalize(self):
+        """vLLM's spellings to one form: -1 top_k, a lone stop string, None lists, a dict of structured outputs."""
         if self.top_k == -1:
             self.top_k = 0
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -55,9 +65,13 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
+
+    def _check_counts(self):
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         _check(isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", self.best_of,
                f"must be an integer >= n={self.n}")
+
+    def _check_sampling(self):
         for name in _FLOATS:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
@@ -77,6 +91,8 @@ class SamplingParams:
                self.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY}, 2]")
         _check(abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY, "length_penalty", self.length_penalty,
                f"must be in [-{MAX_ABS_LENGTH_PENALTY}, {MAX_ABS_LENGTH_PENALTY}]")
+
+    def _check_lengths_and_stops(self):
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
@@ -88,19 +104,22 @@ class SamplingParams:
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
                f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
+
+    def _check_outputs(self):
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
                "must be 'cumulative', 'delta' or 'final_only'")
         _check(self.output_kind != "delta" or (self.best_of == self.n and not self.use_beam_search),
                "output_kind", self.output_kind, "cannot be 'delta' with beam search or best_of > n")
-        if self.use_beam_search:
-            _check(self.temperature == 0 or self.temperature == 1.0, "temperature", self.temperature,
-                   "must be 0 with use_beam_search (beam search is deterministic)")
-            _check(2 * self.best_of <= MAX_LOGPROBS, "best_of", self.best_of,
-                   f"must be at most {MAX_LOGPROBS // 2} with use_beam_search")
-            _check(not self.has_penalties, "use_beam_search", True, "cannot be combined with penalties")
-            self.temperature = 0.0
+
+    def _check_beam_search(self):
+        _check(self.temperature == 0 or self.temperature == 1.0, "temperature", self.temperature,
+               "must be 0 with use_beam_search (beam search is deterministic)")
+        _check(2 * self.best_of <= MAX_LOGPROBS, "best_of", self.best_of,
+               f"must be at most {MAX_LOGPROBS // 2} with use_beam_search")
+        _check(not self.has_penalties, "use_beam_search", True, "cannot be combined with penalties")
+        self.temperature = 0.0
 
     @property
     def has_penalties(self) -> bool:
