@@ -1,7 +1,7 @@
 """jaxpage against transformers on the CPU: output tokens/s, SmolLM2 chat prompts, greedy, 1/8/32 streams.
 
     python benchmarks/cpu_speed.py [--modes jaxpage-f32 jaxpage-f32-unrolled hf-f32 hf-bf16] [--streams 1 8 32]
-        [--max-tokens 128] [--repeats 3] [--json benchmarks/cpu_speed.json] [--markdown table.md]
+        [--max-tokens 128] [--repeats 3] [--json benchmarks/results/cpu_speed.json] [--markdown table.md]
 
 Every mode gets the same token ids: the tokenizer's chat template over fixed ~64-token user prompts (one per
 stream, all different). N streams = N requests started together, each decoding exactly --max-tokens greedy

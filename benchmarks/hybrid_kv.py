@@ -1,6 +1,6 @@
 """One KV pool or one pool per layer group, for models that mix local (sliding window) and global layers.
 
-    python -m benchmarks.hybrid_kv [--budget-gib 32] [--block-size 16] [--json benchmarks/hybrid_kv.json]
+    python -m benchmarks.hybrid_kv [--budget-gib 32] [--block-size 16] [--json benchmarks/results/hybrid_kv.json]
 
 A block of jaxpage's pool spans every layer, so (a) with one pool a sequence holds ceil(n / bs) blocks in every
 layer, local ones included. (b) With one pool per layer group, each with its own block tables (vLLM's hybrid KV
