@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage.utils import cdiv
 from pallas_kernels.quant import STORED_DTYPES
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class EngineConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return cdiv(self.max_model_len, self.block_size)
 
     def token_buckets(self) -> list[int]:
         """Padded sizes of the flat token axis: 8, 16, then powers of two and the halfway sizes between them

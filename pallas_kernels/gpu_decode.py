@@ -65,15 +65,15 @@ def check_triton_shapes(block_size: int, head_dim: int, pages_per_block: int, in
 
 def default_pages_per_block(block_size: int, width: int) -> int:
     """About 64 keys per step, no more pages than the table has (rounded up to a power of two), >= 16 keys."""
-    return max(min(max(1, 64 // block_size), next_pow2(width)), -(-16 // block_size))
+    return max(min(max(1, 64 // block_size), next_pow2(width)), pl.cdiv(16, block_size))
 
 
 def choose_splits(num_seqs: int, kv_heads: int, width: int, pages_per_compute_block: int) -> int:
     """Pages per split: split the table until there are about TARGET_PROGRAMS programs (never below one
     compute block per split)."""
-    chunks = -(-width // pages_per_compute_block)
-    splits = max(1, min(chunks, -(-TARGET_PROGRAMS // (num_seqs * kv_heads))))
-    return -(-chunks // splits) * pages_per_compute_block
+    chunks = pl.cdiv(width, pages_per_compute_block)
+    splits = max(1, min(chunks, pl.cdiv(TARGET_PROGRAMS, num_seqs * kv_heads)))
+    return pl.cdiv(chunks, splits) * pages_per_compute_block
 
 
 def online_softmax_step(q, k, v, visible, carry, *, scale, soft_cap, precision, row_visible=None):
@@ -174,8 +174,8 @@ def paged_decode_attention_gpu(q: jax.Array, pool: jax.Array, layer, block_table
     check_triton_shapes(block_size, head_dim, pages_per_block, interpret)
     if pages_per_split is None:
         pages_per_split = choose_splits(num_seqs, kv_heads, width, pages_per_block)
-    pages_per_split = -(-pages_per_split // pages_per_block) * pages_per_block
-    num_splits = -(-width // pages_per_split)
+    pages_per_split = pl.cdiv(pages_per_split, pages_per_block) * pages_per_block
+    num_splits = pl.cdiv(width, pages_per_split)
     tables = jnp.pad(block_tables, ((0, 0), (0, num_splits * pages_per_split - width)))
 
     group = num_heads // kv_heads

@@ -140,7 +140,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     if not interpret and min(queries * padded_group, new_tokens_per_block) < 16:
         raise ValueError(f"queries_per_block * G ({queries} x {padded_group}) and new_tokens_per_block "
                          f"({new_tokens_per_block}) must be >= 16 on GPU")
-    max_blocks = min(num_tokens, -(-num_tokens // queries) + num_seqs + 1)
+    max_blocks = min(num_tokens, pl.cdiv(num_tokens, queries) + num_seqs + 1)
     run_start, first, count = query_blocks(token_seq, queries, max_blocks)
     q_g = jnp.pad(q.reshape(num_tokens, kv_heads, group, head_dim),
                   ((0, queries), (0, 0), (0, padded_group - group), (0, 0)))

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import pool_spec, with_mesh
+from jaxpage.utils import cdiv
 from pallas_kernels.quant import ScaledPool
 from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
 
@@ -36,7 +37,7 @@ def kv_pool_shape(model: ModelConfig, num_blocks: int, block_size: int) -> tuple
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return cdiv(n, multiple) * multiple
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype, lanes: int = 1) -> int:
@@ -60,7 +61,7 @@ def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype, budget_byt
     """How many blocks (null block included) a byte budget holds; refuses one too small for a full sequence.
     shards: the devices the pool is split over by KV head (the budget is each one's)."""
     per_block = bytes_per_block(model, block_size, dtype, memory_lanes()) // shards
-    needed_blocks = -(-max_model_len // block_size) + 1
+    needed_blocks = cdiv(max_model_len, block_size) + 1
     num_blocks = int(budget_bytes // per_block)
     if num_blocks < needed_blocks:
         raise ValueError(

@@ -11,6 +11,7 @@ from jaxpage.attention.backends import resolve_backend
 from jaxpage.config import (KV_CACHE_DTYPES, EngineConfig, ModelConfig, check_quantization, kv_storage_dtype,
                             require, resolve_dtype)
 from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
+from jaxpage.utils import cdiv
 from pallas_kernels.kv_write_tpu import tile_rows
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -48,7 +49,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
             f"must be between 1 and the model's max_position_embeddings={limit}")
     if num_kv_blocks is not None:
-        needed = -(-max_model_len // block_size) + 1
+        needed = cdiv(max_model_len, block_size) + 1
         require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
                  f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
                  f"blocks of {block_size} tokens, plus the null block")

@@ -17,13 +17,14 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from jaxpage.sequence import Sequence
+from jaxpage.utils import cdiv
 
 ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 MAX_CACHED_GRAMMARS = 256
 
 
 def bitmask_words(vocab_size: int) -> int:
-    return -(-vocab_size // 32)
+    return cdiv(vocab_size, 32)
 
 
 class StructuredOutputManager:
