@@ -14,6 +14,16 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended (vLLM's names); the value is the finish_reason a user sees."""
+
+    STOP = "stop"  # a stop token, EOS or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted, or the request can never fit in the KV pool
+    ERROR = "error"  # its request failed on the engine
+    PRUNED = "pruned"  # a beam the search dropped (never output)
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     seq_id: int
@@ -24,7 +34,7 @@ class Sequence:
     block_table: list[int] = dataclasses.field(default_factory=list)  # device blocks (host slots when swapped)
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of its full blocks
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     cumulative_logprob: float = 0.0
     output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)

@@ -132,7 +132,7 @@ def test_min_tokens_bans_eos_and_every_stop_id_however_many():
 
     from jaxpage.worker.model_runner import build_batch
     from jaxpage.worker.sampler import sample
-    from jaxpage.core.scheduler import ScheduledSeq
+    from jaxpage.core.scheduler_output import ScheduledSeq
     from jaxpage.sequence import Sequence, SequenceGroup
 
     engine = make_engine()

@@ -12,7 +12,7 @@ from jaxpage import SamplingParams
 from jaxpage.worker.model_runner import InputBatch, build_batch
 from jaxpage.worker.sampler import _apply_penalties
 from jaxpage.distributed.vocab_shard import VocabShard
-from jaxpage.core.scheduler import ScheduledSeq
+from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.sequence import Sequence, SequenceGroup
 from tests.reference import NEAR_TIE, hf_logits
 from tests.stand_in import make_engine

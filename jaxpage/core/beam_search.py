@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxpage.sequence import Sequence, SequenceGroup
+from jaxpage.core.stop import check_stop, is_eos
+from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
 
 
 def beam_search_step(group: SequenceGroup, eos_token_ids, scheduler, next_seq_id: Callable[[], int]) -> None:
@@ -26,7 +27,7 @@ def beam_search_step(group: SequenceGroup, eos_token_ids, scheduler, next_seq_id
     candidates.sort(key=lambda c: -c[0])
     chosen = []
     for rank, (score, b, token, lp) in enumerate(candidates):
-        if token in eos_token_ids and not p.ignore_eos:
+        if is_eos(token, p, eos_token_ids):
             if rank < width:
                 group.finished_seqs.append(_hypothesis(live[b], token, lp, next_seq_id()))
             continue
@@ -36,21 +37,20 @@ def beam_search_step(group: SequenceGroup, eos_token_ids, scheduler, next_seq_id
     beams, used = [], set()
     for b, token, lp in chosen:  # fork before any beam is extended, so forks copy the old history
         if b in used:
-            beam = live[b].fork(next_seq_id(), live[b].seed)
-            scheduler.kv.fork(beam)
+            beam = scheduler.fork_seq(live[b], live[b].seed)
         else:
             beam = live[b]
             used.add(b)
         beams.append((beam, token, lp))
     for b, seq in enumerate(live):
         if b not in used:
-            scheduler.finish_seq(group, seq, "pruned")
+            scheduler.finish_seq(group, seq, FinishReason.PRUNED)
     for beam, token, lp in beams:
         beam.token_ids.append(token)
         beam.cumulative_logprob += lp
     group.seqs = [beam for beam, _, _ in beams]
     group.forked = True
-    _maybe_stop(group, scheduler)
+    _maybe_stop(group, eos_token_ids, scheduler)
 
 
 def _hypothesis(parent: Sequence, token: int, logprob: float, seq_id: int) -> Sequence:
@@ -58,19 +58,20 @@ def _hypothesis(parent: Sequence, token: int, logprob: float, seq_id: int) -> Se
     hyp.block_table, hyp.block_hashes = [], []
     hyp.token_ids.append(token)
     hyp.cumulative_logprob += logprob
-    hyp.finish_reason = "stop"
+    hyp.finish_reason = FinishReason.STOP
     return hyp
 
 
-def _maybe_stop(group: SequenceGroup, scheduler) -> None:
-    width = group.params.beam_width
-    if len(group.finished_seqs) >= width:
+def _maybe_stop(group: SequenceGroup, eos_token_ids, scheduler) -> None:
+    p = group.params
+    if len(group.finished_seqs) >= p.beam_width:
         for seq in group.live_seqs:
-            scheduler.finish_seq(group, seq, "pruned")
+            scheduler.finish_seq(group, seq, FinishReason.PRUNED)
         return
     for seq in group.live_seqs:
-        if seq.num_tokens >= seq.max_len:
-            scheduler.finish_seq(group, seq, "length")
+        reason = check_stop(seq, p, eos_token_ids)  # its length: a beam's last token is never an ending EOS
+        if reason is not None:
+            scheduler.finish_seq(group, seq, reason)
             group.finished_seqs.append(seq)
 
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+from collections.abc import Iterable
 
 from jaxpage.core.block_pool import BlockPool, hash_block
 from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.sequence import Sequence
+from jaxpage.utils import cdiv
 
 
 COPY, SWAP_OUT, SWAP_IN = "copy", "swap_out", "swap_in"
@@ -55,6 +58,26 @@ class KVCacheManager:
     def take_ops(self) -> DeviceOps:
         ops, self.ops = self.ops, DeviceOps()
         return ops
+
+    # --- what the scheduler asks of the pool ---------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def has_shared_blocks(self) -> bool:
+        """Whether some block has several holders (a write into it first copies it)."""
+        return self.pool.num_shared > 0
+
+    def has_room(self, seq: Sequence, num_new: int) -> bool:
+        """Whether the sequence's blocks hold num_new more tokens with no block to allocate or copy (the common
+        decode step)."""
+        return not self.pool.num_shared and seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_size
+
+    def blocks_to_recompute(self, seqs: list[Sequence]) -> int:
+        """Blocks to compute these sequences afresh: with prefix caching the full blocks of their common prefix
+        once (the first computes them, the others find them cached), the rest each."""
+        bs = self.block_size
+        common = len(os.path.commonprefix([s.token_ids for s in seqs])) // bs if self.pool.enable_prefix_caching else 0
+        return common + sum(cdiv(s.num_tokens, bs) - common for s in seqs)
 
     # --- admission and growth -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> None:
@@ -107,10 +130,19 @@ class KVCacheManager:
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """New blocks to write num_new more tokens: growth plus a copy of a shared block written into."""
         end = seq.num_computed_tokens + num_new
-        growth = max(0, -(-end // self.block_size) - len(seq.block_table))
+        growth = max(0, cdiv(end, self.block_size) - len(seq.block_table))
         return growth + (self.pool.num_shared > 0 and self._shared_write_block(seq) is not None)
 
+    def allocate_slots(self, seq: Sequence, num_new: int) -> bool:
+        """Reserves the blocks to write num_new more tokens, if the pool has them (vLLM's allocate_slots); False,
+        and nothing changed, if not."""
+        if self.blocks_needed(seq, num_new) > self.pool.num_free:
+            return False
+        self.reserve(seq, num_new)
+        return True
+
     def reserve(self, seq: Sequence, num_new: int) -> None:
+        """Allocates the blocks to write num_new more tokens (the caller made room: see blocks_needed)."""
         shared = self._shared_write_block(seq)
         if shared is not None:  # copy-on-write: the first write into a block someone else holds
             index, src = shared
@@ -118,7 +150,7 @@ class KVCacheManager:
             self.ops.moves.append((COPY, src, dst))
             self.pool.free([src])
             seq.block_table[index] = dst
-        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new, self.block_size)
         seq.block_table.extend(self.pool.allocate(max(0, total - len(seq.block_table))))
 
     def _shared_write_block(self, seq: Sequence) -> tuple[int, int] | None:
@@ -166,6 +198,15 @@ class KVCacheManager:
         for seq in seqs:
             self.pool.free(_live(seq.block_table)[::-1])
             seq.block_table = [slot_of[b] for b in seq.block_table]
+
+    def free_swapped(self, seqs: list[Sequence], still_swapped: Iterable[Sequence]) -> None:
+        """Gives back the host slots of swapped-out sequences that end, but those the ``still_swapped`` ones (their
+        siblings) hold too."""
+        slots = {b for s in seqs for b in s.block_table} - {NULL_HOST}
+        still_used = {b for s in still_swapped for b in s.block_table}
+        self.host_free.extend(slots - still_used)
+        for s in seqs:
+            s.block_table = []
 
     def blocks_to_swap_in(self, seqs: list[Sequence]) -> int:
         return len({b for s in seqs for b in s.block_table if b != NULL_HOST})

@@ -1,40 +1,28 @@
 """Scheduler: iteration-level (continuous) batching under a token budget, with chunked prefill and preemption."""
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
-import os
+from collections.abc import Callable
 
 import numpy as np
 
 from jaxpage.core.beam_search import beam_search_step
 from jaxpage.config import EngineConfig
-from jaxpage.core.kv_cache_manager import NULL_HOST, DeviceOps, KVCacheManager
-from jaxpage.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from jaxpage.core.stop import check_stop
+from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
 
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-@dataclasses.dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens whose K/V this step computes, starting at seq.num_computed_tokens
-    group: SequenceGroup
-    samples: bool  # this chunk reaches the sequence's last token, so the step's sample is its next token
-    logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
-
-
-@dataclasses.dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    ops: DeviceOps
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, preemption_mode: str = "recompute",
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), *, max_wide_seqs: int | None = None,
+                 next_seq_id: Callable[[], int] | None = None):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.config = config
@@ -46,8 +34,9 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self._failed: list[SequenceGroup] = []  # requests that can never fit, to be reported by the engine
-        self.max_wide_seqs = config.max_num_seqs  # slots that multi-sequence groups may hold together (engine sets it)
-        self._next_seq_id = None  # set by the engine: a callable giving fresh sequence ids
+        # slots that groups of several sequences may hold together (the engine's max_seqs_per_request)
+        self.max_wide_seqs = config.max_num_seqs if max_wide_seqs is None else max_wide_seqs
+        self._next_seq_id = next_seq_id or itertools.count().__next__  # fresh sequence ids (the engine's counter)
         # The last schedule, when it was a plain decode step of every running sequence (see _decode_again); None
         # once anything it depends on may have changed (a group preempted, finished, queued, or beams reordered)
         self._decode: list[ScheduledSeq] | None = None
@@ -72,7 +61,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
-        pool, bs = self.kv.pool, self.config.block_size
         preemptions = self.num_preemptions
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
@@ -89,7 +77,7 @@ class Scheduler:
                 if num_new == 0:
                     continue  # waiting for its beam siblings, or out of budget
                 # fast path, the common decode step: room in its blocks and no shared block to copy on write
-                if pool.num_shared or computed + num_new > len(seq.block_table) * bs:
+                if not self.kv.has_room(seq, num_new):
                     if not self._make_room(seq, num_new, group):
                         preempted = True
                         break
@@ -134,10 +122,9 @@ class Scheduler:
                 if seq.num_computed_tokens == 0 and not seq.block_table:
                     self.kv.match_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if self.kv.blocks_needed(seq, num_new) > self.kv.pool.num_free:
+                if not self.kv.allocate_slots(seq, num_new):
                     self.kv.free(seq)
                     break
-                self.kv.reserve(seq, num_new)
                 scheduled.append(self._scheduled(seq, num_new, group))
                 budget -= num_new
             self.waiting.pop(i)
@@ -168,22 +155,19 @@ class Scheduler:
         (no request queued, finished or preempted since), that step's rows are this step's too, as the full
         scheduling pass would rebuild them, the blocks a row now needs allocated in the same order. None (and
         nothing changed) when anything differs, or when a row cannot get its block without a preemption."""
-        bs, pool = self.config.block_size, self.kv.pool
-        if self.waiting or self.swapped or self._failed or pool.num_shared:
+        if self.waiting or self.swapped or self._failed or self.kv.has_shared_blocks():
             return None  # admission, swap-in or copy-on-write: the full pass
         if len(rows) > self.config.max_num_batched_tokens:
             return None
         grow = []
         for s in rows:
             seq = s.seq
-            if self.kv.window:
-                self.kv.free_dead_blocks(seq)
-            computed = seq.num_computed_tokens
-            if len(seq.token_ids) != computed + 1:
+            self.kv.free_dead_blocks(seq)
+            if len(seq.token_ids) != seq.num_computed_tokens + 1:
                 return None  # not exactly one new token (an engine step did not run; or it finished)
-            if computed >= len(seq.block_table) * bs:
+            if not self.kv.has_room(seq, 1):
                 grow.append(seq)
-        if grow and sum(self.kv.blocks_needed(seq, 1) for seq in grow) > pool.num_free:
+        if grow and sum(self.kv.blocks_needed(seq, 1) for seq in grow) > self.kv.num_free_blocks():
             return None  # the full pass preempts
         for seq in grow:
             self.kv.reserve(seq, 1)
@@ -192,7 +176,7 @@ class Scheduler:
     def _fail_head(self) -> None:
         """Nothing runs and the first queued request still cannot start: it can never fit in the pool."""
         group = (self.swapped or self.waiting)[0]
-        self.finish_group(group, "abort")
+        self.finish_group(group, FinishReason.ABORT)
         if not group.forked and group.width > 1:  # ended before its prompt forked: its n samples end empty too
             parent = group.seqs[0]  # no blocks left: the forks share nothing
             group.seqs += [parent.fork(self._next_seq_id(), seed=_child_seed(parent.seed, i))
@@ -206,11 +190,7 @@ class Scheduler:
     def _admit_all(self, group: SequenceGroup) -> bool:
         """Admits a resumed multi-sequence group without computing yet; its sequences run from the next step.
         The first recomputes the shared prompt; the others then find its full blocks in the prefix cache."""
-        bs = self.config.block_size
-        live = group.live_seqs
-        shared = len(os.path.commonprefix([s.token_ids for s in live])) // bs if self.kv.pool.enable_prefix_caching else 0
-        needed = shared + sum(-(-s.num_tokens // bs) - shared for s in live)
-        return needed <= self.kv.pool.num_free
+        return self.kv.blocks_to_recompute(group.live_seqs) <= self.kv.num_free_blocks()
 
     def _scheduled(self, seq: Sequence, num_new: int, group: SequenceGroup) -> ScheduledSeq:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
@@ -225,18 +205,23 @@ class Scheduler:
                 continue
             group.forked = True
             for i in range(1, group.width):
-                child = s.seq.fork(self._next_seq_id(), seed=_child_seed(s.seq.seed, i))
-                self.kv.fork(child)
+                child = self.fork_seq(s.seq, _child_seed(s.seq.seed, i))
                 group.seqs.append(child)
                 forks.append(ScheduledSeq(child, 0, group, True, logits_of=s.seq))
         return forks
+
+    def fork_seq(self, parent: Sequence, seed: int) -> Sequence:
+        """A new sequence sharing ``parent``'s history and blocks (a parallel sample or a beam)."""
+        child = parent.fork(self._next_seq_id(), seed)
+        self.kv.fork(child)
+        return child
 
     def _make_room(self, seq: Sequence, num_new: int, group: SequenceGroup) -> bool:
         """Preempts the lowest-priority, most recently admitted groups until seq fits; False if it was preempted."""
         needed = self.kv.blocks_needed(seq, num_new)
         if not needed:
             return True  # the common decode step: room in its last, unshared block
-        while needed > self.kv.pool.num_free:
+        while needed > self.kv.num_free_blocks():
             victim = max(self.running, key=lambda g: (g.priority, g.arrival))
             self.preempt(victim)
             if victim is group:
@@ -264,7 +249,7 @@ class Scheduler:
             group = self.swapped[0]
             live = group.live_seqs
             needed = self.kv.blocks_to_swap_in(live) + len(live)  # and room for each to grow by a block
-            if needed > self.kv.pool.num_free:
+            if needed > self.kv.num_free_blocks():
                 return
             self.swapped.pop(0)
             self.kv.swap_in(live)
@@ -318,17 +303,9 @@ class Scheduler:
             entry = {int(i): float(v) for i, v in zip(ids[:p.logprobs], lps[:p.logprobs])}
             entry[token] = logprob
             seq.output_logprobs.append(entry)
-        num_tokens = len(seq.token_ids)
-        if num_tokens - seq.num_prompt_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                self.finish_seq(group, seq, "stop")
-                return
-            if token in self.eos_token_ids and not p.ignore_eos:
-                self.finish_seq(group, seq, "stop")
-                return
-        if num_tokens >= seq.max_len:  # a stop string on this token still makes it "stop" (OutputProcessor)
-            self.finish_seq(group, seq, "length")
+        reason = check_stop(seq, p, self.eos_token_ids)
+        if reason is not None:  # a stop string on this token still makes LENGTH a STOP (OutputProcessor)
+            self.finish_seq(group, seq, reason)
 
     def _advance_beams(self, group: SequenceGroup) -> None:
         live = group.live_seqs
@@ -336,12 +313,15 @@ class Scheduler:
             return  # some beam is still recomputing after a preemption
         beam_search_step(group, self.eos_token_ids, self, self._next_seq_id)
 
-    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
+    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason) -> None:
         self._decode = None
         seq.finish_reason = reason
-        self.kv.free(seq) if group.status != SequenceStatus.SWAPPED else self._drop_host_slots([seq])
+        if group.status != SequenceStatus.SWAPPED:
+            self.kv.free(seq)
+        else:  # its host slots, but those its swapped siblings still hold
+            self.kv.free_swapped([seq], (s for g in self.swapped for s in g.live_seqs if s is not seq))
 
-    def finish_group(self, group: SequenceGroup, reason: str = "abort") -> None:
+    def finish_group(self, group: SequenceGroup, reason: FinishReason = FinishReason.ABORT) -> None:
         """Ends every live sequence of the group and forgets the group (finish or abort)."""
         self._decode = None
         for seq in group.live_seqs:
@@ -350,13 +330,6 @@ class Scheduler:
             if group in queue:
                 queue.remove(group)
         group.status = SequenceStatus.FINISHED
-
-    def _drop_host_slots(self, seqs: list[Sequence]) -> None:
-        slots = {b for s in seqs for b in s.block_table} - {NULL_HOST}
-        still_used = {b for g in self.swapped for s in g.live_seqs if s not in seqs for b in s.block_table}
-        self.kv.host_free.extend(slots - still_used)
-        for s in seqs:
-            s.block_table = []
 
 
 def _child_seed(seed: int, index: int) -> int:

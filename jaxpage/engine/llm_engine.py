@@ -21,8 +21,9 @@ from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.core.scheduler import Scheduler
-from jaxpage.sequence import Sequence, SequenceGroup
+from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
 from jaxpage.structured.manager import StructuredOutputManager
+from jaxpage.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,9 @@ class LLMEngine:
         self.block_pool = BlockPool(config.num_kv_blocks, enable_prefix_caching)
         window = config.model.sliding_window if config.model.every_layer_windowed else 0
         self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks, window)
-        self.scheduler = Scheduler(config, self.kv, preemption_mode, self.eos_token_ids)
-        self.scheduler.max_wide_seqs = self.max_seqs_per_request
         self._seq_ids = itertools.count()
-        self.scheduler._next_seq_id = lambda: next(self._seq_ids)
+        self.scheduler = Scheduler(config, self.kv, preemption_mode, self.eos_token_ids,
+                                   max_wide_seqs=self.max_seqs_per_request, next_seq_id=self._seq_ids.__next__)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self.requests = self.output_processor.requests  # request id -> RequestState, while unfinished
         self.finished_metrics = self.output_processor.finished_metrics
@@ -152,7 +152,7 @@ class LLMEngine:
         sequences, plus each sequence's own blocks up to max_len (its worst case, every sequence at full length)."""
         bs, pool = self.config.block_size, self.config.num_kv_blocks - 1  # the null block is never handed out
         shared = num_prompt_tokens // bs
-        needed = shared + width * (-(-max_len // bs) - shared)
+        needed = shared + width * (cdiv(max_len, bs) - shared)
         if self.refuse_unfittable and needed > pool:
             raise DoesNotFitError(
                 f"the request needs up to {needed} KV blocks ({num_prompt_tokens} prompt tokens, {width} "
@@ -181,7 +181,7 @@ class LLMEngine:
         """Ends the request now and returns its blocks to the pool."""
         request = self.output_processor.abort(request_id)
         if request is not None:
-            self.scheduler.finish_group(request.group, "abort")
+            self.scheduler.finish_group(request.group, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

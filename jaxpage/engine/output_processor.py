@@ -8,8 +8,10 @@ import logging
 from jaxpage.core.beam_search import final_beams
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxpage.core.scheduler import ScheduledSeq, Scheduler
-from jaxpage.sequence import Sequence, SequenceGroup
+from jaxpage.core.scheduler import Scheduler
+from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.core.stop import check_stop, reached_min_tokens
+from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +81,21 @@ class OutputProcessor:
         return outputs + [self.error(request_id, e, states.get(request_id)) for request_id, e in failed.items()]
 
     def _detokenize(self, request: RequestState, seq: Sequence) -> None:
-        """Adds the sequence's new token to its text; a stop string in it ends the sequence as "stop"."""
+        """Adds the sequence's new token to its text; a stop string in it ends the sequence (check_stop)."""
         p = request.group.params
         detok = request.detokenizers.get(seq.seq_id)
         if detok is None:
             detok = request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
         detok.add(seq.token_ids[-1])
-        if (p.stop and seq.finish_reason != "stop"  # not ended by a stop token
-                and seq.num_output_tokens >= p.min_tokens):
+        if p.stop and seq.finish_reason != FinishReason.STOP and reached_min_tokens(seq, p):  # not a stop token
             stop = detok.find_stop(p.stop, p.include_stop_str_in_output)
             if stop is not None:
-                seq.stop_reason = stop
+                reason = check_stop(seq, p, stop_string=stop)
                 if seq.finish_reason is None:
-                    self.scheduler.finish_seq(request.group, seq, "stop")
+                    self.scheduler.finish_seq(request.group, seq, reason)
                 else:  # it reached its length with this token: the stop string comes first, as in vLLM
-                    seq.finish_reason = "stop"
+                    seq.finish_reason = reason
 
     def _request_output(self, request: RequestState, now: float) -> RequestOutput | None:
         """The request's output after a step (None while a final_only request runs); a request whose sequences
@@ -105,7 +106,7 @@ class OutputProcessor:
             request.metrics.finished_time = now
             request.metrics.num_output_tokens = max(s.num_output_tokens for s in group.seqs + group.finished_seqs)
             self.finished_metrics.append(request.metrics)
-            self.scheduler.finish_group(group, "stop")
+            self.scheduler.finish_group(group, FinishReason.STOP)
             del self.requests[group.request_id]
         if not done and group.params.output_kind == "final_only":
             return None
@@ -144,8 +145,8 @@ class OutputProcessor:
         else:
             token_ids = seq.token_ids[seq.num_prompt_tokens:]
         logprobs = seq.output_logprobs[tokens_from:] if p.logprobs is not None else None
-        return CompletionOutput(index, text, token_ids, seq.cumulative_logprob, logprobs,
-                                seq.finish_reason if done else None, seq.stop_reason)
+        reason = seq.finish_reason.value if done and seq.finish_reason is not None else None  # the public str
+        return CompletionOutput(index, text, token_ids, seq.cumulative_logprob, logprobs, reason, seq.stop_reason)
 
     def abort(self, request_id: str) -> RequestState | None:
         """Forgets the request; the caller ends its sequences."""
@@ -160,7 +161,8 @@ class OutputProcessor:
         if request is None:
             return RequestOutput(request_id, None, [], [], True, None, error=message)
         group = request.group
-        self.scheduler.finish_group(group, "error")
-        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(group.params.n)]
+        self.scheduler.finish_group(group, FinishReason.ERROR)
+        completions = [CompletionOutput(i, "", [], finish_reason=FinishReason.ERROR.value)
+                       for i in range(group.params.n)]
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions, True,
                              request.metrics, error=message)

@@ -21,7 +21,7 @@ from jaxpage.distributed.parallel import placement, put, spec_shardings
 from jaxpage.models.placement import place_params, replicate_kv_heads
 from jaxpage.worker.penalty_history import PenaltyHistory
 from jaxpage.worker.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
-from jaxpage.core.scheduler import ScheduledSeq
+from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.sequence import Sequence
 from jaxpage.structured.manager import bitmask_words
 

@@ -1,0 +1,23 @@
+"""What the scheduler hands the runner each step (vLLM's sched/output.py): the rows to compute and the block
+moves to apply first."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpage.core.kv_cache_manager import DeviceOps
+from jaxpage.sequence import Sequence, SequenceGroup
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose K/V this step computes, starting at seq.num_computed_tokens
+    group: SequenceGroup
+    samples: bool  # this chunk reaches the sequence's last token, so the step's sample is its next token
+    logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    ops: DeviceOps
