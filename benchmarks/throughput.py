@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -71,7 +72,8 @@ def paged_systems(args) -> dict[str, str]:
 def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: int, max_num_seqs: int,
                  budget_bytes: int | None = None, kv_cache_dtype: str = "auto") -> ModelRunner:
     """The engine's own runner over the shared weights, its pool sized from the byte budget when given (a
-    quantized KV cache gets more blocks from the same bytes)."""
+    quantized KV cache gets more blocks from the same bytes). With swap, the host pool has as many blocks as the
+    device pool (host memory, outside the KV budget)."""
     config = build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=budget_bytes,
         num_kv_blocks=None if budget_bytes else num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -79,20 +81,17 @@ def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: 
         scan_layers=args.scan_layers, kv_cache_dtype=kv_cache_dtype)
     assert kv_cache_dtype != "auto" or config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
     num_host_blocks = config.num_kv_blocks if args.preemption_mode == "swap" else 0
-    runner = ModelRunner(config, params, num_host_blocks=num_host_blocks)
+    config = dataclasses.replace(config, preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks)
+    runner = ModelRunner(config, params)
     runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
     runner.warm_up(progress=False)
     return runner
 
 
-def paged_engine(loaded, runner: ModelRunner, preemption_mode: str) -> LLMEngine:
-    """A fresh engine (queues, block pool, stats) on a compiled runner: as LLMEngine.from_args, minus the loading.
-
-    With swap, the host pool has as many blocks as the device pool (host memory, outside the KV budget)."""
-    num_host_blocks = runner.host_pool.shape[1] if runner.host_pool is not None else 0
+def paged_engine(loaded, runner: ModelRunner) -> LLMEngine:
+    """A fresh engine (queues, block pool, stats) on a compiled runner: as LLMEngine.from_args, minus the loading."""
     return LLMEngine(runner.config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                     model_name=loaded.name, enable_prefix_caching=True, preemption_mode=preemption_mode,
-                     num_host_blocks=num_host_blocks)
+                     model_name=loaded.name)
 
 
 @contextlib.contextmanager
@@ -187,7 +186,7 @@ def compare(loaded, args, workload, runners: dict, caches: dict, systems, durati
     for name in systems:
         stats = RunStats.for_workload(workload, duration, warmup)
         if name in runners:
-            engine = paged_engine(loaded, runners[name], args.preemption_mode)
+            engine = paged_engine(loaded, runners[name])
             counters = {"completed": 0, "finished_tokens": 0, "execute": 0.0, "build_batch": 0.0}
             engines[name] = (engine, counters)
             runs[name] = (paged_steps(engine, workload, stats, counters), stats)

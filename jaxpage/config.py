@@ -74,6 +74,16 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see pallas_kernels.quant
     data_parallel_size: int = 1  # engine replicas, each on its own group of tensor_parallel_size devices
     data_parallel_rank: int = 0  # this replica's group: devices [rank * tp, (rank + 1) * tp) (parallel.device_group)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (core.block_pool)
+    preemption_mode: str = "recompute"  # a preempted request's blocks: recomputed later, or swapped to the host
+    num_host_blocks: int = 0  # the host's swap space in KV blocks (swap_space's bytes with preemption_mode swap)
+    max_seqs_per_request: int | None = None  # most sequences (n, best_of, beams) one request holds (None: any)
+
+    @property
+    def seqs_per_request(self) -> int:
+        """The most sequences one request may hold at once: max_seqs_per_request, at most (and by default)
+        max_num_seqs."""
+        return min(self.max_seqs_per_request or self.max_num_seqs, self.max_num_seqs)
 
     @property
     def kv_dtype(self) -> str:

@@ -51,9 +51,8 @@ def make_engine(*, num_kv_blocks: int = 257, max_num_seqs: int = 8, max_num_batc
     config = build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None,
                                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                 gpu_memory_utilization=0.9)
-    engine = LLMEngine(config, StandInRunner(step_seconds), eos_token_ids=(0,), model_name="stand-in",
-                       max_seqs_per_request=max_seqs_per_request)
+                                 gpu_memory_utilization=0.9, max_seqs_per_request=max_seqs_per_request)
+    engine = LLMEngine(config, StandInRunner(step_seconds), eos_token_ids=(0,), model_name="stand-in")
     if fail_flag is not None:
         step = engine.step
 

@@ -157,10 +157,11 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
     config = build_engine_config(model, dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=None,
                                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                 gpu_memory_utilization=0.9)
+                                 gpu_memory_utilization=0.9, enable_prefix_caching=prefix_caching,
+                                 preemption_mode=mode)
+    config = dataclasses.replace(config, num_host_blocks=num_host_blocks)  # a swap space in blocks, not bytes
     runner = FakeRunner(config, num_host_blocks)
-    engine = LLMEngine(config, runner, eos_token_ids=(EOS,), enable_prefix_caching=prefix_caching,
-                       preemption_mode=mode, num_host_blocks=num_host_blocks)
+    engine = LLMEngine(config, runner, eos_token_ids=(EOS,))
     runner.block_pool = engine.block_pool
     engine.refuse_unfittable = False  # these tests drive the scheduler's own safety net for groups that never fit
     return engine

@@ -89,12 +89,12 @@ def fresh_engine(llm: LLM, *, prefix_caching: bool = True, mode: str = "recomput
                  **config_changes) -> LLMEngine:
     """A new engine core (scheduler, block pool, statistics) over the LLM's compiled runner."""
     base = llm.engine
-    config = dataclasses.replace(base.config, **config_changes)
+    config = dataclasses.replace(base.config, enable_prefix_caching=prefix_caching, preemption_mode=mode,
+                                 num_host_blocks=num_host_blocks, **config_changes)
     assert config.block_size == base.config.block_size and config.num_kv_blocks <= base.config.num_kv_blocks
     assert config.max_num_batched_tokens <= base.config.max_num_batched_tokens
     assert num_host_blocks <= base.kv.num_host_blocks
-    return LLMEngine(config, base.runner, tokenizer=base.tokenizer, eos_token_ids=base.eos_token_ids,
-                     enable_prefix_caching=prefix_caching, preemption_mode=mode, num_host_blocks=num_host_blocks)
+    return LLMEngine(config, base.runner, tokenizer=base.tokenizer, eos_token_ids=base.eos_token_ids)
 
 
 def run(engine: LLMEngine, requests: list[tuple], on_step=None, max_steps: int = 5000) -> dict:

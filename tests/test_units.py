@@ -1,6 +1,8 @@
 """Host-side pieces on their own: the block pool, pool sizing, config reading, the weights cache."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from transformers import GPT2Config, LlamaConfig, MistralConfig
 
@@ -124,6 +126,35 @@ def test_shapes_the_tpu_kernels_cannot_take_are_refused_at_start_up():
         _engine(model, num_kv_blocks=600, attention_backend="pallas_tpu", max_num_batched_tokens=100)
     assert _engine(model, num_kv_blocks=1100, attention_backend="pallas_tpu", dtype="float32", block_size=8)
     assert _engine(model, num_kv_blocks=1100, attention_backend="xla", dtype="bfloat16", block_size=8)  # on a CPU
+
+
+def test_every_engine_option_is_in_the_engine_config():
+    """What LLMEngine, its scheduler and its runner read comes from the EngineConfig: every EngineArgs option is
+    a field of it but those spent on loading the model or sizing its pools (the host's swap space in blocks, and
+    with preemption_mode swap only)."""
+    from jaxpage.config import EngineConfig
+    from jaxpage.engine.arg_utils import EngineArgs
+    from jaxpage.engine.config_builder import engine_config_from_args
+
+    args, fields = dataclasses.fields(EngineArgs), {f.name for f in dataclasses.fields(EngineConfig)}
+    # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization: in those shapes)
+    assert {f.name for f in args} - fields == {"cache_dir", "progress", "quantization", "kv_cache_memory",
+                                               "gpu_memory_utilization", "swap_space"}
+    model = _smollm2_shape()
+    per_block = bytes_per_block(model, 16, "float32")
+    options = dict(num_kv_blocks=600, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
+    config = engine_config_from_args(EngineArgs(**options, enable_prefix_caching=False, preemption_mode="swap",
+                                                swap_space=10 * per_block + 1, max_seqs_per_request=3), model)
+    assert (config.enable_prefix_caching, config.preemption_mode, config.num_host_blocks,
+            config.seqs_per_request) == (False, "swap", 10, 3)
+    default = engine_config_from_args(EngineArgs(**options), model)
+    assert (default.enable_prefix_caching, default.preemption_mode, default.num_host_blocks,
+            default.seqs_per_request) == (True, "recompute", 0, 8)
+    assert engine_config_from_args(EngineArgs(**options, swap_space=10 * per_block), model).num_host_blocks == 0
+    with pytest.raises(ValueError, match="preemption_mode='drop' must be 'recompute' or 'swap'"):
+        _engine(model, num_kv_blocks=600, preemption_mode="drop")
+    with pytest.raises(ValueError, match="max_seqs_per_request=-1 must be >= 1"):
+        _engine(model, num_kv_blocks=600, max_seqs_per_request=-1)
 
 
 def test_vocabulary_argmax_is_jnp_argmax_with_ties_and_masked_rows():

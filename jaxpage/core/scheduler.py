@@ -20,22 +20,18 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, preemption_mode: str = "recompute",
-                 eos_token_ids: frozenset[int] = frozenset(), *, max_wide_seqs: int | None = None,
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset(), *,
                  next_seq_id: Callable[[], int] | None = None):
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.config = config
         self.kv = kv
-        self.preemption_mode = preemption_mode
+        self.preemption_mode = config.preemption_mode  # one of PREEMPTION_MODES (build_engine_config checks it)
         self.eos_token_ids = eos_token_ids
         self.waiting: list[SequenceGroup] = []  # kept sorted by (priority, arrival)
         self.running: list[SequenceGroup] = []  # in admission order
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self._failed: list[SequenceGroup] = []  # requests that can never fit, to be reported by the engine
-        # slots that groups of several sequences may hold together (the engine's max_seqs_per_request)
-        self.max_wide_seqs = config.max_num_seqs if max_wide_seqs is None else max_wide_seqs
+        self.max_wide_seqs = config.seqs_per_request  # slots that groups of several sequences may hold together
         self._next_seq_id = next_seq_id or itertools.count().__next__  # fresh sequence ids (the engine's counter)
         # The last schedule, when it was a plain decode step of every running sequence (see _decode_again); None
         # once anything it depends on may have changed (a group preempted, finished, queued, or beams reordered)

@@ -8,8 +8,10 @@ import jax
 
 from jaxpage.attention import kv_cache
 from jaxpage.attention.backends import resolve_backend
+from jaxpage.core.scheduler import PREEMPTION_MODES
 from jaxpage.config import (KV_CACHE_DTYPES, EngineConfig, ModelConfig, check_quantization, kv_storage_dtype,
                             require, resolve_dtype)
+from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
 from jaxpage.utils import cdiv
 from pallas_kernels.kv_write_tpu import tile_rows
@@ -23,8 +25,11 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         attention_backend: str = "auto", scan_layers: bool = True,
                         tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
                         quantization: str | None = None, data_parallel_size: int = 1,
-                        data_parallel_rank: int = 0) -> EngineConfig:
-    """Validates the engine options and sizes the KV pool."""
+                        data_parallel_rank: int = 0, enable_prefix_caching: bool = True,
+                        preemption_mode: str = "recompute", swap_space: int = EngineArgs.swap_space,
+                        max_seqs_per_request: int | None = None) -> EngineConfig:
+    """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
+    preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
     check_quantization(quantization)
     model = model_for_tp(dataclasses.replace(model, quantization=quantization), tensor_parallel_size)
@@ -34,13 +39,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
     require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     backend = resolve_backend(attention_backend)
-    if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
-        require(block_size % tile_rows(kv_dtype) == 0, "block_size", block_size,
-                 f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
-                 f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
-    if backend == "pallas_tpu":
-        require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
-                 "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
+    _check_tpu_tiles(backend, kv_dtype, block_size, max_num_batched_tokens)
     require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
     require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
             f"must be >= max_num_seqs={max_num_seqs}")
@@ -48,20 +47,60 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     max_model_len = max_model_len or limit
     require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
             f"must be between 1 and the model's max_position_embeddings={limit}")
-    if num_kv_blocks is not None:
-        needed = cdiv(max_model_len, block_size) + 1
-        require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
-                 f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
-                 f"blocks of {block_size} tokens, plus the null block")
-    else:
-        devices = make_mesh(tensor_parallel_size, group).devices.flat
-        budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
-        budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
-        num_kv_blocks = kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len,
-                                                       tensor_parallel_size)
+    num_kv_blocks = _num_kv_blocks(model, block_size, kv_dtype, max_model_len, num_kv_blocks, kv_cache_memory,
+                                   gpu_memory_utilization, tensor_parallel_size, group)
+    require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode, "must be 'recompute' or 'swap'")
+    require(min(max_seqs_per_request or max_num_seqs, max_num_seqs) >= 1, "max_seqs_per_request",
+            max_seqs_per_request, "must be >= 1")
+    per_block = kv_cache.bytes_per_block(model, block_size, kv_dtype)
+    num_host_blocks = swap_space // per_block if preemption_mode == "swap" else 0
     return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         attention_backend=backend, scan_layers=scan_layers,
                         tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-                        data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank)
+                        data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
+                        enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
+                        num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request)
+
+
+def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_rank: int = 0) -> EngineConfig:
+    """The EngineConfig of every engine option in ``args``, for ``model`` (the shapes of the loaded checkpoint);
+    data_parallel_rank: which of ``args.data_parallel_size`` replicas it is."""
+    return build_engine_config(
+        model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+        scan_layers=args.scan_layers, tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        data_parallel_size=args.data_parallel_size, data_parallel_rank=data_parallel_rank,
+        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space, max_seqs_per_request=args.max_seqs_per_request)
+
+
+def _check_tpu_tiles(backend: str, kv_dtype, block_size: int, max_num_batched_tokens: int) -> None:
+    if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
+        require(block_size % tile_rows(kv_dtype) == 0, "block_size", block_size,
+                 f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
+                 f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
+    if backend == "pallas_tpu":
+        require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
+                 "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
+
+
+def _num_kv_blocks(model: ModelConfig, block_size: int, kv_dtype, max_model_len: int, num_kv_blocks: int | None,
+                   kv_cache_memory: int | None, gpu_memory_utilization: float, tensor_parallel_size: int,
+                   group) -> int:
+    """The pool's blocks (null block included): num_kv_blocks if given (checked), else what the byte budget
+    holds: kv_cache_memory, or that fraction of the free device memory, or on a device that does not say, 1 GiB."""
+    if num_kv_blocks is not None:
+        needed = cdiv(max_model_len, block_size) + 1
+        require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
+                 f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
+                 f"blocks of {block_size} tokens, plus the null block")
+        return num_kv_blocks
+    devices = make_mesh(tensor_parallel_size, group).devices.flat
+    budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
+    budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
+    return kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len, tensor_parallel_size)

@@ -11,8 +11,8 @@ from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.worker.compile_cache import enable_compilation_cache
 from jaxpage.config import EngineConfig
-from jaxpage.engine.config_builder import build_engine_config
-from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
+from jaxpage.engine.config_builder import engine_config_from_args
+from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.models.loader import default_cache_dir, load_model
 from jaxpage.worker.multihost import runner_class
@@ -37,13 +37,9 @@ class DoesNotFitError(ValueError):
 class LLMEngine:
     """The engine over any runner with ``warm_up``, ``apply(DeviceOps)`` and ``execute(scheduled)``."""
 
-    def __init__(self, config: EngineConfig, runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
-                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute", num_host_blocks: int = 0,
-                 max_seqs_per_request: int | None = None):
+    def __init__(self, config: EngineConfig, runner, *, tokenizer=None, eos_token_ids=(), model_name: str = ""):
         self.config = config
-        self.max_seqs_per_request = min(max_seqs_per_request or config.max_num_seqs, config.max_num_seqs)
-        if self.max_seqs_per_request < 1:
-            raise ValueError(f"max_seqs_per_request={max_seqs_per_request} must be >= 1")
+        self.max_seqs_per_request = config.seqs_per_request
         # Refuse at admission a request whose sequences can never all fit in the pool (its worst case); off only
         # in tests of the scheduler's own safety net for such groups (they end with finish_reason 'abort')
         self.refuse_unfittable = True
@@ -51,12 +47,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
-        self.block_pool = BlockPool(config.num_kv_blocks, enable_prefix_caching)
+        self.block_pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
         window = config.model.sliding_window if config.model.every_layer_windowed else 0
-        self.kv = KVCacheManager(self.block_pool, config.block_size, num_host_blocks, window)
+        self.kv = KVCacheManager(self.block_pool, config.block_size, config.num_host_blocks, window)
         self._seq_ids = itertools.count()
-        self.scheduler = Scheduler(config, self.kv, preemption_mode, self.eos_token_ids,
-                                   max_wide_seqs=self.max_seqs_per_request, next_seq_id=self._seq_ids.__next__)
+        self.scheduler = Scheduler(config, self.kv, self.eos_token_ids, next_seq_id=self._seq_ids.__next__)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self.requests = self.output_processor.requests  # request id -> RequestState, while unfinished
         self.finished_metrics = self.output_processor.finished_metrics
@@ -77,23 +72,11 @@ class LLMEngine:
         started = time.perf_counter()
         loaded = load_model(args.model, cache_dir, args.quantization)
         load_seconds = time.perf_counter() - started
-        config = build_engine_config(
-            config_from_hf(loaded.hf_config), dtype=args.dtype, block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend, scan_layers=args.scan_layers,
-            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization, data_parallel_size=args.data_parallel_size,
-            data_parallel_rank=data_parallel_rank or 0)
-        per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype)
-        num_host_blocks = args.swap_space // per_block if args.preemption_mode == "swap" else 0
-        runner = runner_class()(config, loaded.params, num_host_blocks)  # process 0 of several: broadcasts
+        config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0)
+        runner = runner_class()(config, loaded.params)  # process 0 of several: broadcasts
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                     model_name=loaded.name, enable_prefix_caching=args.enable_prefix_caching,
-                     preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks,
-                     max_seqs_per_request=args.max_seqs_per_request)
+                     model_name=loaded.name)
         started = time.perf_counter()
         runner.warm_up(progress=args.progress)
         engine.load_seconds, engine.warmup_seconds = load_seconds, time.perf_counter() - started

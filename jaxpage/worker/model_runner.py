@@ -132,7 +132,7 @@ class BlockMoves:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, params: dict, num_host_blocks: int = 0):
+    def __init__(self, config: EngineConfig, params: dict):
         self.config = config
         dtype = jnp.dtype(config.dtype)
         where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
@@ -147,8 +147,8 @@ class ModelRunner:
         self.params = place_params(params, shardings, dtype)
         kv_dtype = jnp.dtype(config.kv_dtype)
         self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where)
-        self.host_pool = (host_kv_pool(config.model, num_host_blocks, config.block_size, kv_dtype)
-                          if num_host_blocks else None)
+        self.host_pool = (host_kv_pool(config.model, config.num_host_blocks, config.block_size, kv_dtype)
+                          if config.num_host_blocks else None)
         self._step = (LayerLoop.make(config, sample_tokens, shardings, where) if host_loop
                       else jit_step(config, where))
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
