@@ -3,7 +3,7 @@
 A contiguous cache of B slots x max_len tokens is written in jaxpage's pool layout: slot i statically owns the
 blocks ``1 + i*M ... (i+1)*M`` (M = max_len / block_size) of a pool of ``B*M + 1`` blocks (block 0 is the null
 block). That reservation is made whether the tokens are ever written or not, exactly as a ``[B, max_len]``
-K/V tensor would be, and it lets the baselines run the very same jitted ``jaxpage.worker.model_runner.step``
+K/V tensor would be, and it lets the baselines run the very same jitted ``jaxpage.worker.step.step``
 (forward_hidden over the pool, then the greedy sampler) as the paged engine. B = budget_blocks // M, so the
 reserved memory equals the budget.
 
@@ -32,7 +32,7 @@ from jaxpage.config import ModelConfig, pick_bucket
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool
 from jaxpage.models import TokenBatch
-from jaxpage.worker.model_runner import jit_step
+from jaxpage.worker.step import jit_step
 from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
 from jaxpage.structured.manager import bitmask_words
 

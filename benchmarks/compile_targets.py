@@ -234,7 +234,7 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     config's tensor_parallel_size > 1, over that many chips of an 8-chip topology."""
     from jaxpage.attention.kv_cache import abstract_kv_pool
     from jaxpage.models import abstract_params
-    from jaxpage.worker.model_runner import abstract_step_inputs, jit_step
+    from jaxpage.worker.step import abstract_step_inputs, jit_step
 
     config = config or engine_config(model)
     tp = config.tensor_parallel_size
@@ -252,7 +252,7 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
     """The runner's copy-on-write copy and swap gather/scatter of whole blocks, on the pool in its format."""
     from jaxpage.attention.kv_cache import abstract_kv_pool
-    from jaxpage.worker.model_runner import BlockMoves
+    from jaxpage.attention.block_moves import BlockMoves
 
     config = config or engine_config(model)
     moves = BlockMoves.jit(tpu_device(chip), config.kv_dtype)

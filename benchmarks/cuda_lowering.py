@@ -193,7 +193,7 @@ def step_cases(buckets=None) -> list[LoweringCase]:
     the smallest, a middle and the largest token bucket."""
     from benchmarks.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes
     from jaxpage.attention.kv_cache import abstract_kv_pool
-    from jaxpage.worker.model_runner import abstract_step_inputs, step
+    from jaxpage.worker.step import abstract_step_inputs, step
 
     cases = []
     for name, model, dtype, max_len, seqs, tokens, kv in (
@@ -222,7 +222,7 @@ def tp_step_case(tp: int = 4) -> LoweringCase:
     module)."""
     from benchmarks.random_model import LLAMA3_8B
     from jaxpage.attention.kv_cache import abstract_kv_pool
-    from jaxpage.worker.model_runner import abstract_step_inputs, jit_step
+    from jaxpage.worker.step import abstract_step_inputs, jit_step
     from jaxpage.models import abstract_params
     from jaxpage.distributed.parallel import placement
 

@@ -5,7 +5,7 @@ token bookkeeping, detokenization and the streamed (delta) outputs of every requ
 
     python benchmarks/host_overhead.py [--seqs 256] [--steps 200] [--json out.json]
 
-A stand-in runner builds the real flat batch (jaxpage.worker.model_runner.build_batch, over a persistent InputBatch as
+A stand-in runner builds the real flat batch (jaxpage.worker.input_batch.build_batch, over a persistent InputBatch as
 ModelRunner keeps one) and returns a token per row, so everything the host does per step is timed, and nothing
 of the device.
 """
@@ -25,7 +25,7 @@ from transformers import LlamaConfig
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf
 from jaxpage.engine.llm_engine import LLMEngine
-from jaxpage.worker.model_runner import InputBatch, build_batch
+from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.sampler import SamplerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 

@@ -33,7 +33,8 @@ def measure() -> dict:
 
     from jaxpage.engine.config_builder import build_engine_config
     from jaxpage.models.loader import default_cache_dir, load_model
-    from jaxpage.worker.model_runner import ModelRunner, abstract_step_inputs
+    from jaxpage.worker.model_runner import ModelRunner
+    from jaxpage.worker.step import abstract_step_inputs
     from jaxpage.config import ModelConfig
     if hasattr(ModelConfig, "from_hf"):  # the baseline
         config_from_hf = ModelConfig.from_hf

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxpage import LLM
-from jaxpage.worker.model_runner import abstract_step_inputs
+from jaxpage.worker.step import abstract_step_inputs
 from jaxpage.models import compute_logits, top_weights
 
 OPTIONS = dict(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=1024, dtype="float32",

@@ -130,7 +130,7 @@ def test_min_tokens_bans_eos_and_every_stop_id_however_many():
     """A fixed ban list of 16 used to drop EOS once 16 stop ids filled it (EOS went last)."""
     import jax.numpy as jnp
 
-    from jaxpage.worker.model_runner import build_batch
+    from jaxpage.worker.input_batch import build_batch
     from jaxpage.worker.sampler import sample
     from jaxpage.core.scheduler_output import ScheduledSeq
     from jaxpage.sequence import Sequence, SequenceGroup

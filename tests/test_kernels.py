@@ -251,7 +251,7 @@ class RaggedCase:
     width: int
     soft_cap: float | None = None
     # "distinct": padding tokens belong to an all-null row and take null slots 0, 1, ...; "engine": as
-    # jaxpage.worker.model_runner.build_batch pads: token_seq 0 (the FIRST sequence's row), position 0, slot 0
+    # jaxpage.worker.input_batch.build_batch pads: token_seq 0 (the FIRST sequence's row), position 0, slot 0
     padding: str = "distinct"
     mix: str = "mixed"  # "mixed": decodes then prompt chunks; "one": a single prompt chunk; "long": decodes
     # then prompt chunks of 40+ tokens (several query blocks of the GPU kernel, not aligned to them)

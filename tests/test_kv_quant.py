@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.attention.kv_cache import allocate_kv_pool, bytes_per_block, host_kv_pool
-from jaxpage.worker.model_runner import BlockMoves, _store_blocks
+from jaxpage.attention.block_moves import BlockMoves, store_blocks
 from jaxpage.models import config_from_hf
 from pallas_kernels.quant import FP8, ScaledPool, dequantize, quantize
 
@@ -94,7 +94,7 @@ def test_copy_and_swap_move_the_scales_with_their_blocks():
         a[:, [4, 5]] = a[:, [1, 2]]
     host = host_kv_pool(model, 3, 8, jnp.int8)
     assert isinstance(host, ScaledPool) and host.scales.shape == (2, 3, 2, 1, 8)
-    jax.tree.map(lambda h, g: _store_blocks(h, g, np.array([2, 0])), host, moves.gather(pool, np.array([4, 3], np.int32)))
+    jax.tree.map(lambda h, g: store_blocks(h, g, np.array([2, 0])), host, moves.gather(pool, np.array([4, 3], np.int32)))
     pool = moves.scatter(pool, np.array([1, 3], np.int32), jax.tree.map(lambda h: h[:, [2, 0]], host))
     for a in (values, scales):
         a[:, [1, 3]] = a[:, [4, 3]]

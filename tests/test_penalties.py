@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage import SamplingParams
-from jaxpage.worker.model_runner import InputBatch, build_batch
+from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.sampler import _apply_penalties
 from jaxpage.distributed.vocab_shard import VocabShard
 from jaxpage.core.scheduler_output import ScheduledSeq

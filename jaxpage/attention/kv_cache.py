@@ -149,8 +149,3 @@ def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, where=None, arg_
     donate = () if returns in ("result", "blocks") else (pool_arg,)
     fn = with_mesh(fn, where if isinstance(where, Mesh) else None)
     return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
-
-
-def copy_blocks(pool, src: jax.Array, dst: jax.Array):
-    """Copies whole pages ``src[i] -> dst[i]`` (with their scales) in every layer (copy-on-write, swap-in)."""
-    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)

@@ -20,7 +20,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT
-from jaxpage.worker.model_runner import ModelRunner, _all_allowed, abstract_step_inputs, replicated
+from jaxpage.worker.model_runner import ModelRunner
+from jaxpage.worker.step import abstract_step_inputs, all_allowed, replicated
 from jaxpage.distributed.parallel import put
 from jaxpage.worker.penalty_history import PenaltyHistory
 
@@ -170,8 +171,8 @@ def _complete(config, batch, sampling, want_top: int, empty_history: jax.Array):
     if sampling.history is None:
         sampling = dataclasses.replace(sampling, history=empty_history)
     if sampling.allowed is None:
-        sampling = dataclasses.replace(sampling, allowed=_all_allowed(num_seqs, config.model.vocab_size,
-                                                                      replicated(config)))
+        sampling = dataclasses.replace(sampling, allowed=all_allowed(num_seqs, config.model.vocab_size,
+                                                                     replicated(config)))
     return batch, dataclasses.replace(sampling, want_top=np.bool_(want_top))
 
 

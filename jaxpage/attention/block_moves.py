@@ -1,0 +1,69 @@
+"""Whole-block moves on the KV pool: copy-on-write copies on the device, and swaps between the device pool and
+the host's swap space (``kv_cache.host_kv_pool``). Each moves whole pages of every layer, an int8 pool's scales
+with their values, and is jitted with the pool in its one format (``kv_cache.jit_on_pool``)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jaxpage.attention.kv_cache import jit_on_pool, pool_format
+
+
+def copy_blocks(pool, src: jax.Array, dst: jax.Array):
+    """Copies whole pages ``src[i] -> dst[i]`` (with their scales) in every layer (copy-on-write, swap-in)."""
+    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)
+
+
+def _gather_blocks(pool, blocks: jax.Array):
+    return jax.tree.map(lambda a: a[:, blocks], pool)  # an int8 pool's scales move with their blocks
+
+
+def _scatter_blocks(pool, blocks: jax.Array, data):
+    return jax.tree.map(lambda a, d: a.at[:, blocks].set(d), pool, data)
+
+
+def store_blocks(host: np.ndarray, gathered: jax.Array, blocks: np.ndarray) -> None:
+    """A swap-out into host memory: the first len(blocks) gathered blocks (the rest is padding), shard by shard:
+    a process stores the KV heads of its own devices (all of them, unless several processes share the mesh)."""
+    for shard in gathered.addressable_shards:
+        host[(slice(None), blocks, *shard.index[2:])] = np.asarray(shard.data)[:, :len(blocks)]
+
+
+def load_blocks(host: np.ndarray, sharding, blocks: np.ndarray) -> jax.Array:
+    """A swap-in's data: host blocks as a device array sharded as the pool is, each device's part from its own
+    process's host memory."""
+    data = host[:, blocks]
+    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMoves:
+    """Whole-block moves on the pool, jitted with the pool in its format: copy-on-write copies, swap-out gathers
+    and swap-in scatters."""
+
+    copy: object
+    gather: object
+    scatter: object
+    blocks_sharding: object  # of gathered blocks (as the pool's; a ScaledPool of two for an int8 pool)
+
+    @classmethod
+    def jit(cls, where=None, dtype=None) -> "BlockMoves":
+        """On a device or a mesh; swapped blocks travel split as the pool is (each device's KV heads). dtype:
+        the pool's stored dtype (an int8 pool is values and scales)."""
+        sharding = jax.tree.map(lambda f: f.sharding, pool_format(where, dtype),
+                                is_leaf=lambda x: hasattr(x, "sharding"))
+        on_pool = functools.partial(jit_on_pool, where=where, dtype=dtype)
+        return cls(on_pool(copy_blocks, 3, 0, "pool"), on_pool(_gather_blocks, 2, 0, "blocks"),
+                   on_pool(_scatter_blocks, 3, 0, "pool", arg_shardings={2: sharding}), sharding)
+
+    def swap_out(self, pool, host, src: np.ndarray, dst: np.ndarray) -> None:
+        """Device blocks ``src`` (padded) into the host pool's blocks ``dst`` (as many as are real)."""
+        jax.tree.map(functools.partial(store_blocks, blocks=dst), host, self.gather(pool, src))
+
+    def swap_in(self, pool, host, src: np.ndarray, dst: np.ndarray):
+        """Host blocks ``src`` into device blocks ``dst`` (both padded); returns the updated (donated) pool."""
+        data = jax.tree.map(functools.partial(load_blocks, blocks=src), host, self.blocks_sharding)
+        return self.scatter(pool, dst, data)

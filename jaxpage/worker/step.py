@@ -1,0 +1,96 @@
+"""The engine's step: one pure function from (weights, pool, batch, sampling) to (sampled tokens, pool), jitted
+with the pool donated; where its inputs live (weights, pool, the rest); and its inputs' shapes per token bucket,
+which warm-up and the compile lanes compile it for."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jaxpage.attention.kv_cache import jit_on_pool
+from jaxpage.config import EngineConfig
+from jaxpage.distributed.parallel import placement, put, spec_shardings
+from jaxpage.models import TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs
+from jaxpage.structured.manager import bitmask_words
+from jaxpage.worker.layer_loop import LayerLoop
+from jaxpage.worker.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
+
+
+def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
+         sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
+    """One engine iteration: write K/V, attend through the block tables, sample one token per sequence."""
+    hidden, pool = forward_hidden(config.model, params, pool, batch, config.attention_backend)
+    return sample_tokens(config, params, hidden, batch, sampling), pool
+
+
+def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: TokenBatch,
+                  sampling: SamplingBatch) -> SamplerOutput:
+    """The step's tail: logits at each sequence's last scheduled token (final-normed ``hidden``), sampled."""
+    return sample(compute_logits(config.model, params, hidden[batch.logits_indices]), sampling)
+
+
+def jit_step(config: EngineConfig, where=None):
+    """``step`` jitted with the pool donated and in its one format: the engine's step, and what the compile lane
+    compiles ahead of time for other targets. where: a device, or the mesh of a tensor-parallel config (the
+    weights split as ``weight_shardings`` says)."""
+    arg_shardings = {0: weight_shardings(config, where)} if isinstance(where, Mesh) else None
+    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings, config.kv_dtype)
+
+
+def compile_step(jitted, params, pool, batch, sampling):
+    """A bucket's executable of ``jit_step`` or a jitted ``LayerLoop``, for these (abstract) inputs."""
+    if isinstance(jitted, LayerLoop):
+        return jitted.compile(params, pool, batch, sampling)
+    return jitted.lower(params, pool, batch, sampling).compile()
+
+
+def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None, unrolled: bool | None = None):
+    """Where each weight goes: split over ``mesh`` by the parameters' names, or whole on ``device`` (default:
+    the default device); a tree matching the stacked or (``unrolled``, default: not ``config.scan_layers``)
+    unrolled weights."""
+    specs, shapes = partition_specs(config.model), abstract_params(config.model, np.float32)
+    if unrolled is None:
+        unrolled = not config.scan_layers
+    if unrolled:  # each layer's entry: the stacked one less its layer axis
+        def per_layer(tree, drop_layer_axis):
+            layer = jax.tree.map(drop_layer_axis, tree["layers"], is_leaf=lambda x: isinstance(x, PartitionSpec))
+            return {**tree, "layers": {i: layer for i in range(config.model.num_layers)}}
+        specs = per_layer(specs, lambda s: PartitionSpec(*s[1:]))
+        shapes = per_layer(shapes, lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
+    if mesh is not None:
+        return spec_shardings(specs, shapes, mesh)
+    device = SingleDeviceSharding(device or jax.devices()[0])
+    return jax.tree.map(lambda _: device, shapes)
+
+
+def replicated(config: EngineConfig):
+    """The sharding of the step's inputs other than weights and pool: the engine's device, or every device of
+    its tensor-parallel mesh."""
+    where = placement(config)
+    return NamedSharding(where, PartitionSpec()) if isinstance(where, Mesh) else SingleDeviceSharding(where)
+
+
+def abstract_step_inputs(config: EngineConfig, num_tokens: int):
+    """The shapes of one bucket's (batch, sampling) inputs, for compiling ahead of time."""
+    num_seqs = config.num_seqs_for(num_tokens)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    batch = TokenBatch(i32(num_tokens), i32(num_tokens), i32(num_tokens), i32(num_tokens),
+                       i32(num_seqs, config.max_blocks_per_seq), i32(num_seqs))
+    sampling = SamplingBatch(f32(num_seqs), i32(num_seqs), f32(num_seqs), f32(num_seqs),
+                             jax.ShapeDtypeStruct((num_seqs,), jnp.uint32), i32(num_seqs),
+                             f32(num_seqs), f32(num_seqs), f32(num_seqs),
+                             i32(config.max_num_seqs + 1, config.max_model_len), i32(num_seqs), i32(num_seqs),
+                             i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
+                             i32(num_seqs, bitmask_words(config.model.vocab_size)))
+    return batch, sampling
+
+
+@functools.lru_cache(maxsize=64)
+def all_allowed(num_seqs: int, vocab_size: int, sharding=None) -> jax.Array:
+    """The bitmask of a batch without structured outputs, on the device(s) once per shape: such batches pay no
+    transfer for it."""
+    return put(np.full((num_seqs, bitmask_words(vocab_size)), -1, np.int32), sharding)  # no compile
