@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over the gRPC service's engine, queue limit and metrics.
+"""The OpenAI-compatible HTTP API (FastAPI) over the server's RequestLifecycle (serving/requests.py).
 
     POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with ``stream``),
     GET /v1/models, /health, /version, /metrics
 
-Both front ends share one ``GenerationService``: its engine, its --max-queue (counted over HTTP and gRPC
+Both front ends share one ``RequestLifecycle``: its engine, its --max-queue (counted over HTTP and gRPC
 calls together), its in-flight table (drained on SIGTERM) and its Prometheus metrics. Errors are OpenAI's
 error object: 400 naming the field, 401 without the API key (when one is set: every path but /health), 404
 for an unknown model, 413 for a body over --max-message-bytes, 429 when the queue is full, 503 while the
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import time
 import uuid
 from typing import AsyncIterator
 
@@ -27,13 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxpage
-from jaxpage.engine.async_engine import EngineDeadError, RequestFailedError
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from serving import openai_protocol as oai
 from serving.http_guard import HttpGuard
 from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
+from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
+                              NotServingError, QueueFullError, RequestError, RequestLifecycle)
 from serving.structured import from_openai
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -42,6 +42,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 # the metrics' error codes are gRPC's names, so that both front ends count in the same series
 METRIC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
                 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+# the lifecycle's errors (but InvalidRequestError, a 400 naming the field) as (HTTP status, OpenAI error code)
+STATUSES = {NotServingError: (503, "not_serving"), QueueFullError: (429, "queue_full"),
+            DuplicateRequestError: (400, None), EngineDiedError: (503, "engine_restarting"),
+            EngineFailedError: (500, "engine_error")}
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -55,11 +59,17 @@ class OpenAIError(Exception):
                                                      param=self.param, code=self.code))
 
 
-def _invalid(e: ValueError, default_param: str) -> OpenAIError:
-    """A ValueError of SamplingParams or the engine as a 400 naming the field."""
-    message = str(e)
+def _invalid(message: str, default_param: str) -> OpenAIError:
+    """A ValueError's message of SamplingParams or the engine as a 400 naming the field."""
     named = re.match(r"SamplingParams\.(\w+)", message)
     return OpenAIError(400, message.replace("SamplingParams.", ""), named.group(1) if named else default_param)
+
+
+def _openai_error(e: RequestError, prompt_field: str) -> OpenAIError:
+    if isinstance(e, InvalidRequestError):
+        return _invalid(e.message, prompt_field)
+    status, code = STATUSES[type(e)]
+    return OpenAIError(status, e.message, code=code)
 
 
 def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -79,7 +89,7 @@ def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs:
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
             output_kind="delta" if body.stream and streamable else "final_only", **kw)
     except ValueError as e:
-        raise _invalid(e, "") from None
+        raise _invalid(str(e), "") from None
 
 
 def completion_prompt(prompt) -> str | dict:
@@ -95,15 +105,16 @@ def completion_prompt(prompt) -> str | dict:
 
 
 class OpenAIServing:
-    def __init__(self, service, served_model_names: list[str] | None = None):
-        self.service = service  # serving.server.GenerationService
+    def __init__(self, requests: RequestLifecycle, served_model_names: list[str] | None = None):
+        self.requests = requests
         self.served_model_names = served_model_names
 
     # --- state ----------------------------------------------------------------------------------------
     def _engine(self):
-        if not self.service.accepting or self.service.engine is None:
-            raise OpenAIError(503, self.service.not_accepting_reason, code="not_serving")
-        return self.service.engine
+        try:
+            return self.requests.require_engine()
+        except NotServingError as e:
+            raise _openai_error(e, "") from None
 
     def model_names(self) -> list[str]:
         return self.served_model_names or [self._engine().engine.model_name]
@@ -124,51 +135,24 @@ class OpenAIServing:
 
     def _check_prompt_bytes(self, texts: list[str], field: str) -> None:
         try:
-            check_prompt_bytes(texts, self.service.max_prompt_bytes, field)
+            check_prompt_bytes(texts, self.requests.max_prompt_bytes, field)
         except ValueError as e:
             raise OpenAIError(400, str(e), field) from None
 
     # --- one request's life ---------------------------------------------------------------------------
     async def _outputs(self, request_id: str, prompt, params: SamplingParams, priority: int,
                        prompt_field: str) -> AsyncIterator[RequestOutput]:
-        """Admits the request and yields its outputs, counted in the service's metrics and in-flight table."""
-        service, m = self.service, self.service.metrics
-        started, last = time.monotonic(), None
-        engine = self._engine()
-        if service.max_queue is not None and len(service.in_flight) >= service.max_queue:
-            raise OpenAIError(429, f"the queue is full: {len(service.in_flight)} requests in flight "
-                                   f"(--max-queue {service.max_queue}); retry later", code="queue_full")
-        task = asyncio.current_task()
-        service.in_flight[request_id] = task
-        m.labels(m.in_flight).inc()
+        """The request's outputs from the lifecycle; its failures as OpenAIErrors."""
+        outputs = self.requests.generate(request_id, lambda engine: (prompt, params), priority)
         try:
-            try:
-                stream = await engine.add_request(request_id, prompt, params, priority=priority)
-                served = m.served_by(engine.replica_of(request_id))
-            except ValueError as e:
-                raise _invalid(e, prompt_field) from None
-            except EngineDeadError as e:
-                raise OpenAIError(503, str(e), code="not_serving") from None
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    now = time.monotonic()
-                    service._observe(out, started, last, now, params, served)
-                    last = now
-                    if out.finished:
-                        m.labels(m.e2e, **served).observe(now - started)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
                     yield out
-        except EngineDeadError as e:
-            raise OpenAIError(503, f"{e}; {service.after_engine_death()}", code="engine_restarting") from None
-        except RequestFailedError as e:
-            raise OpenAIError(500, str(e), code="engine_error") from None
+        except RequestError as e:
+            raise _openai_error(e, prompt_field) from None
         except asyncio.CancelledError:
-            if request_id in service._failed_by_watcher:
-                raise OpenAIError(503, f"the engine loop died; {service.after_engine_death()}",
-                                  code="engine_restarting") from None
             self._count_error(499)  # the client left
             raise
-        finally:
-            service._forget(request_id, task)
 
     async def _respond(self, raw: Request, outputs: AsyncIterator[RequestOutput], stream: bool,
                        render: Rendering, include_usage: bool) -> Response:
@@ -209,8 +193,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def _count_error(self, status: int) -> None:
-        m = self.service.metrics
-        m.labels(m.request_errors, code=METRIC_CODES.get(status, str(status))).inc()
+        self.requests.count_error(METRIC_CODES.get(status, str(status)))
 
     # --- the endpoints --------------------------------------------------------------------------------
     async def completions(self, body: oai.CompletionRequest, raw: Request) -> Response:
@@ -256,12 +239,10 @@ class OpenAIServing:
                                    for name in self.model_names()])
 
     async def health(self) -> Response:
-        engine = self.service.engine
-        ok = self.service.accepting and engine is not None and engine.is_running
-        return Response(status_code=200 if ok else 503)
+        return Response(status_code=200 if self.requests.serving else 503)
 
     async def metrics(self) -> Response:
-        return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(self.requests.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- errors ---------------------------------------------------------------------------------------
     def error_response(self, e: OpenAIError) -> JSONResponse:
@@ -314,11 +295,11 @@ async def _disconnect(raw: Request) -> None:
         pass
 
 
-def build_app(service, served_model_names: list[str] | None = None, api_key: str | None = None,
+def build_app(requests: RequestLifecycle, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int | None = None) -> FastAPI:
     """The API; with api_key every path but /health needs ``Authorization: Bearer <api_key>``."""
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
-    api = OpenAIServing(service, served_model_names)
+    api = OpenAIServing(requests, served_model_names)
     app.add_middleware(HttpGuard, key=api_key, max_body_bytes=max_body_bytes,
                        reject=lambda status, message, code: api.error_response(OpenAIError(status, message,
                                                                                            code=code)))

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from jaxpage.engine.arg_utils import EngineArgs, parse_bytes
-from serving.cli import build_parser
+from serving.cli import build_parser, main
+from serving.cli_args import ServerArgs
 
 EVERY_FLAG = [
     "--model", "m.gguf", "--block-size", "32", "--kv-cache-memory", "512MiB", "--num-kv-blocks", "100",
@@ -64,3 +65,35 @@ def test_byte_counts_take_binary_units(text, value):
 def test_a_byte_count_with_an_unknown_unit_is_refused():
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes("4GB/s")
+
+
+SERVER_FLAGS = [
+    "--host", "0.0.0.0", "--port", "1", "--http-port", "2", "--served-model-name", "a", "b", "--metrics-port", "3",
+    "--metrics-host", "h", "--max-queue", "4", "--grace-seconds", "5.5", "--max-engine-restarts", "0",
+    "--max-message-bytes", "6", "--max-prompt-bytes", "7", "--tls-cert", "c.pem", "--tls-key", "k.pem",
+    "--tls-client-ca", "ca.pem", "--api-key", "s", "--no-reflection",
+]
+SERVER_EXPECTED = ServerArgs(host="0.0.0.0", port=1, http_port=2, served_model_name=["a", "b"], metrics_port=3,
+                             metrics_host="h", max_queue=4, grace_seconds=5.5, max_engine_restarts=0,
+                             max_message_bytes=6, max_prompt_bytes=7, tls_cert="c.pem", tls_key="k.pem",
+                             tls_client_ca="ca.pem", api_key="s", reflection=False)
+
+
+def test_every_server_flag_reaches_server_args_and_the_defaults_are_its_defaults():
+    assert ServerArgs.from_cli_args(build_parser().parse_args(["serve", *SERVER_FLAGS])) == SERVER_EXPECTED
+    changed = {f.name for f in dataclasses.fields(ServerArgs) if getattr(SERVER_EXPECTED, f.name) != f.default}
+    assert changed == {f.name for f in dataclasses.fields(ServerArgs)}, "SERVER_FLAGS leaves fields at defaults"
+    assert ServerArgs.from_cli_args(build_parser().parse_args(["serve"])) == ServerArgs()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-queue", "0"], "--max-queue=0 must be >= 1"),
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
+    (["--max-message-bytes", "0"], "--max-message-bytes=0 is out of range"),
+    (["--max-prompt-bytes", "0"], "--max-prompt-bytes=0 is out of range"),
+    (["--max-engine-restarts", "-1"], "--max-engine-restarts=-1 is out of range"),
+])
+def test_serve_refuses_bad_server_values_before_loading(flags, message, capsys):
+    assert main(["serve", *flags]) == 2
+    assert capsys.readouterr().err == f"jaxpage: error: {message}\n"

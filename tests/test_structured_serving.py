@@ -11,9 +11,9 @@ import pytest
 from jaxpage import StructuredOutputsParams
 from serving import generation_pb2 as pb
 from serving import openai_protocol as oai
+from serving.grpc_service import sampling_params as grpc_params
 from serving.openai_api import OpenAIError
 from serving.openai_api import sampling_params as http_params
-from serving.server import sampling_params as grpc_params
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -204,8 +204,9 @@ def test_get_model_info_and_v1_models_report_the_quantization():
     import types
 
     from serving.metrics import Metrics
+    from serving.grpc_service import GenerationService
     from serving.openai_api import OpenAIServing
-    from serving.server import GenerationService
+    from serving.requests import RequestLifecycle
     from serving import generation_pb2 as pb
     from jaxpage.engine.config_builder import build_engine_config
 
@@ -214,10 +215,10 @@ def test_get_model_info_and_v1_models_report_the_quantization():
                                      kv_cache_memory=None, num_kv_blocks=8, max_num_seqs=2,
                                      max_num_batched_tokens=16, max_model_len=64, gpu_memory_utilization=0.9,
                                      quantization=quantization)
-        service = GenerationService(Metrics())
-        service.accepting = True
-        service.engine = types.SimpleNamespace(engine=types.SimpleNamespace(config=config, model_name="tiny"))
-        info = asyncio.run(service.GetModelInfo(pb.GetModelInfoRequest(), None))
+        requests = RequestLifecycle(Metrics())
+        requests.accepting = True
+        requests.engine = types.SimpleNamespace(engine=types.SimpleNamespace(config=config, model_name="tiny"))
+        info = asyncio.run(GenerationService(requests).GetModelInfo(pb.GetModelInfoRequest(), None))
         assert info.quantization == reported
-        models = asyncio.run(OpenAIServing(service).models())
+        models = asyncio.run(OpenAIServing(requests).models())
         assert models.data[0].quantization == quantization and models.data[0].id == "tiny"

@@ -80,15 +80,7 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """A flag for every field: --field-name, typed by the field (a bool is --x/--no-x)."""
-        hints = typing.get_type_hints(EngineArgs)
-        for field in dataclasses.fields(EngineArgs):
-            flag = dict(field.metadata)
-            if "type" not in flag and "action" not in flag:
-                kind = _flag_type(hints[field.name])
-                flag["action" if kind is bool else "type"] = (argparse.BooleanOptionalAction if kind is bool
-                                                               else kind)
-            parser.add_argument("--" + field.name.replace("_", "-"), default=field.default, **flag)
+        add_dataclass_flags(parser, EngineArgs)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -96,10 +88,22 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
 
-def _flag_type(hint) -> type:
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """A flag for every field of the dataclass cls: --field-name, typed by the field (a bool is --x/--no-x); the
+    field's metadata holds its help and any other argparse keywords."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        flag = dict(field.metadata)
+        if "type" not in flag and "action" not in flag:
+            kind = _flag_type(hints[field.name], cls)
+            flag["action" if kind is bool else "type"] = argparse.BooleanOptionalAction if kind is bool else kind
+        parser.add_argument("--" + field.name.replace("_", "-"), default=field.default, **flag)
+
+
+def _flag_type(hint, cls: type) -> type:
     """int for ``int`` and ``int | None``, and so on: the one type a flag's value converts to."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     kind = args[0] if args else hint
     if kind not in (bool, int, float, str):
-        raise TypeError(f"EngineArgs: no flag for a field of type {hint!r}; give it a 'type' in its metadata")
+        raise TypeError(f"{cls.__name__}: no flag for a field of type {hint!r}; give it a 'type' in its metadata")
     return kind
