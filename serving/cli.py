@@ -6,6 +6,7 @@ import sys
 
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.worker.multihost import DistributedArgs
+from serving.cli_args import ServerArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,34 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the model over gRPC (jaxpage.v1.Generation) and the "
                          "OpenAI-compatible HTTP API, with health and metrics")
     EngineArgs.add_cli_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
-    srv.add_argument("--port", type=int, default=50051)
-    srv.add_argument("--http-port", type=int, default=8000,
-                     help="the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...; 0: off)")
-    srv.add_argument("--served-model-name", nargs="+", default=None,
-                     help="the model's name(s) in the HTTP API (default: the model's own name)")
-    srv.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics over HTTP (0: off)")
-    srv.add_argument("--metrics-host", default=None, help="address of the metrics endpoint (default: --host)")
-    srv.add_argument("--max-queue", type=int, default=None,
-                     help="requests in flight (waiting + running) beyond which calls get RESOURCE_EXHAUSTED")
-    srv.add_argument("--grace-seconds", type=float, default=30.0,
-                     help="on SIGTERM/SIGINT, how long calls in flight may take to finish")
-    srv.add_argument("--max-engine-restarts", type=int, default=3,
-                     help="fresh engines made when the engine loop dies (device error); then the process exits 1")
-    srv.add_argument("--max-message-bytes", type=int, default=4 << 20,
-                     help="largest request accepted (a gRPC message; an HTTP body, else 413)")
-    srv.add_argument("--max-prompt-bytes", type=int, default=1 << 20,
-                     help="largest prompt (UTF-8 bytes, chat messages summed), refused before tokenizing")
-    srv.add_argument("--tls-cert", default=None,
-                     help="PEM certificate chain: serve gRPC, the HTTP API and metrics over TLS")
-    srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    srv.add_argument("--tls-client-ca", default=None,
-                     help="PEM CA certificates: clients must present a certificate signed by one (mutual TLS)")
-    srv.add_argument("--api-key", default=None,
-                     help="bearer token required on every call (gRPC metadata or HTTP header 'authorization: "
-                          "Bearer KEY') and on /metrics; default $JAXPAGE_API_KEY; health checks stay open")
-    srv.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
-                     help="gRPC server reflection (--no-reflection turns it off)")
+    ServerArgs.add_cli_args(srv)
     DistributedArgs.add_cli_args(srv)
 
     cli = sub.add_parser("client", help="call a running `jaxpage serve`; the text goes to stdout")
@@ -92,15 +66,7 @@ def generate(ns: argparse.Namespace) -> int:
 
 
 def serve(ns: argparse.Namespace) -> int:
-    if ns.max_queue is not None and ns.max_queue < 1:
-        raise ValueError(f"--max-queue={ns.max_queue} must be >= 1")
-    if bool(ns.tls_cert) != bool(ns.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
-    if ns.tls_client_ca and not ns.tls_cert:
-        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-    for flag in ("max_message_bytes", "max_prompt_bytes", "max_engine_restarts"):
-        if getattr(ns, flag) < (0 if flag == "max_engine_restarts" else 1):
-            raise ValueError(f"--{flag.replace('_', '-')}={getattr(ns, flag)} is out of range")
+    ServerArgs.from_cli_args(ns)  # its bad values raise here, before anything loads
     if ns.max_seqs_per_request is None:  # a server has many clients: none may take every slot
         ns.max_seqs_per_request = max(1, ns.max_num_seqs // 2)
     from jaxpage.worker import multihost
