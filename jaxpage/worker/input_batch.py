@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.core.stop import reached_min_tokens
 from jaxpage.models import TokenBatch
 from jaxpage.sequence import Sequence
 from jaxpage.worker.penalty_history import PenaltyHistory
@@ -235,7 +236,7 @@ def _special_inputs(scheduled: list[ScheduledSeq], state: InputBatch, special_ro
                                                               p.repetition_penalty)
             num_prompt[row] = seq.num_prompt_tokens
             penalized.append(row)
-        if seq.num_output_tokens < p.min_tokens:
+        if not reached_min_tokens(seq, p):
             ban = ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)  # EOS first
             banned[row, :len(ban)] = ban[:MAX_BANNED]
     if penalized:  # their tokens, on the device already but for those new since the last step
