@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from jaxpage.engine.arg_utils import EngineArgs
-from jaxpage.worker.multihost import DistributedArgs
-from serving.cli_args import ServerArgs
+# Before transformers is first imported: it advises at import that "PyTorch was not found", and jaxpage needs no torch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from jaxpage.engine.arg_utils import EngineArgs  # noqa: E402
+from jaxpage.worker.multihost import DistributedArgs  # noqa: E402
+from serving.cli_args import ServerArgs  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,14 +1,20 @@
-"""The command line: every engine option has a flag, and each flag reaches EngineArgs as given."""
+"""The command line: every engine option has a flag, and each flag reaches EngineArgs as given; without torch
+the commands do not pass on transformers' advice to install it."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from jaxpage.engine.arg_utils import EngineArgs, parse_bytes
 from serving.cli import build_parser, main
 from serving.cli_args import ServerArgs
+from tests.factories import WITHOUT_TORCH
 
 EVERY_FLAG = [
     "--model", "m.gguf", "--block-size", "32", "--kv-cache-memory", "512MiB", "--num-kv-blocks", "100",
@@ -97,3 +103,25 @@ def test_every_server_flag_reaches_server_args_and_the_defaults_are_its_defaults
 def test_serve_refuses_bad_server_values_before_loading(flags, message, capsys):
     assert main(["serve", *flags]) == 2
     assert capsys.readouterr().err == f"jaxpage: error: {message}\n"
+
+
+TORCH_ADVICE = "PyTorch was not found"
+
+
+def run_without_torch(code: str, *argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}  # as a user's shell
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH + code, *argv], cwd=Path(__file__).parent.parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["client", "--help"], ["serve", "--help"]])
+def test_the_commands_without_torch_do_not_advise_it(argv):
+    """The `jaxpage` entry point (serving.cli:main) without torch: no "PyTorch was not found" line."""
+    run = run_without_torch("from serving.cli import main; sys.exit(main(sys.argv[1:]))", *argv)
+    assert run.returncode == 0 and run.stdout.startswith("usage: jaxpage"), run.stderr[-3000:]
+    assert TORCH_ADVICE not in run.stdout + run.stderr
+
+
+def test_transformers_without_torch_advises_it():
+    """The check above could fail: imported alone without torch, transformers prints the line."""
+    assert TORCH_ADVICE in run_without_torch("import transformers").stderr
