@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,23 +12,11 @@ os.environ.setdefault("JAXPAGE_CACHE_DIR", str(Path.home() / ".cache" / "jaxpage
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-def run_on_forced_devices(test_file: str, num_devices: int, child_flag: str) -> None:
-    """Runs ``test_file``'s tests in a child pytest on ``num_devices`` forced CPU devices (XLA reads the count once,
-    when it starts), with the environment variable ``child_flag`` set to 1; fails with the child's output."""
-    env = {**os.environ, child_flag: "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
-                         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, f"child pytest failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
-
-
-SMOLLM2_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, dtype="float32",
-                       kv_cache_memory=256 << 20, progress=False)
-
 
 @pytest.fixture(scope="session")
 def smollm2():
     from jaxpage import LLM
+    from tests.factories import SMOLLM2_OPTIONS
 
     return LLM(**SMOLLM2_OPTIONS)
 
@@ -47,6 +33,14 @@ def hf_smollm2():
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, as PEM files."""
+    from tests.servers import make_certificates
+
+    return make_certificates(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from benchmarks.launch import health_status, wait_serving
-from tests.test_serving import SERVING, START_TIMEOUT, greedy, start
+from tests.servers import SERVING, START_TIMEOUT, greedy, start
 
 FLAGS = ["--max-model-len", "2048", "--num-kv-blocks", "129", "--max-num-seqs", "16",
          "--max-num-batched-tokens", "64", "--dtype", "float32", "--grace-seconds", "5"]

@@ -1,5 +1,5 @@
 """Issue 17's protections on the OpenAI-compatible HTTP API, against a stand-in-engine server (no model) with the
-`openai` package and httpx over TLS, certificates made by test_server_security's fixture:
+`openai` package and httpx over TLS, certificates made by the `certs` fixture (conftest.py):
 
 - mutual TLS: a client with a certificate and the API key is served; without the key (or with a wrong one) it
   gets 401 with OpenAI's error object, counted in request_errors_total; /health answers without the key, every
@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_server_security import KEY, certs, start_server, start_tls_only, wait_tls  # noqa: F401 - a fixture
+from tests.servers import KEY, start_server, start_tls_only, wait_tls
 
 MAX_PROMPT_BYTES, MAX_MESSAGE_BYTES = 1000, 20_000
 SEQS_CAP = 4  # --max-seqs-per-request (the stand-in engine holds 8 sequences)
@@ -59,7 +59,7 @@ def assert_still_serving(http: httpx.Client) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, certs):  # noqa: F811 - the fixture imported above
+def server(tmp_path_factory, certs):
     server = start_server(tmp_path_factory.mktemp("http_mtls"), "--tls-cert", str(certs["server.pem"]),
                           "--tls-key", str(certs["server.key"]), "--tls-client-ca", str(certs["ca.pem"]),
                           "--api-key", KEY, "--max-prompt-bytes", str(MAX_PROMPT_BYTES),
@@ -71,18 +71,18 @@ def server(tmp_path_factory, certs):  # noqa: F811 - the fixture imported above
 
 
 @pytest.fixture
-def http(server, certs):  # noqa: F811
+def http(server, certs):
     with httpx.Client(base_url=server.http_base, verify=tls_context(certs), timeout=30) as client:
         yield client
 
 
-def openai_client(server, certs, api_key: str, **tls) -> openai.OpenAI:  # noqa: F811
+def openai_client(server, certs, api_key: str, **tls) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.http_base + "/v1", api_key=api_key, max_retries=0,
                          http_client=httpx.Client(verify=tls_context(certs, **tls), timeout=30))
 
 
 # --- TLS and the API key ---------------------------------------------------------------------------------
-def test_the_openai_client_with_certificate_and_key_is_served(server, certs):  # noqa: F811
+def test_the_openai_client_with_certificate_and_key_is_served(server, certs):
     client = openai_client(server, certs, KEY)
     r = client.completions.create(model="stand-in", prompt=[1, 2], max_tokens=3,
                                   extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -90,7 +90,7 @@ def test_the_openai_client_with_certificate_and_key_is_served(server, certs):  #
     assert [m.id for m in client.models.list()] == ["stand-in"]
 
 
-def test_a_wrong_or_missing_key_is_401_and_counted(server, certs, http):  # noqa: F811
+def test_a_wrong_or_missing_key_is_401_and_counted(server, certs, http):
     before = errors(http, "UNAUTHENTICATED")
     with pytest.raises(openai.AuthenticationError) as e:
         openai_client(server, certs, "wrong").completions.create(model="stand-in", prompt="hi", max_tokens=2)
@@ -111,14 +111,14 @@ def test_only_health_is_open(http):
         assert http.get(path, headers=AUTH).status_code == 200, path
 
 
-def test_no_certificate_or_plain_http_is_refused(server, certs):  # noqa: F811
+def test_no_certificate_or_plain_http_is_refused(server, certs):
     with pytest.raises(httpx.TransportError):
         httpx.get(server.http_base + "/health", verify=tls_context(certs, client_certificate=False), timeout=10)
     with pytest.raises(httpx.TransportError):
         httpx.get(server.http_base.replace("https:", "http:") + "/health", timeout=10)
 
 
-def test_tls_without_client_certificates_and_the_key_from_the_environment(tmp_path, certs):  # noqa: F811
+def test_tls_without_client_certificates_and_the_key_from_the_environment(tmp_path, certs):
     server = start_tls_only(tmp_path, certs)
     try:
         r = openai_client(server, certs, KEY, client_certificate=False).completions.create(

@@ -23,12 +23,12 @@ import grpc
 import httpx
 import openai
 import pytest
-from test_serving import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, Server
 
 from jaxpage import SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from benchmarks.launch import free_port, spawn, wait_serving
+from tests.servers import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, Server
 
 NAMES = ["smollm2-test", "another-name"]  # --served-model-name
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]

@@ -16,7 +16,7 @@ from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.sequence import Sequence, SequenceGroup
 from tests.reference import NEAR_TIE, hf_logits
 from tests.stand_in import make_engine
-from tests.test_engine import CompileCounter
+from tests.compiles import CompileCounter
 
 
 def penalized(logits: np.ndarray, token_ids: list[int], num_prompt: int, p: SamplingParams) -> np.ndarray:

@@ -9,94 +9,17 @@ certificates made here (cryptography), against a stand-in-engine server (no mode
 """
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import ssl
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from benchmarks.launch import free_port, spawn, wait_serving
-from tests.test_serving import STAND_IN_SERVER, START_TIMEOUT, Server
-
-KEY = "s3cret-token"
-
-
-def _certificate(subject: str, issuer_key, issuer_name, key, *, ca: bool, san: bool = False):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if san:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    return builder.sign(issuer_key or key, hashes.SHA256()), name
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> dict[str, Path]:
-    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, as PEM files."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    tmp = tmp_path_factory.mktemp("certs")
-    keys = {name: ec.generate_private_key(ec.SECP256R1()) for name in ("ca", "server", "client")}
-    ca, ca_name = _certificate("jaxpage test CA", None, None, keys["ca"], ca=True)
-    server, _ = _certificate("localhost", keys["ca"], ca_name, keys["server"], ca=False, san=True)
-    client, _ = _certificate("client", keys["ca"], ca_name, keys["client"], ca=False)
-    paths = {}
-    for name, cert in (("ca", ca), ("server", server), ("client", client)):
-        paths[f"{name}.pem"] = tmp / f"{name}.pem"
-        paths[f"{name}.pem"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        paths[f"{name}.key"] = tmp / f"{name}.key"
-        paths[f"{name}.key"].write_bytes(keys[name].private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return paths
-
-
-def start_server(tmp: Path, *flags: str) -> Server:
-    """The stand-in server with flags; ``http_base`` is its HTTP API's address (https)."""
-    port, metrics_port, http_port = free_port(), free_port(), free_port()
-    proc = spawn(["-c", STAND_IN_SERVER, str(tmp / "no-fail"), "--port", str(port), "--metrics-port",
-                  str(metrics_port), "--http-port", str(http_port), "--grace-seconds", "1", *flags],
-                 tmp / "server.log")
-    server = Server(proc, f"127.0.0.1:{port}", f"https://127.0.0.1:{metrics_port}/metrics", tmp / "server.log")
-    server.http_base = f"https://127.0.0.1:{http_port}"
-    return server
-
-
-def _secure_health(server: Server, creds) -> int:
-    with grpc.secure_channel(server.target, creds) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-
-
-def wait_tls(server: Server, creds) -> None:
-    """wait_serving, over TLS (launch.wait_serving speaks plaintext)."""
-    import time
-
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(server.log.read_text()[-3000:])
-        try:
-            if _secure_health(server, creds) == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(server.log.read_text()[-3000:])
+from tests.servers import KEY, Server, secure_health, start_server, start_tls_only, wait_tls
 
 
 def _generate(server: Server, creds, metadata=()) -> list[int]:
@@ -144,7 +67,7 @@ def test_a_call_without_the_right_token_is_unauthenticated(mtls_server, metadata
 
 
 def test_health_answers_without_the_token(mtls_server):
-    assert _secure_health(mtls_server, mtls_server.creds) == health_pb2.HealthCheckResponse.SERVING
+    assert secure_health(mtls_server, mtls_server.creds) == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_a_client_without_a_certificate_or_without_tls_is_refused(mtls_server, certs):
@@ -178,23 +101,6 @@ def test_metrics_need_the_token_and_serve_only_metrics(mtls_server, certs):
     base = mtls_server.metrics_url.rsplit("/", 1)[0]
     for path in ("/", "/metricsx", "/debug", "/metrics/../x"):
         assert _https(base + path, certs, KEY)[0] == 404, path
-
-
-def start_tls_only(tmp: Path, certs) -> Server:
-    """Server-side TLS alone (no client certificates), the token from $JAXPAGE_API_KEY; started and SERVING."""
-    import os
-
-    os.environ["JAXPAGE_API_KEY"] = KEY
-    try:
-        server = start_server(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
-    finally:
-        del os.environ["JAXPAGE_API_KEY"]
-    try:
-        wait_tls(server, grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes()))
-    except BaseException:
-        server.stop()
-        raise
-    return server
 
 
 def test_tls_without_client_certificates(tmp_path, certs):

@@ -16,73 +16,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpage import SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from benchmarks.launch import ROOT, free_port, health_status, spawn, wait_serving
-
-ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "64",
-                "--dtype", "float32"]
-START_TIMEOUT = 180
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    target: str
-    metrics_url: str
-    log: Path
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name (labels summed over)."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                values[s.name] = values.get(s.name, 0.0) + s.value
-        return values
-
-    def wait_metric(self, name: str, want, timeout: float = 5.0) -> float:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = self.metrics()[name]
-            if want(value) or time.monotonic() > deadline:
-                return value
-            time.sleep(0.05)
-
-    def assert_freed(self, free: float, before: dict, max_tokens: int, within: float) -> None:
-        """A request that ended early: its blocks are back within ``within`` s, and it did not run to the end."""
-        ended = time.monotonic()
-        assert self.wait_metric("jaxpage:kv_blocks_free", lambda v: v == free) == free
-        assert time.monotonic() - ended < within
-        after = self.metrics()
-        assert after["jaxpage:num_requests_running"] == 0 and after["jaxpage:num_requests_in_flight"] == 0
-        assert after["jaxpage:generation_tokens_total"] - before.get("jaxpage:generation_tokens_total", 0) < max_tokens
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start(argv: list[str], log: Path) -> Server:
-    port, metrics_port = free_port(), free_port()
-    proc = spawn([*argv, "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0"], log)
-    return Server(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
+from benchmarks.launch import ROOT, health_status, wait_serving
+from tests.servers import ENGINE_FLAGS, NOT_SERVING, SERVING, STAND_IN_SERVER, START_TIMEOUT, greedy, start
 
 
 @pytest.fixture(scope="session")
@@ -106,8 +48,6 @@ def stub(server):
         yield pb_grpc.GenerationStub(channel)
 
 
-def greedy(max_tokens: int, **kw) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 async def stream_all(target: str, requests: list[pb.GenerateRequest]) -> list[dict]:
@@ -302,20 +242,6 @@ def test_sigterm_lets_streams_finish_then_exits_0(server):
 
 
 # --- a stand-in engine: queue limit and engine failure -----------------------------------------------------
-STAND_IN_SERVER = r'''
-import sys
-from jaxpage.engine.async_engine import AsyncEngine
-from serving.cli import build_parser
-from serving.server import run
-from tests.stand_in import make_engine
-
-fail_flag = sys.argv[1]
-ns = build_parser().parse_args(["serve", *sys.argv[2:]])
-sys.exit(run(ns, lambda: AsyncEngine(make_engine(step_seconds=0.02, fail_flag=fail_flag,
-                                                  max_seqs_per_request=ns.max_seqs_per_request))))
-'''
-
-
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stand_in")
