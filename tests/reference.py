@@ -70,6 +70,17 @@ def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4, c
     assert err <= rtol * scale, f"{context}: max abs error {err:.3g} > {rtol} x {scale:.3g}"
 
 
+def assert_logits_close_by_position(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4, atol: float = 1e-6,
+                                    context: str = ""):
+    """Agreement position by position: max |ours - ref| <= rtol * max |ref| + atol in every row."""
+    assert ours.shape == ref.shape and np.isfinite(ours).all(), f"{context}: shape {ours.shape}, or not finite"
+    err = np.abs(ours - ref).max(axis=-1)
+    bound = rtol * np.abs(ref).max(axis=-1) + atol
+    bad = np.flatnonzero(err > bound)
+    assert bad.size == 0, (f"{context}: teacher-forced logits differ at {bad.size}/{len(err)} positions "
+                           f"{bad[:8].tolist()}: max|diff| {err[bad[:8]].tolist()} > bound {bound[bad[:8]].tolist()}")
+
+
 def randomize_weights(model: torch.nn.Module, gen: torch.Generator, std: float = 0.15) -> None:
     """Large enough weights that logits are spread out; norms around 1; nonzero biases."""
     with torch.no_grad():

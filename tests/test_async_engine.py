@@ -5,23 +5,15 @@ import asyncio
 import random
 
 import pytest
-from transformers import LlamaConfig
 
-from jaxpage import LLM, SamplingParams
+from jaxpage import SamplingParams
 from jaxpage.engine.async_engine import AsyncEngine, EngineDeadError
-from tests.reference import save_random_model
-
-OPTIONS = dict(block_size=16, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-               dtype="float32", progress=False)
+from tests.factories import tiny_llm
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_random_model(config, path, seed=random.randrange(2**31))
-    return LLM(str(path), cache_dir=str(tmp_path_factory.mktemp("cache")), **OPTIONS)
+    return tiny_llm(tmp_path_factory, num_kv_blocks=64)
 
 
 def _prompts(n: int) -> list[dict]:

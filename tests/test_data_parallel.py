@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_on_forced_devices
+from tests.factories import run_on_forced_devices
 
 NUM_DEVICES = 4
 IN_CHILD = os.environ.get("JAXPAGE_DP_CHILD") == "1"
@@ -40,7 +40,6 @@ if IN_CHILD:
     import jax
     import numpy as np
     from prometheus_client.parser import text_string_to_metric_families
-    from transformers import LlamaConfig
 
     from jaxpage import LLM, SamplingParams
     from jaxpage.engine.arg_utils import EngineArgs
@@ -48,23 +47,20 @@ if IN_CHILD:
     from serving import generation_pb2 as pb
     from serving import generation_pb2_grpc as pb_grpc
     from benchmarks.launch import free_port, spawn, wait_serving
+    from tests.factories import EIGHT_HEADS, engine_options, tiny_llama
     from tests.reference import save_random_model
 
     assert len(jax.devices()) == NUM_DEVICES, jax.devices()
 
     WORK = Path(tempfile.mkdtemp(prefix="jaxpage-dp-"))
-    OPTIONS = dict(block_size=16, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96,
-                   dtype="float32", progress=False, cache_dir=str(WORK / "cache"))
+    OPTIONS = engine_options(num_kv_blocks=40, max_model_len=96, cache_dir=str(WORK / "cache"))
     VOCAB = 256
     GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
     SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, n=2, seed=7)
 
     @functools.cache
     def model_dir() -> str:
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                             num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, num_hidden_layers=2,
-                             max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu")
-        save_random_model(config, WORK / "llama", seed=11)
+        save_random_model(tiny_llama(**EIGHT_HEADS), WORK / "llama", seed=11)
         return str(WORK / "llama")
 
     def workload() -> list[tuple[list[int], SamplingParams]]:

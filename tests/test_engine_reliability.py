@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import math
-import random
 
 import numpy as np
 import pytest
@@ -154,17 +153,9 @@ def test_min_tokens_bans_eos_and_every_stop_id_however_many():
 # --- fuzz: the offline engine over a tiny random model ----------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory):
-    from transformers import LlamaConfig
+    from tests.factories import tiny_llm
 
-    from jaxpage import LLM
-    from tests.reference import save_random_model
-
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_random_model(config, path, seed=random.randrange(2**31))
-    return LLM(str(path), cache_dir=str(tmp_path_factory.mktemp("cache")), block_size=16, num_kv_blocks=40,
-               max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, dtype="float32", progress=False)
+    return tiny_llm(tmp_path_factory, num_kv_blocks=40)
 
 
 FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(

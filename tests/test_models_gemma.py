@@ -17,8 +17,6 @@ Set JAXPAGE_TEST_SEED to replay a run's seed (named in every failure).
 from __future__ import annotations
 
 import dataclasses
-import os
-import random
 
 import numpy as np
 import pytest
@@ -27,30 +25,20 @@ from transformers import Gemma2Config, Gemma3TextConfig
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.models import architecture, stack_layers
-from tests.reference import (assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits, paged_logits,
-                             save_random_model)
+from tests.factories import Case, RandomModel, engine_options, random_model
+from tests.gguf_writer import write_gguf
+from tests.reference import assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits, paged_logits
 
-SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
 WINDOW = 8
 PROMPT_LENS = (3, 21, 29)
 NEW_TOKENS = 16
 PALLAS_TOKENS = 10  # interpreted kernels are slow on the CPU
 REL_TOL = 1e-4
 EPS = 2.0 ** -20  # exactly representable in the GGUF file's float32, so both loads read the same config
-ENGINE_OPTIONS = dict(block_size=8, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-                      dtype="float32", progress=False)
+ENGINE_OPTIONS = engine_options(block_size=8, num_kv_blocks=40, max_num_batched_tokens=32)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 torch.set_num_threads(1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    config_cls: type
-    kwargs: dict
-    pallas_backend: str
-    gguf_arch: str
 
 
 CASES = [
@@ -71,11 +59,7 @@ CASES = [
 
 
 @dataclasses.dataclass
-class Built:
-    case: Case
-    seed: int
-    hf: torch.nn.Module
-    hf_dir: str
+class Built(RandomModel):
     llm: LLM
     prompts: dict  # length -> prompt token ids
     _refs: dict = dataclasses.field(default_factory=dict)
@@ -103,15 +87,10 @@ class Built:
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
 def built(request, cache_dir, tmp_path_factory):
-    case = request.param
-    seed = (SEED + 7919 * CASES.index(case)) % 2**31
-    hf_config = case.config_cls(**case.kwargs)
-    hf_dir = tmp_path_factory.mktemp(case.id)
-    model = save_random_model(hf_config, hf_dir, seed)
-    llm = LLM(model=str(hf_dir), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
-    rng = np.random.default_rng(seed)
-    prompts = {n: [int(t) for t in rng.integers(0, hf_config.vocab_size, n)] for n in PROMPT_LENS}
-    yield Built(case, seed, model, str(hf_dir), llm, prompts)
+    m = random_model(CASES, request.param, tmp_path_factory)
+    llm = LLM(model=str(m.hf_dir), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
+    rng = np.random.default_rng(m.seed)
+    yield Built(m.case, m.seed, m.hf, m.hf_dir, llm, {n: m.random_prompt(rng, n) for n in PROMPT_LENS})
     del llm
 
 
@@ -141,7 +120,7 @@ def test_teacher_forced_logits_xla(built, n):
 
 def test_pallas_backend_matches_transformers(built, cache_dir):
     backend = built.case.pallas_backend
-    llm = LLM(model=built.hf_dir, cache_dir=str(cache_dir), attention_backend=backend, **ENGINE_OPTIONS)
+    llm = LLM(model=str(built.hf_dir), cache_dir=str(cache_dir), attention_backend=backend, **ENGINE_OPTIONS)
     assert llm.engine.config.attention_backend == backend
     built.check_greedy(llm, PROMPT_LENS[1:2], PALLAS_TOKENS, backend)
     built.check_logits(llm, PROMPT_LENS[-1], backend)
@@ -151,7 +130,7 @@ def test_gguf_loads_same_config_weights_and_tokens(built, cache_dir, tmp_path):
     """Same weights and config, except the query scale: llama.cpp's Gemma files hold no query_pre_attn_scalar
     and llama.cpp scales by head_dim (hidden/heads for the 27B models), so the reference here does too."""
     path = tmp_path / f"{built.case.id}.gguf"
-    write_gguf(path, built.case.gguf_arch, built.hf)
+    write_gguf(built.hf_dir, path, built.case.gguf_arch)
     llm = LLM(model=str(path), cache_dir=str(cache_dir), scan_layers=False, **ENGINE_OPTIONS)  # layers unrolled
     cfg, hf_cfg = llm.engine.config.model, built.llm.engine.config.model
     assert cfg.query_pre_attn_scalar == cfg.head_dim
@@ -175,71 +154,6 @@ def _leaves(tree, prefix=""):
             yield from _leaves(v, f"{prefix}/{k}")
     else:
         yield prefix, tree
-
-
-def write_gguf(path, arch: str, model: torch.nn.Module) -> None:
-    """The model as llama.cpp's converter writes a Gemma GGUF file (float32 tensors, a stand-in vocabulary)."""
-    import gguf
-
-    c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_sliding_window(c.sliding_window)
-    w.add_vocab_size(c.vocab_size)
-    if arch == "gemma2":
-        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
-        w.add_final_logit_softcapping(c.final_logit_softcapping)
-    else:
-        full = c.rope_parameters[FULL]
-        w.add_rope_freq_base(full["rope_theta"])
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(full["factor"])
-        w.add_sliding_window_pattern([t == SLIDING for t in c.layer_types])  # llama.cpp's default: every 6th global
-    _add_stand_in_vocab(w, c.vocab_size)
-    for name, tensor in _gguf_tensors(model, architecture(model.config.model_type).GGUF_LAYER_NAMES):
-        w.add_tensor(name, tensor)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _add_stand_in_vocab(w, vocab_size: int) -> None:
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"\u2581t{i}" for i in range(4, vocab_size)]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * vocab_size)
-    w.add_token_types([3] * 4 + [1] * (vocab_size - 4))
-    w.add_pad_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_bos_token_id(2)
-    w.add_unk_token_id(3)
-
-
-def _gguf_tensors(model, layer_names: dict):
-    to_gguf = {hf: ours for ours, hf in layer_names.items()}
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        array = tensor.float().numpy()
-        if name.endswith("norm.weight"):
-            array = array + 1  # llama.cpp stores Gemma's norms with their + 1
-        if name in top:
-            yield top[name], array
-        else:
-            _, _, i, *part, kind = name.split(".")
-            yield f"blk.{i}.{to_gguf['.'.join(part)]}.{kind}", array
 
 
 @pytest.mark.parametrize("arch,layers,full_layers,scalar", [

@@ -14,8 +14,6 @@ without renormalised weights) matches transformers' block, and Qwen3-MoE configs
 from __future__ import annotations
 
 import dataclasses
-import os
-import random
 
 import jax
 import numpy as np
@@ -26,27 +24,18 @@ from transformers import MixtralConfig, Qwen3Config, Qwen3MoeConfig
 from jaxpage import LLM, SamplingParams
 from jaxpage.models import config_from_hf, stack_layers
 from jaxpage.models.moe import MoE
+from tests.factories import SEED, Case, RandomModel, engine_options, random_model
 from tests.gguf_writer import write_gguf
-from tests.reference import first_near_tie, hf_greedy, hf_logits, paged_logits, save_random_model
+from tests.reference import (assert_greedy_matches, assert_logits_close_by_position, hf_greedy, hf_logits,
+                             paged_logits, save_random_model)
 
-SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
 PROMPT_LEN = 17  # one block and one token
 NEW_TOKENS = 10
 # a 16-token budget: two compiled steps per engine, and the 17-token prompt's prefill is chunked
-ENGINE_OPTIONS = dict(block_size=16, num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
-                      dtype="float32", progress=False)
+ENGINE_OPTIONS = engine_options(num_kv_blocks=16, max_num_seqs=2)
 REL_TOL, ATOL = 1e-4, 1e-6
 
 torch.set_num_threads(1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    config_cls: type
-    kwargs: dict
-    gguf_arch: str  # llama.cpp's architecture name
-    pallas: str  # the attention backend of the GGUF-loaded engine
 
 
 def _common(**kw) -> dict:
@@ -57,21 +46,19 @@ def _common(**kw) -> dict:
 CASES = [
     Case("qwen3-gqa2to1-hd32-tied-bias", Qwen3Config, _common(
         vocab_size=256, intermediate_size=128, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
-        "qwen3", "pallas_tpu"),
+        gguf_arch="qwen3", pallas_backend="pallas_tpu"),
     Case("mixtral-gqa4to1-top2of4-untied", MixtralConfig, _common(
         vocab_size=320, intermediate_size=64, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=None, tie_word_embeddings=False), "llama", "pallas_gpu"),
+        sliding_window=None, tie_word_embeddings=False), gguf_arch="llama", pallas_backend="pallas_gpu"),
     Case("qwen3moe-gqa2to1-top2of8-tied", Qwen3MoeConfig, _common(  # llama.cpp always renormalises the top-k
         vocab_size=256, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=2, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True), "qwen3moe", "pallas_tpu"),
+        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True), gguf_arch="qwen3moe",
+        pallas_backend="pallas_tpu"),
 ]
 
 
 @dataclasses.dataclass
-class Built:
-    case: Case
-    seed: int
-    hf: torch.nn.Module
+class Built(RandomModel):
     llm: LLM  # from the Hugging Face directory, XLA attention
     gguf_llm: LLM  # from the GGUF file, a Pallas backend
     prompt: list[int]
@@ -82,33 +69,21 @@ class Built:
         return f"[case={self.case.id} seed={self.seed}]"
 
     def check_tokens(self, got: list[int]) -> None:
-        n = first_near_tie(self.ref_step_logits)
-        assert len(got) == NEW_TOKENS, f"{self.where()} {len(got)} tokens"
-        assert got[:n] == self.ref_tokens[:n], (f"{self.where()} greedy tokens differ before the first near-tie "
-                                                f"({n})\nours:         {got}\ntransformers: {self.ref_tokens}")
+        assert_greedy_matches(got, self.ref_tokens, self.ref_step_logits, context=self.where())
 
     def check_logits(self, got: np.ndarray, expected: np.ndarray) -> None:
-        assert got.shape == expected.shape and np.isfinite(got).all(), self.where()
-        err = np.abs(got - expected).max(axis=-1)
-        bound = REL_TOL * np.abs(expected).max(axis=-1) + ATOL
-        bad = np.flatnonzero(err > bound)
-        assert bad.size == 0, (f"{self.where()} teacher-forced logits differ at {bad.size}/{len(err)} positions "
-                               f"{bad[:8].tolist()}: max|diff| {err[bad[:8]].tolist()} > {bound[bad[:8]].tolist()}")
+        assert_logits_close_by_position(got, expected, REL_TOL, ATOL, context=self.where())
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
 def built(request, cache_dir, tmp_path_factory):
-    case = request.param
-    seed = (SEED + 7919 * CASES.index(case)) % 2**31
-    hf_config = case.config_cls(**case.kwargs)
-    hf_dir = tmp_path_factory.mktemp(case.id)
-    model = save_random_model(hf_config, hf_dir, seed)
-    gguf_path = write_gguf(hf_dir, tmp_path_factory.mktemp(f"{case.id}-gguf") / "model.gguf", case.gguf_arch)
-    llm = LLM(model=str(hf_dir), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
-    gguf_llm = LLM(model=str(gguf_path), cache_dir=str(cache_dir), attention_backend=case.pallas, scan_layers=False,
-                   **ENGINE_OPTIONS)
-    prompt = [int(t) for t in np.random.default_rng(seed).integers(0, hf_config.vocab_size, PROMPT_LEN)]
-    yield Built(case, seed, model, llm, gguf_llm, prompt, *hf_greedy(model, prompt, NEW_TOKENS))
+    m = random_model(CASES, request.param, tmp_path_factory)
+    gguf_path = write_gguf(m.hf_dir, tmp_path_factory.mktemp(f"{m.case.id}-gguf") / "model.gguf", m.case.gguf_arch)
+    llm = LLM(model=str(m.hf_dir), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
+    gguf_llm = LLM(model=str(gguf_path), cache_dir=str(cache_dir), attention_backend=m.case.pallas_backend,
+                   scan_layers=False, **ENGINE_OPTIONS)
+    prompt = m.random_prompt(np.random.default_rng(m.seed), PROMPT_LEN)
+    yield Built(m.case, m.seed, m.hf, m.hf_dir, llm, gguf_llm, prompt, *hf_greedy(m.hf, prompt, NEW_TOKENS))
     del llm, gguf_llm
 
 
@@ -156,7 +131,7 @@ def test_gguf_pallas_greedy_matches_transformers(built):
 
 def test_gguf_pallas_teacher_forced_logits(built):
     seq = built.prompt + built.ref_tokens
-    got = paged_logits(built.gguf_llm, seq, seed=built.seed, backend=built.case.pallas)
+    got = paged_logits(built.gguf_llm, seq, seed=built.seed, backend=built.case.pallas_backend)
     built.check_logits(got, hf_logits(built.hf, seq))
 
 
@@ -168,7 +143,7 @@ def test_mixtral_sliding_window_matches_transformers(cache_dir, tmp_path):
     llm = LLM(model=str(tmp_path), cache_dir=str(cache_dir), **ENGINE_OPTIONS)
     assert llm.engine.config.model.layer_windows().tolist() == [8, 8]
     prompt = [int(t) for t in np.random.default_rng(SEED).integers(0, hf_config.vocab_size, PROMPT_LEN)]
-    built = Built(case, SEED, model, llm, None, prompt, *hf_greedy(model, prompt, NEW_TOKENS))
+    built = Built(case, SEED, model, tmp_path, llm, None, prompt, *hf_greedy(model, prompt, NEW_TOKENS))
     built.check_tokens(_greedy(llm, prompt))
     seq = prompt + built.ref_tokens
     built.check_logits(paged_logits(llm, seq, seed=SEED), hf_logits(model, seq))

@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 
@@ -24,16 +23,15 @@ import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import LlamaConfig
 
 from jaxpage import LLM, SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from benchmarks.launch import free_port, spawn, wait_serving
+from tests.factories import EIGHT_HEADS, engine_options, tiny_llama
 from tests.reference import save_random_model
 
-OPTIONS = dict(block_size=16, num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-               dtype="float32", preemption_mode="swap")
+OPTIONS = engine_options(preemption_mode="swap")
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=30, temperature=0.8, n=2, seed=7)
@@ -43,9 +41,7 @@ PENALIZED = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("multihost") / "llama"
-    save_random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                                  num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, num_hidden_layers=2,
-                                  max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu"), path, seed=5)
+    save_random_model(tiny_llama(**EIGHT_HEADS), path, seed=5)
     return path
 
 
@@ -78,7 +74,7 @@ def metric(url: str, name: str) -> float:
 
 
 def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cache_dir, tmp_path):
-    llm = LLM(model=str(model_dir), cache_dir=str(cache_dir), progress=False, **OPTIONS)
+    llm = LLM(model=str(model_dir), cache_dir=str(cache_dir), **OPTIONS)
     reference = [[c.token_ids for c in llm.generate({"prompt_token_ids": ids}, p)[0].outputs] for ids, p in workload()]
     draining = (workload()[0][0], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
     drained = [c.token_ids for c in llm.generate({"prompt_token_ids": draining[0]}, draining[1])[0].outputs]
@@ -86,7 +82,7 @@ def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cac
     coordinator, port, metrics_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items() if k != "progress"]
     common = ["-m", "serving.cli", "serve", "--model", str(model_dir), "--cache-dir", str(cache_dir), "--no-progress",
               "--tensor-parallel-size", "4", "--coordinator-address", coordinator, "--num-processes", "2",
               "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0",

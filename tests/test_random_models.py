@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import random
 
 import jax
 import jax.numpy as jnp
@@ -30,28 +28,20 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, MistralConfig
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden, stack_layers, unstack_layers
-from tests.reference import first_near_tie, hf_greedy, save_random_model
-
-SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
+from tests.factories import SEED, Case, RandomModel, engine_options, random_model
+from tests.reference import assert_logits_close_by_position, first_near_tie, hf_greedy
 BLOCK_SIZE = 16
 PROMPT_LENS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1)
 NEW_TOKENS = 20
 MAX_MODEL_LEN = 64
 NUM_KV_BLOCKS = 32  # 8 sequences of <= 3 blocks each, plus the null block: no preemption
-ENGINE_OPTIONS = dict(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=8,
-                      max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, dtype="float32", progress=False)
+ENGINE_OPTIONS = engine_options(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=8,
+                                max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN)
 REL_TOL = 1e-4  # teacher-forced logits: max|jax - torch| <= REL_TOL * max|torch| + ATOL, per position
 ATOL = 1e-6
 TF_TOKENS = 48  # teacher-forced batches are padded to this many tokens
 
 torch.set_num_threads(1)  # tiny matmuls; leaves the other core to XLA
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    config_cls: type
-    kwargs: dict
 
 
 def _common(**kw) -> dict:
@@ -88,10 +78,7 @@ CASES = [
 
 
 @dataclasses.dataclass
-class Built:
-    case: Case
-    seed: int
-    hf: torch.nn.Module
+class Built(RandomModel):
     llm: LLM
     prompts: dict  # name -> prompt token ids
     _refs: dict = dataclasses.field(default_factory=dict)
@@ -120,21 +107,14 @@ class Built:
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
 def built(request, cache_dir, tmp_path_factory):
-    case = request.param
-    seed = (SEED + 7919 * CASES.index(case)) % 2**31
-    hf_config = case.config_cls(**case.kwargs)
-    hf_dir = tmp_path_factory.mktemp(case.id)
-    model = save_random_model(hf_config, hf_dir, seed)
+    m = random_model(CASES, request.param, tmp_path_factory)
     # every other case unrolls its layers, so both layouts run every engine test below
-    llm = LLM(model=str(hf_dir), cache_dir=str(cache_dir), scan_layers=CASES.index(case) % 2 == 0,
+    llm = LLM(model=str(m.hf_dir), cache_dir=str(cache_dir), scan_layers=CASES.index(m.case) % 2 == 0,
               **ENGINE_OPTIONS)
-    rng = np.random.default_rng(seed)
-    vocab = hf_config.vocab_size
-    prompts = {}
-    for tag in ("a", "b"):  # "a" prompts for the single-prompt tests, "b" extra ones for the batched test
-        for n in PROMPT_LENS:
-            prompts[f"{tag}{n}"] = [int(t) for t in rng.integers(0, vocab, n)]
-    yield Built(case, seed, model, llm, prompts)
+    rng = np.random.default_rng(m.seed)
+    # "a" prompts for the single-prompt tests, "b" extra ones for the batched test
+    prompts = {f"{tag}{n}": m.random_prompt(rng, n) for tag in "ab" for n in PROMPT_LENS}
+    yield Built(m.case, m.seed, m.hf, m.hf_dir, llm, prompts)
     del llm
 
 
@@ -202,15 +182,8 @@ def check_teacher_forced_logits(built, prompt_len, params):
         block_tables=block_tables, logits_indices=np.zeros(2, np.int32))
     pool = jnp.zeros_like(built.llm.engine.runner.kv_pool)
     got = np.asarray(_paged_logits(cfg.model, params, pool, batch))[:t]
-
-    assert got.shape == expected.shape
-    assert np.isfinite(got).all(), built.where(name)
-    err = np.abs(got - expected).max(axis=-1)
-    bound = REL_TOL * np.abs(expected).max(axis=-1) + ATOL
-    bad = np.flatnonzero(err > bound)
-    assert bad.size == 0, (f"{built.where(name)} teacher-forced logits differ at {bad.size}/{t} positions "
-                           f"{bad[:8].tolist()}: max|diff| {err[bad[:8]].tolist()} > bound "
-                           f"{bound[bad[:8]].tolist()} (block table {table.tolist()})")
+    assert_logits_close_by_position(got, expected, REL_TOL, ATOL,
+                                    context=f"{built.where(name)} (block table {table.tolist()})")
 
 
 def test_batched_mixed_prefill_matches_single(built):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_on_forced_devices
+from tests.factories import run_on_forced_devices
 
 NUM_DEVICES = 8
 IN_CHILD = os.environ.get("JAXPAGE_TP_CHILD") == "1"
@@ -38,33 +38,27 @@ def test_tensor_parallel_on_eight_cpu_devices():
 if IN_CHILD:
     import jax
     import numpy as np
-    from transformers import Gemma2Config, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import Gemma2Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
     from jaxpage import LLM, SamplingParams
-    from tests.conftest import SMOLLM2_OPTIONS
+    from tests.factories import EIGHT_HEADS, SMOLLM2_OPTIONS, engine_options, tiny_llama
     from tests.reference import assert_logits_close, paged_logits, save_random_model
 
     assert len(jax.devices()) == NUM_DEVICES, jax.devices()
 
-    OPTIONS = dict(block_size=16, num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-                   dtype="float32", progress=False, preemption_mode="swap")
+    OPTIONS = engine_options(preemption_mode="swap")
     COMMON = dict(num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu")
     CONFIGS = {  # name -> (config, engine options)
-        "llama-8h-4kv": (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                                     num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, **COMMON), {}),
+        "llama-8h-4kv": (tiny_llama(**EIGHT_HEADS), {}),
         "qwen2-4h-2kv-bias-unrolled": (Qwen2Config(  # KV heads replicated at TP 4; q/k/v biases; unrolled layers
             vocab_size=192, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, tie_word_embeddings=True, **COMMON), dict(scan_layers=False)),
-        "llama-8h-4kv-int8": (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                                          num_key_value_heads=4, head_dim=16, tie_word_embeddings=True, **COMMON),
-                              dict(quantization="int8")),
+        "llama-8h-4kv-int8": (tiny_llama(**{**EIGHT_HEADS, "tie_word_embeddings": True}), dict(quantization="int8")),
         "mixtral-4h-1kv-moe": (MixtralConfig(  # top 2 of 4 experts; its one KV head replicated at TP 2
             vocab_size=192, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
             head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False,
             **COMMON), {}),
-        "llama-8h-4kv-kv-int8": (LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                             num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-                                             tie_word_embeddings=False, **COMMON), dict(kv_cache_dtype="int8")),
+        "llama-8h-4kv-kv-int8": (tiny_llama(**EIGHT_HEADS), dict(kv_cache_dtype="int8")),
         "qwen3moe-4h-2kv-qknorm": (Qwen3MoeConfig(  # q/k norms per head; top 2 of 8 experts
             vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
