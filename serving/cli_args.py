@@ -2,10 +2,9 @@
 cli_args): one flag per field, made from the field as EngineArgs makes its own."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-from jaxpage.engine.arg_utils import add_dataclass_flags
+from jaxpage.engine.arg_utils import CliArgs
 
 
 def _flag(default, help_text: str | None = None, **flag):
@@ -14,7 +13,7 @@ def _flag(default, help_text: str | None = None, **flag):
 
 
 @dataclasses.dataclass
-class ServerArgs:
+class ServerArgs(CliArgs):
     """The server's own options: its ports, limits, TLS and token. A bad value raises ValueError naming the flag."""
 
     host: str = _flag("127.0.0.1", "address to listen on (0.0.0.0 for all)")
@@ -57,12 +56,3 @@ class ServerArgs:
     def tls_files(self) -> tuple[str | None, str | None, str | None]:
         """--tls-cert, --tls-key, --tls-client-ca (each None when not given)."""
         return self.tls_cert, self.tls_key, self.tls_client_ca
-
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        add_dataclass_flags(parser, ServerArgs)
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})

@@ -28,8 +28,22 @@ def _option(help_text: str, **flag) -> dict:
     return {"help": help_text, **flag}
 
 
+class CliArgs:
+    """A dataclass of options with a flag per field: ``add_cli_args`` adds them to a parser, ``from_cli_args``
+    takes the fields back out of the parsed namespace."""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_flags(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
 @dataclasses.dataclass
-class EngineArgs:
+class EngineArgs(CliArgs):
     """The engine's options, as `LLM(...)`, the CLI and the server take them."""
 
     model: str | None = dataclasses.field(default=None, metadata=_option(
@@ -78,14 +92,6 @@ class EngineArgs:
         "converted weights and compiled steps (default ~/.cache/jaxpage)"))
     progress: bool = dataclasses.field(default=True, metadata=_option("progress bars while loading and compiling"))
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        add_dataclass_flags(parser, EngineArgs)
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
