@@ -25,8 +25,7 @@ from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.core.kv_cache_manager import SWAP_OUT, KVCacheManager
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence
-from tests.test_block_accounting import (BLOCK_SIZE, VOCAB, _run, _step, check_accounting, check_all_free,
-                                         make_engine, scenarios)
+from tests.simulated_kv import BLOCK_SIZE, VOCAB, check_all_free, make_engine, play, run_checked, scenarios
 
 
 def cdiv(a: int, b: int) -> int:
@@ -70,28 +69,7 @@ def test_windowed_accounting_stays_exact(scenario, window):
     setup, actions = scenario
     engine = make_engine(**setup, window=window)
     watch_windows(engine, window)
-    finished, params = set(), {}
-    for i, action in enumerate(actions):
-        if action[0] == "add":
-            _, prompt, p, priority = action
-            params[f"r{i}"] = p
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p, priority=priority)
-        elif action[0] == "step":
-            for _ in range(action[1]):
-                _step(engine, finished, params)
-        elif action[0] == "abort" and engine.requests:
-            engine.abort_request(sorted(engine.requests)[action[1] % len(engine.requests)])
-        elif action[0] == "preempt" and engine.scheduler.running:
-            engine.scheduler.preempt(engine.scheduler.running[action[1] % len(engine.scheduler.running)])
-        check_accounting(engine)
-    for _ in range(300):
-        if not engine.has_unfinished_requests():
-            break
-        _step(engine, finished, params)
-    for request_id in sorted(engine.requests):
-        engine.abort_request(request_id)
-    engine.step()
-    check_all_free(engine)
+    play(engine, actions)
 
 
 @pytest.mark.parametrize("window", [5, 8, 13])
@@ -104,7 +82,7 @@ def test_a_long_sequence_holds_only_its_window(window):
     prompt = [int(t) for t in np.random.default_rng().integers(1, VOCAB, 8)]
     engine.add_request("long", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=length,
                                                                             ignore_eos=True))
-    out = _run(engine)["long"]
+    out = run_checked(engine)["long"]
     assert len(out.outputs[0].token_ids) == length
     assert max(held[1:]) <= cdiv(window, BLOCK_SIZE) + 1, held  # step 0 is the prompt
     assert engine.block_pool.peak_used <= cdiv(window - 1 + 8, BLOCK_SIZE) + 1
@@ -126,7 +104,7 @@ def test_a_tight_pool_runs_more_sequences_with_the_window(mode, host):
             prompt = [int(t) for t in rng.integers(1, VOCAB, 4)]
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
                                SamplingParams(temperature=0, max_tokens=96, ignore_eos=True))
-        outs = _run(engine, max_steps=2000)
+        outs = run_checked(engine, max_steps=2000)
         assert all(len(o.outputs[0].token_ids) == 96 for o in outs.values())
         check_all_free(engine)
         return engine.scheduler.num_preemptions, max(most)
@@ -147,7 +125,7 @@ def test_forks_and_swaps_keep_dead_entries_dead():
         p = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=20, ignore_eos=True),
              SamplingParams(n=2, best_of=2, use_beam_search=True, max_tokens=12)][i % 2]
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
-    _run(engine)
+    run_checked(engine)
     check_all_free(engine)
     assert SWAP_OUT in [k for k, _, _ in engine.runner.moves], "the pool was meant to force swapping"
 

@@ -1,0 +1,291 @@
+"""The block-accounting harness: an engine core without a model, over a fake runner that keeps a *simulated* KV
+pool (every slot holds a rolling hash of the token prefix whose K/V it stands for), random workloads for it, and
+the checks of the pool, the host slots and the queues after every action (see tests/test_block_accounting.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import transformers
+from hypothesis import strategies as st
+
+from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
+from jaxpage.engine.config_builder import build_engine_config
+from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.models import config_from_hf
+from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxpage.sequence import SequenceStatus
+from jaxpage.worker.sampler import SamplerOutput
+
+VOCAB = 24  # small, so EOS (token 0) is sampled now and then and prefixes repeat
+EOS = 0
+BLOCK_SIZE = 8
+MAX_MODEL_LEN = 64
+_MOD = (1 << 61) - 1
+# The fork bug pinned by test_sibling_samples_keep_their_kv_when_the_first_stops_at_once: while it stands, the
+# property test keeps the first sample of a fresh fork from drawing EOS as its first token (else it fails now
+# and then on that one known bug). Set to False once LLMEngine.step no longer reads the parent's count.
+AVOID_KNOWN_FORK_BUG = False
+
+
+def prefix_hashes(token_ids: list[int]) -> list[int]:
+    """hash(tokens[:p + 1]) for every position p: what the K/V at p depends on. Never 0 (0 = never written)."""
+    out, h = [], 7
+    for t in token_ids:
+        h = (h * 1_000_003 + t + 1) % _MOD
+        out.append(h or 1)
+    return out
+
+
+class FakeRunner:
+    """The runner interface over a simulated KV pool (see the module docstring)."""
+
+    def __init__(self, config, num_host_blocks: int):
+        self.config = config
+        self.pool = np.zeros((config.num_kv_blocks, config.block_size), np.int64)
+        self.host = np.zeros((max(num_host_blocks, 1), config.block_size), np.int64)
+        self.num_host_blocks = num_host_blocks
+        self.block_pool = None  # set by make_engine, to check that written blocks are held
+        self.window = config.model.sliding_window if config.model.every_layer_windowed else 0
+        self.moves: list[tuple[str, int, int]] = []
+        self.max_rows = 0
+
+    def warm_up(self, progress: bool = False) -> None:
+        pass
+
+    def apply(self, ops) -> None:
+        nb = self.config.num_kv_blocks
+        for kind, src, dst in ops.batches():  # one batched gather/scatter per run of one kind, as the real runner
+            self.moves.extend((kind, s, d) for s, d in zip(src, dst))
+            if kind == COPY:
+                assert all(0 < b < nb for b in src + dst), f"copy with a bad block: {src} -> {dst}"
+                self.pool[dst] = self.pool[src].copy()
+            elif kind == SWAP_OUT:
+                assert all(0 < b < nb for b in src) and all(0 <= s < self.num_host_blocks for s in dst), (src, dst)
+                self.host[dst] = self.pool[src].copy()
+            elif kind == SWAP_IN:
+                assert all(0 <= s < self.num_host_blocks for s in src) and all(0 < b < nb for b in dst), (src, dst)
+                self.pool[dst] = self.host[src].copy()
+            else:
+                raise AssertionError(f"unknown move {kind}")
+
+    def execute(self, scheduled) -> SamplerOutput:
+        cfg, bs = self.config, self.config.block_size
+        n = len(scheduled)
+        self.max_rows = max(self.max_rows, n)
+        assert n <= cfg.max_num_seqs, f"{n} sequences in one step, max_num_seqs={cfg.max_num_seqs}"
+        assert n > 0
+        assert len({id(s.seq) for s in scheduled}) == n, "a sequence scheduled twice in one step"
+        total = sum(s.num_new_tokens for s in scheduled)
+        assert total <= cfg.max_num_batched_tokens, f"{total} tokens > budget {cfg.max_num_batched_tokens}"
+        hashes = {}
+        for s in scheduled:  # writes first (the real step writes a layer's K/V before attending)
+            seq = s.seq
+            assert s.group.status == SequenceStatus.RUNNING and not seq.is_finished
+            if s.logits_of is not None:
+                assert s.num_new_tokens == 0 and s.logits_of.seq_id != seq.seq_id
+                continue
+            first, count = seq.num_computed_tokens, s.num_new_tokens
+            assert 0 < count <= seq.num_tokens - first, (first, count, seq.num_tokens)
+            assert s.samples == (first + count == seq.num_tokens)
+            assert len(seq.block_table) * bs >= first + count, "block table too short for the chunk"
+            h = hashes[seq.seq_id] = prefix_hashes(seq.token_ids)
+            for p in range(first, first + count):
+                block = seq.block_table[p // bs]
+                assert 0 < block < cfg.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
+                self.pool[block, p % bs] = h[p]
+        for s in scheduled:  # then every sequence reads its whole context (with a window: what its chunk sees)
+            if s.logits_of is not None:
+                continue
+            seq, end = s.seq, s.seq.num_computed_tokens + s.num_new_tokens
+            h = hashes[seq.seq_id]
+            seen = range(max(0, seq.num_computed_tokens - self.window + 1) if self.window else 0, end)
+            got = {p: int(self.pool[seq.block_table[p // bs], p % bs]) for p in seen}
+            bad = [p for p in seen if got[p] != h[p]]
+            assert not bad, (f"seq {seq.seq_id} reads wrong K/V at positions {bad[:10]} (blocks "
+                             f"{[seq.block_table[p // bs] for p in bad[:10]]}, table {seq.block_table})")
+        tokens = np.zeros(n, np.int64)
+        logprobs = np.zeros(n, np.float64)
+        top_ids = np.zeros((n, MAX_LOGPROBS), np.int64)
+        top_lps = np.zeros((n, MAX_LOGPROBS), np.float64)
+        fork_parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}
+        for row, s in enumerate(scheduled):
+            src = s.logits_of or s.seq
+            rng = np.random.default_rng([prefix_hashes(src.token_ids)[-1], s.seq.seed % 5])
+            ids = rng.permutation(VOCAB)[:MAX_LOGPROBS]
+            lps = np.sort(rng.uniform(-9.0, -0.05, MAX_LOGPROBS))[::-1]
+            pick = 0 if s.group.params.temperature == 0 else int(rng.integers(0, 3))
+            if AVOID_KNOWN_FORK_BUG and id(s.seq) in fork_parents and ids[pick] == EOS:
+                pick += 1
+            top_ids[row], top_lps[row] = ids, lps
+            tokens[row], logprobs[row] = ids[pick], lps[pick]
+        return SamplerOutput(tokens, logprobs, top_ids, top_lps)
+
+
+def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
+                mode: str = "recompute", num_host_blocks: int = 0, prefix_caching: bool = True,
+                max_model_len: int = MAX_MODEL_LEN, window: int = 0) -> LLMEngine:
+    model = config_from_hf(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=max_model_len))
+    if window:  # every layer slides (Mistral)
+        model = dataclasses.replace(model, sliding_window=window, layer_types=("sliding_attention",))
+    config = build_engine_config(model, dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=None,
+                                 num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                 gpu_memory_utilization=0.9, enable_prefix_caching=prefix_caching,
+                                 preemption_mode=mode)
+    config = dataclasses.replace(config, num_host_blocks=num_host_blocks)  # a swap space in blocks, not bytes
+    runner = FakeRunner(config, num_host_blocks)
+    engine = LLMEngine(config, runner, eos_token_ids=(EOS,))
+    runner.block_pool = engine.block_pool
+    engine.refuse_unfittable = False  # these tests drive the scheduler's own safety net for groups that never fit
+    return engine
+
+
+def check_accounting(engine: LLMEngine) -> None:
+    sched, pool, kv = engine.scheduler, engine.block_pool, engine.kv
+    groups = sched.running + sched.waiting + sched.swapped
+    assert len({id(g) for g in groups}) == len(groups), "a group in two queues"
+    assert {g.request_id for g in groups} == set(engine.requests), "queues and unfinished requests differ"
+    for status, queue in ((SequenceStatus.RUNNING, sched.running), (SequenceStatus.WAITING, sched.waiting),
+                          (SequenceStatus.SWAPPED, sched.swapped)):
+        for g in queue:
+            assert g.status == status, f"{g.request_id} is {g.status} in the {status.value} queue"
+            for s in g.seqs + g.finished_seqs:
+                if s.is_finished:
+                    assert s.block_table == [], f"finished seq {s.seq_id} of {g.request_id} still holds blocks"
+            if status == SequenceStatus.WAITING:
+                assert all(s.block_table == [] for s in g.live_seqs), f"waiting {g.request_id} holds blocks"
+    tables = [s.block_table for g in sched.running for s in g.live_seqs]
+    pool.check(tables)
+    assert pool.num_free + pool.num_used == pool.num_blocks - 1
+    assert 0 <= pool.num_cached_free <= pool.num_free
+    held = {b for g in sched.swapped for s in g.live_seqs for b in s.block_table} - {NULL_HOST}
+    free_slots = list(kv.host_free)
+    assert len(set(free_slots)) == len(free_slots), f"a host slot free twice: {sorted(free_slots)}"
+    assert not held & set(free_slots), f"host slots both free and held: {sorted(held & set(free_slots))}"
+    assert all(0 <= b < kv.num_host_blocks for b in held | set(free_slots))
+    assert len(free_slots) + len(held) == kv.num_host_blocks, (
+        f"{len(free_slots)} free + {len(held)} held host slots != {kv.num_host_blocks}")
+
+
+def check_all_free(engine: LLMEngine) -> None:
+    check_accounting(engine)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1, "blocks still in use at the end"
+    assert sorted(engine.kv.host_free) == list(range(engine.kv.num_host_blocks)), "host slots still held"
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
+
+
+def _params(draw, max_num_seqs: int) -> SamplingParams:
+    kind = draw(st.sampled_from(["greedy", "sample", "best_of", "beam"]))
+    max_tokens = draw(st.integers(1, 24))
+    ignore_eos = draw(st.booleans())
+    if kind == "greedy":
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    if kind == "sample":
+        n = draw(st.integers(1, min(4, max_num_seqs)))
+        return SamplingParams(n=n, temperature=1.0, seed=draw(st.integers(0, 2**32 - 1)), max_tokens=max_tokens,
+                              ignore_eos=ignore_eos)
+    if kind == "best_of":
+        best_of = draw(st.integers(2, min(4, max_num_seqs)))
+        return SamplingParams(n=draw(st.integers(1, best_of)), best_of=best_of, temperature=0.8,
+                              max_tokens=max_tokens, ignore_eos=ignore_eos)
+    width = draw(st.integers(1, min(4, max_num_seqs)))
+    return SamplingParams(n=draw(st.integers(1, width)), best_of=width, use_beam_search=True, temperature=0.0,
+                          max_tokens=max_tokens, ignore_eos=ignore_eos,
+                          length_penalty=draw(st.sampled_from([0.0, 1.0, 2.0])))
+
+
+@st.composite
+def scenarios(draw):
+    mode = draw(st.sampled_from(["recompute", "swap"]))
+    max_num_seqs = draw(st.sampled_from([4, 8]))
+    setup = dict(
+        mode=mode,
+        num_host_blocks=draw(st.integers(0, 16)) if mode == "swap" else 0,  # small: swap sometimes falls back
+        num_kv_blocks=draw(st.integers(MAX_MODEL_LEN // BLOCK_SIZE + 1, 40)),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=draw(st.sampled_from([8, 16, 32, 64])),
+        prefix_caching=draw(st.booleans()),
+    )
+    prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=BLOCK_SIZE, max_size=40),
+                             min_size=1, max_size=3))
+    actions = []
+    for _ in range(draw(st.integers(3, 30))):
+        what = draw(st.sampled_from(["add", "add", "step", "step", "step", "abort", "preempt"]))
+        if what == "add":
+            base = draw(st.sampled_from([[]] + prefixes))
+            suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24))
+            prompt = (base + suffix)[:MAX_MODEL_LEN - 1]
+            actions.append(("add", prompt, _params(draw, max_num_seqs), draw(st.sampled_from([-1, 0, 0, 1]))))
+        elif what == "step":
+            actions.append(("step", draw(st.integers(1, 6))))
+        else:
+            actions.append((what, draw(st.integers(0, 1000))))
+    return setup, actions
+
+
+def step_checked(engine: LLMEngine, finished: set[str], params: dict) -> None:
+    for out in engine.step():
+        assert out.request_id not in finished, f"output for {out.request_id} after it finished"
+        p = params[out.request_id]
+        if out.finished:
+            finished.add(out.request_id)
+            assert len(out.outputs) == p.n
+            for c in out.outputs:
+                # "abort": a group that can never fit in the pool (e.g. samples recomputed without prefix caching)
+                assert len(c.token_ids) <= p.max_tokens and c.finish_reason in ("stop", "length", "abort")
+        check_accounting(engine)
+
+
+def play(engine: LLMEngine, actions: list[tuple]) -> None:
+    """Carries out a scenario's actions, checking the accounting after each; then drains the engine (a group
+    that still cannot fit after 300 steps is aborted) and checks that every block and host slot is free."""
+    finished: set[str] = set()
+    params: dict[str, SamplingParams] = {}
+    check_accounting(engine)
+    for i, action in enumerate(actions):
+        kind = action[0]
+        if kind == "add":
+            _, prompt, p, priority = action
+            params[f"r{i}"] = p
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p, priority=priority)
+        elif kind == "step":
+            for _ in range(action[1]):
+                step_checked(engine, finished, params)
+        elif kind == "abort":
+            ids = sorted(engine.requests)
+            if ids:
+                engine.abort_request(ids[action[1] % len(ids)])
+        elif kind == "preempt":
+            running = engine.scheduler.running
+            if running:
+                engine.scheduler.preempt(running[action[1] % len(running)])
+        check_accounting(engine)
+    for _ in range(300):  # drain; whatever is left after that (a group that cannot fit) is aborted
+        if not engine.has_unfinished_requests():
+            break
+        step_checked(engine, finished, params)
+    for request_id in sorted(engine.requests):
+        engine.abort_request(request_id)
+        check_accounting(engine)
+    engine.step()  # applies any moves still queued; schedules nothing
+    check_all_free(engine)
+
+
+def run_checked(engine: LLMEngine, max_steps: int = 500) -> dict:
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
+        for out in engine.step():
+            check_accounting(engine)
+            if out.finished:
+                finished[out.request_id] = out
+    s = engine.stats()
+    pytest.fail(f"no progress after {max_steps} steps: running={s['num_running']} waiting={s['num_waiting']} "
+                f"swapped={s['num_swapped']} free blocks={s['num_free_blocks']}/{s['num_blocks']} "
+                f"preemptions={s['num_preemptions']}")
