@@ -20,7 +20,7 @@ def main() -> None:
     from jaxpage.attention.kv_cache import allocate_kv_pool
     from jaxpage.models.loader import default_cache_dir, default_model_path, load_model
     from jaxpage.models import cast_weights, config_from_hf, quant
-    from tests.test_weight_quant import SEGMENT, agreement, teacher_forced_log_probs, varied_segments
+    from benchmarks.quality import SEGMENT, agreement, teacher_forced_log_probs, varied_segments
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -116,7 +116,7 @@ VARIANTS = {
 def smollm2_quality():
     """(config, params, segments, float32 reference hidden states), the model loaded without an engine."""
     from jaxpage.models.loader import default_cache_dir, load_model
-    from tests import quality
+    from benchmarks import quality
 
     loaded = load_model(None, default_cache_dir())
     # 64-token blocks: the XLA path walks (token, page) pairs, 4x fewer than with 16 (quality does not depend on it)
@@ -129,7 +129,7 @@ def smollm2_quality():
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_teacher_forced_quality_against_float32(smollm2_quality, name):
-    from tests import quality
+    from benchmarks import quality
 
     options, min_top1, max_kl = VARIANTS[name]
     config, params, segments, reference = smollm2_quality

@@ -7,7 +7,6 @@ Every run draws fresh random inputs (set JAXPAGE_TEST_SEED to replay one); the s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import random
 
@@ -16,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.quality import SEGMENT, SOURCES, agreement, teacher_forced_log_probs, varied_segments
 from jaxpage.config import ModelConfig
-from jaxpage.models import TokenBatch, abstract_params, cast_weights, compute_logits, forward_hidden, quantize_params
+from jaxpage.models import abstract_params, cast_weights, quantize_params
 from jaxpage.models.layers import Linear
 from jaxpage.models.quant import building, int8_dot_weight_only, quantize_int8
-from tests.quality import SEGMENT, SOURCES, varied_segments
 
 SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
 # prose, Python, a results table of numbers, a protobuf IDL: four kinds of text, SEGMENT tokens each
@@ -105,34 +104,6 @@ def test_quantized_weights_fit_the_quantized_graph_and_a_tied_head_becomes_int8(
 
 
 # --- SmolLM2: teacher-forced quality against transformers float32 ---------------------------------------------
-def one_sequence_batch(n: int, block_size: int, max_blocks: int) -> TokenBatch:
-    pos = np.arange(n, dtype=np.int32)
-    tables = np.zeros((1, max_blocks), np.int32)
-    tables[0, :-(-n // block_size)] = 1 + np.arange(-(-n // block_size))
-    return TokenBatch(np.zeros(n, np.int32), pos, (tables[0, pos // block_size] * block_size + pos % block_size),
-                      np.zeros(n, np.int32), tables, np.zeros(1, np.int32))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _log_probs(model_cfg, params, pool, batch):
-    hidden, _ = forward_hidden(model_cfg, params, pool, batch)
-    return jax.nn.log_softmax(compute_logits(model_cfg, params, hidden))
-
-
-def teacher_forced_log_probs(model_cfg, params, pool, ids: list[int], block_size: int) -> np.ndarray:
-    """log-softmax [n, V] at every position of ``ids``, one sequence on blocks 1, 2, ... of ``pool``."""
-    batch = one_sequence_batch(len(ids), block_size, pool.shape[1] - 1)
-    batch = dataclasses.replace(batch, token_ids=np.asarray(ids, np.int32))
-    return np.asarray(_log_probs(model_cfg, params, pool, batch))
-
-
-def agreement(ref_log_probs: np.ndarray, log_probs: np.ndarray) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(reference || ours) in nats) over the positions."""
-    top1 = float(np.mean(ref_log_probs.argmax(-1) == log_probs.argmax(-1)))
-    kl = np.sum(np.exp(ref_log_probs) * (ref_log_probs - log_probs), axis=-1, dtype=np.float64)
-    return top1, float(kl.mean())
-
-
 @pytest.fixture(scope="module")
 def smollm2_int8():
     """(ModelConfig with quantization, int8 weights in a float32 engine) through the loader and its cache."""

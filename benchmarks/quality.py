@@ -1,11 +1,14 @@
-"""Teacher-forced quality of a quantized configuration against the float32 one, on varied text.
+"""Teacher-forced quality of a quantized configuration against the float32 one, on varied text (for the tests
+and benchmarks/weight_quant_quality.py).
 
 A variant is a set of options (today ``kv_cache_dtype``; int8 weights add their own key): ``variant_pool`` and
 ``variant_params`` turn it into the pool and the weights the forward pass runs on, so a new quantization is one
-more key handled there and one more row in test_kv_quant.VARIANTS.
+more key handled there and one more row in tests/test_kv_quant.py's VARIANTS. ``teacher_forced_log_probs`` and
+``agreement`` measure one sequence against a reference's log-probabilities (int8 weights against transformers).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -84,3 +87,31 @@ def quality(config, params, segments, variant: dict, reference: jax.Array, chunk
         a, k = _compare(config.model, params, ours, reference[i:i + chunk], hidden[i:i + chunk])
         agree, kl = agree + float(a), kl + float(k)
     return {"top1": agree / hidden.shape[0], "kl": kl / hidden.shape[0], "tokens": int(hidden.shape[0])}
+
+
+def one_sequence_batch(n: int, block_size: int, max_blocks: int) -> TokenBatch:
+    pos = np.arange(n, dtype=np.int32)
+    tables = np.zeros((1, max_blocks), np.int32)
+    tables[0, :-(-n // block_size)] = 1 + np.arange(-(-n // block_size))
+    return TokenBatch(np.zeros(n, np.int32), pos, (tables[0, pos // block_size] * block_size + pos % block_size),
+                      np.zeros(n, np.int32), tables, np.zeros(1, np.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _log_probs(model_cfg, params, pool, batch):
+    hidden, _ = forward_hidden(model_cfg, params, pool, batch)
+    return jax.nn.log_softmax(compute_logits(model_cfg, params, hidden))
+
+
+def teacher_forced_log_probs(model_cfg, params, pool, ids: list[int], block_size: int) -> np.ndarray:
+    """log-softmax [n, V] at every position of ``ids``, one sequence on blocks 1, 2, ... of ``pool``."""
+    batch = one_sequence_batch(len(ids), block_size, pool.shape[1] - 1)
+    batch = dataclasses.replace(batch, token_ids=np.asarray(ids, np.int32))
+    return np.asarray(_log_probs(model_cfg, params, pool, batch))
+
+
+def agreement(ref_log_probs: np.ndarray, log_probs: np.ndarray) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(reference || ours) in nats) over the positions."""
+    top1 = float(np.mean(ref_log_probs.argmax(-1) == log_probs.argmax(-1)))
+    kl = np.sum(np.exp(ref_log_probs) * (ref_log_probs - log_probs), axis=-1, dtype=np.float64)
+    return top1, float(kl.mean())
