@@ -5,7 +5,7 @@ token bookkeeping, detokenization and the streamed (delta) outputs of every requ
 
     python benchmarks/host_overhead.py [--seqs 256] [--steps 200] [--json out.json]
 
-A stand-in runner builds the real flat batch (jaxpage.worker.input_batch.build_batch, over a persistent InputBatch as
+The stand-in runner (benchmarks/stand_in.py) builds the real flat batch (jaxpage.worker.input_batch.build_batch, over a persistent InputBatch as
 ModelRunner keeps one) and returns a token per row, so everything the host does per step is timed, and nothing
 of the device.
 """
@@ -17,40 +17,20 @@ import json
 import platform
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-from transformers import LlamaConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxpage.engine.config_builder import build_engine_config
-from jaxpage.models import config_from_hf
-from jaxpage.engine.llm_engine import LLMEngine
-from jaxpage.worker.input_batch import InputBatch, build_batch
-from jaxpage.worker.sampler import SamplerOutput
-from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
+import numpy as np  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
 
-
-class BatchOnlyRunner:
-    """Builds the batch as the real runner does; 'samples' token 7 for every row."""
-
-    def __init__(self, config):
-        self.config = config
-        self.input_batch = InputBatch(config)  # as ModelRunner keeps it between steps
-        self.build_seconds: list[float] = []
-
-    def warm_up(self, progress: bool = True) -> None:
-        pass
-
-    def apply(self, ops) -> None:
-        pass
-
-    def execute(self, scheduled):
-        t = time.perf_counter()
-        build_batch(self.config, scheduled, (), self.input_batch)
-        self.build_seconds.append(time.perf_counter() - t)
-        n = len(scheduled)
-        return SamplerOutput(np.full(n, 7), np.zeros(n), np.zeros((n, MAX_LOGPROBS), int),
-                             np.zeros((n, MAX_LOGPROBS)))
+from benchmarks.stand_in import StandInRunner  # noqa: E402
+from jaxpage.engine.config_builder import build_engine_config  # noqa: E402
+from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxpage.models import config_from_hf  # noqa: E402
+from jaxpage.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -66,7 +46,7 @@ def main() -> None:
     config = build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None,
                                  num_kv_blocks=args.seqs * 64 + 1, max_num_seqs=args.seqs,
                                  max_num_batched_tokens=4096, max_model_len=2048, gpu_memory_utilization=0.9)
-    runner = BatchOnlyRunner(config)
+    runner = StandInRunner(config, build_batches=True)
     engine = LLMEngine(config, runner)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True, output_kind="delta")  # as served

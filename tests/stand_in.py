@@ -1,45 +1,20 @@
 """A model-less engine for tests that need the engine core or the server but not a model: it starts in a second.
 
-The stand-in runner "samples" token 7 for every row (with top log-probabilities 7, 8, ... for beam search); an
-optional flag file makes the step raise, as a device error would: once (the file is removed), or on every
-step while the file says "always".
+The stand-in runner (benchmarks/stand_in.py) "samples" token 7 for every row (with top log-probabilities 7, 8, ...
+for beam search); an optional flag file makes the step raise, as a device error would: once (the file is
+removed), or on every step while the file says "always".
 """
 from __future__ import annotations
 
 import os
-import time
 
-import numpy as np
 from transformers import LlamaConfig
 
+from benchmarks.stand_in import TOKEN, StandInRunner  # noqa: F401 - TOKEN: what the stand-in engine generates
 from jaxpage.engine.async_engine import AsyncEngine
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf
 from jaxpage.engine.llm_engine import LLMEngine
-from jaxpage.worker.sampler import SamplerOutput
-from jaxpage.sampling_params import MAX_LOGPROBS
-
-TOKEN = 7
-
-
-class StandInRunner:
-    def __init__(self, step_seconds: float = 0.0):
-        self.step_seconds = step_seconds
-        self.steps = 0
-
-    def warm_up(self, progress=True):
-        pass
-
-    def apply(self, ops):
-        pass
-
-    def execute(self, scheduled):
-        self.steps += 1
-        time.sleep(self.step_seconds)
-        n = len(scheduled)
-        top_ids = np.tile(np.arange(TOKEN, TOKEN + MAX_LOGPROBS), (n, 1))
-        top_logprobs = np.tile(-np.arange(1, MAX_LOGPROBS + 1, dtype=np.float64), (n, 1))
-        return SamplerOutput(np.full(n, TOKEN), np.full(n, -1.0), top_ids, top_logprobs)
 
 
 def make_engine(*, num_kv_blocks: int = 257, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
@@ -52,7 +27,7 @@ def make_engine(*, num_kv_blocks: int = 257, max_num_seqs: int = 8, max_num_batc
                                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                  gpu_memory_utilization=0.9, max_seqs_per_request=max_seqs_per_request)
-    engine = LLMEngine(config, StandInRunner(step_seconds), eos_token_ids=(0,), model_name="stand-in")
+    engine = LLMEngine(config, StandInRunner(step_seconds=step_seconds), eos_token_ids=(0,), model_name="stand-in")
     if fail_flag is not None:
         step = engine.step
 
