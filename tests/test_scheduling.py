@@ -24,6 +24,7 @@ from transformers import LlamaConfig
 from jaxpage import LLM, SamplingParams
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.engine.llm_engine import LLMEngine
+from tests.factories import engine_options
 from tests.reference import NEAR_TIE, hf_logits, save_random_model
 
 SEED = int(os.environ.get("JAXPAGE_TEST_SEED") or random.randrange(2**31))
@@ -32,9 +33,9 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 768
 NUM_KV_BLOCKS = 720  # 16 sequences of up to 700 tokens (the KV-waste workload) without preemption
 SWAP_SPACE = 1 << 20  # bytes: 128 host blocks of this model
-ENGINE_OPTIONS = dict(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=16, max_num_batched_tokens=64,
-                      max_model_len=MAX_MODEL_LEN, dtype="float32", preemption_mode="swap", swap_space=SWAP_SPACE,
-                      progress=False)
+ENGINE_OPTIONS = engine_options(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=16,
+                                max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, preemption_mode="swap",
+                                swap_space=SWAP_SPACE)
 # beam search settings: (beam width, n, length_penalty, max_tokens); n = W ones check the whole final order, which
 # the length penalty decides among hypotheses that ended on EOS at different lengths
 BEAM_SETTINGS = [(2, 2, 1.0, 8), (3, 3, 0.5, 10), (4, 4, 2.0, 8), (4, 2, 1.0, 10), (3, 1, 0.0, 6), (2, 1, 1.5, 12)]
