@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 from jaxpage.models.loader import default_model_path
+from tests.factories import WITHOUT_TORCH
 
 TEXTS = ["The capital of France is", " hello  world\n\n\u00fc\u00f1 \u65e5\u672c\u8a9e <|im_start|>x<|im_end|>", "", "1234567"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
-NO_TORCH = """
-import json, sys
-sys.modules["torch"] = None  # every `import torch` now fails, as on a machine without it
+NO_TORCH = WITHOUT_TORCH + """
+import json
 from pathlib import Path
 from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
 from jaxpage.models.loader import _load_tokenizer
