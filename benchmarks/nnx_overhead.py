@@ -31,11 +31,16 @@ def measure() -> dict:
     import jax
     import numpy as np
 
-    from jaxpage.engine.config_builder import build_engine_config
-    from jaxpage.models.loader import default_cache_dir, load_model
-    from jaxpage.worker.model_runner import ModelRunner
-    from jaxpage.worker.step import abstract_step_inputs
     from jaxpage.config import ModelConfig
+    try:  # the layer folders (issue 23)
+        from jaxpage.engine.config_builder import build_engine_config
+        from jaxpage.models.loader import default_cache_dir, load_model
+        from jaxpage.worker.model_runner import ModelRunner
+        from jaxpage.worker.step import abstract_step_inputs
+    except ImportError:  # the revisions this script compares: one flat jaxpage/
+        from jaxpage.config import build_engine_config
+        from jaxpage.model_loader import default_cache_dir, load_model
+        from jaxpage.model_runner import ModelRunner, abstract_step_inputs
     if hasattr(ModelConfig, "from_hf"):  # the baseline
         config_from_hf = ModelConfig.from_hf
     else:
