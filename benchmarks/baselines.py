@@ -28,15 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.workloads import Workload
+from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool
 from jaxpage.config import ModelConfig, pick_bucket
 from jaxpage.engine.config_builder import build_engine_config
-from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool
 from jaxpage.models import TokenBatch
-from jaxpage.worker.step import jit_step
-from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
 from jaxpage.structured.manager import bitmask_words
-
-from benchmarks.workloads import Workload
+from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
+from jaxpage.worker.step import jit_step
 
 
 @dataclasses.dataclass

@@ -251,8 +251,8 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
 
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
     """The runner's copy-on-write copy and swap gather/scatter of whole blocks, on the pool in its format."""
-    from jaxpage.attention.kv_cache import abstract_kv_pool
     from jaxpage.attention.block_moves import BlockMoves
+    from jaxpage.attention.kv_cache import abstract_kv_pool
 
     config = config or engine_config(model)
     moves = BlockMoves.jit(tpu_device(chip), config.kv_dtype)

@@ -222,9 +222,9 @@ def tp_step_case(tp: int = 4) -> LoweringCase:
     module)."""
     from benchmarks.random_model import LLAMA3_8B
     from jaxpage.attention.kv_cache import abstract_kv_pool
-    from jaxpage.worker.step import abstract_step_inputs, jit_step
-    from jaxpage.models import abstract_params
     from jaxpage.distributed.parallel import placement
+    from jaxpage.models import abstract_params
+    from jaxpage.worker.step import abstract_step_inputs, jit_step
 
     config = gpu_engine_config(LLAMA3_8B, "bfloat16", 4096, 64, 256, 1024, tensor_parallel_size=tp)
     num_tokens = config.token_buckets()[0]

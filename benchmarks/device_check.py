@@ -33,8 +33,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import kernel_bench, random_model, throughput, workloads  # noqa: E402
-from jaxpage.worker.compile_cache import enable_compilation_cache  # noqa: E402
 from jaxpage.models.loader import default_cache_dir  # noqa: E402
+from jaxpage.worker.compile_cache import enable_compilation_cache  # noqa: E402
 from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_reference  # noqa: E402
 
 FULL = dict(heads=((32, 8, 128, 16, "bfloat16"), (9, 3, 64, 16, "float32")), model=random_model.LLAMA3_8B,

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.launch import free_port, spawn, wait_serving  # noqa: E402
 from serving import generation_pb2 as pb  # noqa: E402
 from serving import generation_pb2_grpc as pb_grpc  # noqa: E402
-from benchmarks.launch import free_port, spawn, wait_serving  # noqa: E402
 
 
 def make_prompts(args, round_index: int, n: int) -> list[list[int]]:

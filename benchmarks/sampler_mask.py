@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch, sample
 from jaxpage.distributed.vocab_shard import VocabShard
+from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch, sample
 
 S, V, W = 32, 49152, 1536  # rows, SmolLM2's vocabulary, bitmask words
 

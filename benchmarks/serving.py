@@ -59,9 +59,9 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import workloads  # noqa: E402
+from benchmarks.launch import free_port, spawn, wait_serving  # noqa: E402
 from serving import generation_pb2 as pb  # noqa: E402
 from serving import generation_pb2_grpc as pb_grpc  # noqa: E402
-from benchmarks.launch import free_port, spawn, wait_serving  # noqa: E402
 
 QUICK = dict(rates=[2.0], num_requests=[4], max_tokens=8, max_model_len=256, max_num_seqs=8,
              max_num_batched_tokens=64)

@@ -21,9 +21,9 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.launch import free_port, spawn, wait_serving
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from benchmarks.launch import free_port, spawn, wait_serving
 
 
 def rss_mib(pid: int) -> float:

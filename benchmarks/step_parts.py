@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from jaxpage import LLM
-from jaxpage.worker.step import abstract_step_inputs
 from jaxpage.models import compute_logits, top_weights
+from jaxpage.worker.step import abstract_step_inputs
 
 OPTIONS = dict(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=1024, dtype="float32",
                kv_cache_memory=256 << 20, progress=False)

@@ -17,10 +17,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxpage.attention.kv_cache import allocate_kv_pool
-    from jaxpage.models.loader import default_cache_dir, default_model_path, load_model
-    from jaxpage.models import cast_weights, config_from_hf, quant
     from benchmarks.quality import SEGMENT, agreement, teacher_forced_log_probs, varied_segments
+    from jaxpage.attention.kv_cache import allocate_kv_pool
+    from jaxpage.models import cast_weights, config_from_hf, quant
+    from jaxpage.models.loader import default_cache_dir, default_model_path, load_model
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

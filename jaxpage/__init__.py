@@ -1,6 +1,6 @@
 """jaxpage: PagedAttention LLM serving in JAX."""
-from jaxpage.entrypoints.llm import LLM
 from jaxpage.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.structured_outputs import StructuredOutputsParams

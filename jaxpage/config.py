@@ -10,6 +10,7 @@ import numpy as np
 from jaxpage.utils import cdiv
 from pallas_kernels.quant import STORED_DTYPES
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The shapes and constants of a model, read off a transformers config by its architecture's module

@@ -11,8 +11,8 @@ The engine's own XLA path lives in jaxpage.attention.backends.
 """
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.kv_write_tpu import write_kv_tpu
-from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import paged_decode_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.tpu_decode import paged_decode_attention_tpu
 

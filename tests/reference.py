@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxpage.models import TokenBatch, compute_logits, forward_hidden
 from jaxpage.distributed.parallel import with_mesh
+from jaxpage.models import TokenBatch, compute_logits, forward_hidden
 
 NEAR_TIE = 1e-3
 

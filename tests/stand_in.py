@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 from benchmarks.stand_in import TOKEN, StandInRunner  # noqa: F401 - TOKEN: what the stand-in engine generates
 from jaxpage.engine.async_engine import AsyncEngine
 from jaxpage.engine.config_builder import build_engine_config
-from jaxpage.models import config_from_hf
 from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.models import config_from_hf
 
 
 def make_engine(*, num_kv_blocks: int = 257, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,

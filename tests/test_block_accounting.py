@@ -32,8 +32,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 from jaxpage.core.kv_cache_manager import COPY, SWAP_OUT
 from jaxpage.sampling_params import SamplingParams
-from tests.simulated_kv import (EOS, VOCAB, check_accounting, check_all_free, make_engine, play, run_checked,
-                                scenarios)
+from tests.simulated_kv import EOS, VOCAB, check_accounting, check_all_free, make_engine, play, run_checked, scenarios
 
 
 # --- the property test ------------------------------------------------------------------------------

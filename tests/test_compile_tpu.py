@@ -137,8 +137,7 @@ def test_qwen3_moe_block_compiles_for_v5e():
 
 def test_shapes_are_the_real_models():
     """The lane's SmolLM2 config is the GGUF file's, and abstract_params has the loaded weights' shapes."""
-    from jaxpage.models import config_from_hf
-    from jaxpage.models import abstract_params
+    from jaxpage.models import abstract_params, config_from_hf
     from jaxpage.models.loader import default_cache_dir, load_model
 
     loaded = load_model(None, default_cache_dir())

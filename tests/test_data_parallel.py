@@ -41,12 +41,12 @@ if IN_CHILD:
     import numpy as np
     from prometheus_client.parser import text_string_to_metric_families
 
+    from benchmarks.launch import free_port, spawn, wait_serving
     from jaxpage import LLM, SamplingParams
     from jaxpage.engine.arg_utils import EngineArgs
     from jaxpage.engine.data_parallel import DataParallelEngine
     from serving import generation_pb2 as pb
     from serving import generation_pb2_grpc as pb_grpc
-    from benchmarks.launch import free_port, spawn, wait_serving
     from tests.factories import EIGHT_HEADS, engine_options, tiny_llama
     from tests.reference import save_random_model
 

@@ -129,10 +129,10 @@ def test_min_tokens_bans_eos_and_every_stop_id_however_many():
     """A fixed ban list of 16 used to drop EOS once 16 stop ids filled it (EOS went last)."""
     import jax.numpy as jnp
 
-    from jaxpage.worker.input_batch import build_batch
-    from jaxpage.worker.sampler import sample
     from jaxpage.core.scheduler_output import ScheduledSeq
     from jaxpage.sequence import Sequence, SequenceGroup
+    from jaxpage.worker.input_batch import build_batch
+    from jaxpage.worker.sampler import sample
 
     engine = make_engine()
     stops = list(range(100, 100 + MAX_STOP_TOKEN_IDS))

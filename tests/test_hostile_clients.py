@@ -16,9 +16,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.launch import health_status, wait_serving
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from benchmarks.launch import health_status, wait_serving
 from tests.servers import SERVING, START_TIMEOUT, greedy, start
 
 FLAGS = ["--max-model-len", "2048", "--num-kv-blocks", "129", "--max-num-seqs", "16",

@@ -30,9 +30,15 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference, paged_decode_attention_tpu,
-                            ragged_paged_attention_gpu, ragged_paged_attention_reference, ragged_paged_attention_tpu,
-                            write_kv_tpu)
+from pallas_kernels import (
+    paged_decode_attention_gpu,
+    paged_decode_attention_reference,
+    paged_decode_attention_tpu,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_reference,
+    ragged_paged_attention_tpu,
+    write_kv_tpu,
+)
 from pallas_kernels.quant import STORED_DTYPES, pool_parts, quantize, with_parts
 from pallas_kernels.reference import write_kv
 

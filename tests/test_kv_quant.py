@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from transformers import LlamaConfig
 
-from jaxpage.engine.config_builder import build_engine_config
-from jaxpage.attention.kv_cache import allocate_kv_pool, bytes_per_block, host_kv_pool
 from jaxpage.attention.block_moves import BlockMoves, store_blocks
+from jaxpage.attention.kv_cache import allocate_kv_pool, bytes_per_block, host_kv_pool
+from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf
 from pallas_kernels.quant import FP8, ScaledPool, dequantize, quantize
 
@@ -115,8 +115,8 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def smollm2_quality():
     """(config, params, segments, float32 reference hidden states), the model loaded without an engine."""
-    from jaxpage.models.loader import default_cache_dir, load_model
     from benchmarks import quality
+    from jaxpage.models.loader import default_cache_dir, load_model
 
     loaded = load_model(None, default_cache_dir())
     # 64-token blocks: the XLA path walks (token, page) pairs, 4x fewer than with 16 (quality does not depend on it)

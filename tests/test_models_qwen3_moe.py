@@ -26,8 +26,14 @@ from jaxpage.models import config_from_hf, stack_layers
 from jaxpage.models.moe import MoE
 from tests.factories import SEED, Case, RandomModel, engine_options, random_model
 from tests.gguf_writer import write_gguf
-from tests.reference import (assert_greedy_matches, assert_logits_close_by_position, hf_greedy, hf_logits,
-                             paged_logits, save_random_model)
+from tests.reference import (
+    assert_greedy_matches,
+    assert_logits_close_by_position,
+    hf_greedy,
+    hf_logits,
+    paged_logits,
+    save_random_model,
+)
 
 PROMPT_LEN = 17  # one block and one token
 NEW_TOKENS = 10

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.launch import free_port, spawn, wait_serving
 from jaxpage import LLM, SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from benchmarks.launch import free_port, spawn, wait_serving
 from tests.factories import EIGHT_HEADS, engine_options, tiny_llama
 from tests.reference import save_random_model
 
@@ -114,8 +114,8 @@ def test_two_processes_serve_one_devices_tokens_and_stop_together(model_dir, cac
 
 
 def test_distributed_options_come_from_flags_then_jax_environment(monkeypatch):
-    from serving.cli import build_parser
     from jaxpage.worker.multihost import DistributedArgs, initialize
+    from serving.cli import build_parser
 
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "4")

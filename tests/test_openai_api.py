@@ -24,10 +24,10 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.launch import free_port, spawn, wait_serving
 from jaxpage import SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from benchmarks.launch import free_port, spawn, wait_serving
 from tests.servers import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, Server
 
 NAMES = ["smollm2-test", "another-name"]  # --served-model-name

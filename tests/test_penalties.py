@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage import SamplingParams
+from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.distributed.vocab_shard import VocabShard
+from jaxpage.sequence import Sequence, SequenceGroup
 from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.sampler import _apply_penalties
-from jaxpage.distributed.vocab_shard import VocabShard
-from jaxpage.core.scheduler_output import ScheduledSeq
-from jaxpage.sequence import Sequence, SequenceGroup
+from tests.compiles import CompileCounter
 from tests.reference import NEAR_TIE, hf_logits
 from tests.stand_in import make_engine
-from tests.compiles import CompileCounter
 
 
 def penalized(logits: np.ndarray, token_ids: list[int], num_prompt: int, p: SamplingParams) -> np.ndarray:

@@ -30,6 +30,7 @@ from jaxpage import LLM, SamplingParams
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden, stack_layers, unstack_layers
 from tests.factories import SEED, Case, RandomModel, engine_options, random_model
 from tests.reference import assert_logits_close_by_position, first_near_tie, hf_greedy
+
 BLOCK_SIZE = 16
 PROMPT_LENS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1)
 NEW_TOKENS = 20

@@ -10,8 +10,15 @@ import pytest
 
 from jaxpage.sampling_params import SamplingParams
 from serving.metrics import Metrics
-from serving.requests import (DuplicateRequestError, EngineDiedError, InvalidRequestError, NotServingError,
-                              QueueFullError, RequestLifecycle, RequestTooLargeError)
+from serving.requests import (
+    DuplicateRequestError,
+    EngineDiedError,
+    InvalidRequestError,
+    NotServingError,
+    QueueFullError,
+    RequestLifecycle,
+    RequestTooLargeError,
+)
 from tests.stand_in import TOKEN, make_async_engine
 
 

@@ -20,10 +20,10 @@ import time
 import grpc
 import pytest
 
+from benchmarks.launch import ROOT, health_status, wait_serving
 from jaxpage import SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from benchmarks.launch import ROOT, health_status, wait_serving
 from tests.servers import ENGINE_FLAGS, NOT_SERVING, SERVING, STAND_IN_SERVER, START_TIMEOUT, greedy, start
 
 

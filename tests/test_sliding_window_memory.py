@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxpage.core.block_pool import BlockPool
 from jaxpage.attention.kv_cache import NULL_BLOCK
+from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import SWAP_OUT, KVCacheManager
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence

@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 from transformers import GPT2Config, LlamaConfig, MistralConfig
 
-from jaxpage.core.block_pool import BlockPool
+from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.config import ModelConfig
+from jaxpage.core.block_pool import BlockPool
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf, params_from_hf_state
-from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
 
 
 def test_block_pool_hands_out_each_block_once_and_never_the_null_block():

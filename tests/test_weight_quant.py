@@ -107,8 +107,8 @@ def test_quantized_weights_fit_the_quantized_graph_and_a_tied_head_becomes_int8(
 @pytest.fixture(scope="module")
 def smollm2_int8():
     """(ModelConfig with quantization, int8 weights in a float32 engine) through the loader and its cache."""
-    from jaxpage.models.loader import default_cache_dir, load_model
     from jaxpage.models import config_from_hf
+    from jaxpage.models.loader import default_cache_dir, load_model
 
     loaded = load_model(None, default_cache_dir(), "int8")
     cfg = dataclasses.replace(config_from_hf(loaded.hf_config), quantization="int8")
@@ -174,12 +174,12 @@ def test_get_model_info_and_v1_models_report_the_quantization():
     import asyncio
     import types
 
-    from serving.metrics import Metrics
+    from jaxpage.engine.config_builder import build_engine_config
+    from serving import generation_pb2 as pb
     from serving.grpc_service import GenerationService
+    from serving.metrics import Metrics
     from serving.openai_api import OpenAIServing
     from serving.requests import RequestLifecycle
-    from serving import generation_pb2 as pb
-    from jaxpage.engine.config_builder import build_engine_config
 
     for quantization, reported in (("int8", "int8"), (None, "")):
         config = build_engine_config(_tiny_config(tie_word_embeddings=True), dtype="float32", block_size=16,

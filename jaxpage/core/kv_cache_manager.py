@@ -16,11 +16,10 @@ import dataclasses
 import os
 from collections.abc import Iterable
 
-from jaxpage.core.block_pool import BlockPool, hash_block
 from jaxpage.attention.kv_cache import NULL_BLOCK
+from jaxpage.core.block_pool import BlockPool, hash_block
 from jaxpage.sequence import Sequence
 from jaxpage.utils import cdiv
-
 
 COPY, SWAP_OUT, SWAP_IN = "copy", "swap_out", "swap_in"
 NULL_HOST = -1  # a dead block in a swapped sequence's table of host slots (host slot 0 is a real one)

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxpage.core.beam_search import beam_search_step
 from jaxpage.config import EngineConfig
+from jaxpage.core.beam_search import beam_search_step
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from jaxpage.core.stop import check_stop

@@ -15,11 +15,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-
-from jaxpage.distributed.vocab_shard import VocabShard
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.distributed.vocab_shard import VocabShard
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 POOL_SPEC = P(None, None, None, MODEL_AXIS, None, None)  # the pool's KV head axis

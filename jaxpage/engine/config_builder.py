@@ -8,11 +8,18 @@ import jax
 
 from jaxpage.attention import kv_cache
 from jaxpage.attention.backends import resolve_backend
+from jaxpage.config import (
+    KV_CACHE_DTYPES,
+    EngineConfig,
+    ModelConfig,
+    check_quantization,
+    kv_storage_dtype,
+    require,
+    resolve_dtype,
+)
 from jaxpage.core.scheduler import PREEMPTION_MODES
-from jaxpage.config import (KV_CACHE_DTYPES, EngineConfig, ModelConfig, check_quantization, kv_storage_dtype,
-                            require, resolve_dtype)
-from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
+from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.utils import cdiv
 from pallas_kernels.kv_write_tpu import tile_rows
 
@@ -50,18 +57,18 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     num_kv_blocks = _num_kv_blocks(model, block_size, kv_dtype, max_model_len, num_kv_blocks, kv_cache_memory,
                                    gpu_memory_utilization, tensor_parallel_size, group)
     require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode, "must be 'recompute' or 'swap'")
-    require(min(max_seqs_per_request or max_num_seqs, max_num_seqs) >= 1, "max_seqs_per_request",
-            max_seqs_per_request, "must be >= 1")
     per_block = kv_cache.bytes_per_block(model, block_size, kv_dtype)
     num_host_blocks = swap_space // per_block if preemption_mode == "swap" else 0
-    return EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens,
-                        attention_backend=backend, scan_layers=scan_layers,
-                        tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-                        data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
-                        enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
-                        num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request)
+    config = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          attention_backend=backend, scan_layers=scan_layers,
+                          tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+                          data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
+                          enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
+                          num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request)
+    require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
+    return config
 
 
 def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_rank: int = 0) -> EngineConfig:
@@ -82,11 +89,11 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
 def _check_tpu_tiles(backend: str, kv_dtype, block_size: int, max_num_batched_tokens: int) -> None:
     if backend == "pallas_tpu" or jax.default_backend() == "tpu":  # every TPU step writes with write_kv_tpu
         require(block_size % tile_rows(kv_dtype) == 0, "block_size", block_size,
-                 f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
-                 f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
+                f"must be a multiple of {tile_rows(kv_dtype)} for a {kv_dtype} KV cache on TPU (its K/V write "
+                f"moves whole ({tile_rows(kv_dtype)}, 128) tiles of a page)")
     if backend == "pallas_tpu":
         require(max_num_batched_tokens % 8 == 0, "max_num_batched_tokens", max_num_batched_tokens,
-                 "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
+                "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
 
 
 def _num_kv_blocks(model: ModelConfig, block_size: int, kv_dtype, max_model_len: int, num_kv_blocks: int | None,
@@ -97,8 +104,8 @@ def _num_kv_blocks(model: ModelConfig, block_size: int, kv_dtype, max_model_len:
     if num_kv_blocks is not None:
         needed = cdiv(max_model_len, block_size) + 1
         require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
-                 f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
-                 f"blocks of {block_size} tokens, plus the null block")
+                f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
+                f"blocks of {block_size} tokens, plus the null block")
         return num_kv_blocks
     devices = make_mesh(tensor_parallel_size, group).devices.flat
     budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator
 
+from jaxpage.distributed.parallel import device_group
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.async_engine import AsyncEngine
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
-from jaxpage.distributed.parallel import device_group
 from jaxpage.sampling_params import SamplingParams
 
 _RATIOS = ("kv_waste", "kv_waste_at_peak")  # not summed: recomputed, or the worst replica's

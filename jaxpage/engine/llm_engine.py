@@ -7,23 +7,23 @@ import os
 import time
 from pathlib import Path
 
-from jaxpage.engine.arg_utils import EngineArgs
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.worker.compile_cache import enable_compilation_cache
-from jaxpage.config import EngineConfig
-from jaxpage.engine.config_builder import engine_config_from_args
 from jaxpage.attention.kv_cache import NULL_BLOCK
+from jaxpage.config import EngineConfig
+from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.models.loader import default_cache_dir, load_model
-from jaxpage.worker.multihost import runner_class
-from jaxpage.models import config_from_hf
+from jaxpage.core.scheduler import Scheduler
+from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.engine.config_builder import engine_config_from_args
 from jaxpage.engine.output_processor import OutputProcessor
+from jaxpage.models import config_from_hf
+from jaxpage.models.loader import default_cache_dir, load_model
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.core.scheduler import Scheduler
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
 from jaxpage.structured.manager import StructuredOutputManager
 from jaxpage.utils import cdiv
+from jaxpage.worker.compile_cache import enable_compilation_cache
+from jaxpage.worker.multihost import runner_class
 
 log = logging.getLogger(__name__)
 

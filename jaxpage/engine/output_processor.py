@@ -6,11 +6,11 @@ import dataclasses
 import logging
 
 from jaxpage.core.beam_search import final_beams
-from jaxpage.engine.detokenizer import IncrementalDetokenizer
-from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpage.core.scheduler import Scheduler
 from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.core.stop import check_stop, reached_min_tokens
+from jaxpage.engine.detokenizer import IncrementalDetokenizer
+from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
 
 log = logging.getLogger(__name__)

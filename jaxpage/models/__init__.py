@@ -5,8 +5,21 @@ Adding an architecture: a module beside llama.py (see registry.py for what it gi
 """
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.causal_lm import (
-    CausalLM, abstract_params, begin_layers, bind, cast_weights, compute_logits, final_norm, forward_hidden,
-    model_graph, partition_specs, run_layer, stack_layers, top_weights, unstack_layers)
+    CausalLM,
+    abstract_params,
+    begin_layers,
+    bind,
+    cast_weights,
+    compute_logits,
+    final_norm,
+    forward_hidden,
+    model_graph,
+    partition_specs,
+    run_layer,
+    stack_layers,
+    top_weights,
+    unstack_layers,
+)
 from jaxpage.models.registry import SUPPORTED_MODEL_TYPES, architecture, config_from_hf
 from jaxpage.models.weights import hf_state_from_gguf, params_from_hf_state, quantize_params
 

@@ -13,8 +13,8 @@ from flax import nnx
 
 from jaxpage.attention.backends import page_pairs_by_window, select_pairs, write_and_attend
 from jaxpage.config import ModelConfig
-from jaxpage.models.batch import TokenBatch
 from jaxpage.distributed.parallel import MODEL_AXIS
+from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import Linear, RMSNorm
 from jaxpage.models.rope import apply_rope, rope_inv_freq
 

@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 
 from jaxpage.config import ModelConfig
+from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.attention import LayerConstants, StepContext, layer_constants
 from jaxpage.models.batch import TokenBatch
-from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.layers import Embedding, Linear, RMSNorm, embed_scale, soft_cap
 from jaxpage.models.quant import building, weight_dtype
 from jaxpage.models.registry import architecture

@@ -13,8 +13,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import check_quantization
-from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
 from jaxpage.models import config_from_hf, hf_state_from_gguf, params_from_hf_state
+from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
 from jaxpage.models.weights import quantize_params
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from jaxpage.config import EngineConfig
 from jaxpage.attention.kv_cache import jit_on_pool
+from jaxpage.config import EngineConfig
+from jaxpage.distributed.parallel import put
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
-from jaxpage.distributed.parallel import put
 
 
 @dataclasses.dataclass(frozen=True)

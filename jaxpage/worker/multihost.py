@@ -20,10 +20,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT
-from jaxpage.worker.model_runner import ModelRunner
-from jaxpage.worker.step import abstract_step_inputs, all_allowed, replicated
 from jaxpage.distributed.parallel import put
+from jaxpage.worker.model_runner import ModelRunner
 from jaxpage.worker.penalty_history import PenaltyHistory
+from jaxpage.worker.step import abstract_step_inputs, all_allowed, replicated
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.distributed.parallel import model_axis_size, over_vocab
-from jaxpage.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from jaxpage.distributed.vocab_shard import VocabShard
+from jaxpage.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # EOS and stop token ids masked while a sequence is under min_tokens: room for MAX_STOP_TOKEN_IDS and 16 EOS ids
 MAX_BANNED = MAX_STOP_TOKEN_IDS + 16
