@@ -45,15 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxpage.worker.model_runner as model_runner  # noqa: E402
 from benchmarks import workloads  # noqa: E402
-from benchmarks.baselines import ContiguousCache, RunStats, SlotBatching, StaticBatching, interleave, run_alone  # noqa: E402
+from benchmarks.baselines import (ContiguousCache, RunStats, SlotBatching, StaticBatching,  # noqa: E402
+                                  interleave, run_alone)
 from jaxpage.attention.kv_cache import bytes_per_block  # noqa: E402
-from jaxpage.config import ModelConfig
+from jaxpage.config import ModelConfig  # noqa: E402
 from jaxpage.engine.config_builder import build_engine_config  # noqa: E402
 from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxpage.models import (
-    config_from_hf,  # noqa: E402
-    unstack_layers,  # noqa: E402
-)
+from jaxpage.models import config_from_hf, unstack_layers  # noqa: E402
 from jaxpage.models.loader import default_cache_dir, load_model  # noqa: E402
 from jaxpage.sampling_params import SamplingParams  # noqa: E402
 from jaxpage.worker.compile_cache import enable_compilation_cache  # noqa: E402

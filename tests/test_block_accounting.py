@@ -36,7 +36,8 @@ from tests.simulated_kv import EOS, VOCAB, check_accounting, check_all_free, mak
 
 
 # --- the property test ------------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None, derandomize=False, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=60, deadline=None, derandomize=False,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(scenarios())
 def test_block_accounting_stays_exact(scenario):
     setup, actions = scenario
