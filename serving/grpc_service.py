@@ -20,17 +20,8 @@ import grpc
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from serving.limits import check_prompt_bytes
-from serving.requests import (
-    DuplicateRequestError,
-    EngineDiedError,
-    EngineFailedError,
-    InvalidRequestError,
-    NotServingError,
-    QueueFullError,
-    RequestError,
-    RequestLifecycle,
-    RequestTooLargeError,
-)
+from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
+                              NotServingError, QueueFullError, RequestError, RequestLifecycle, RequestTooLargeError)
 
 log = logging.getLogger("jaxpage.serve")
 

@@ -32,16 +32,8 @@ from serving import openai_protocol as oai
 from serving.http_guard import HttpGuard
 from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
-from serving.requests import (
-    DuplicateRequestError,
-    EngineDiedError,
-    EngineFailedError,
-    InvalidRequestError,
-    NotServingError,
-    QueueFullError,
-    RequestError,
-    RequestLifecycle,
-)
+from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
+                              NotServingError, QueueFullError, RequestError, RequestLifecycle)
 from serving.structured import from_openai
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
