@@ -112,8 +112,8 @@ def test_second_load_restores_converted_weights_instead_of_converting(tmp_path, 
     state = LlamaForCausalLM.from_pretrained(tmp_path / "model").state_dict()
     expected = params_from_hf_state(config_from_hf(hf), {k: v.numpy() for k, v in state.items()})
     for loaded in (first, second):
-        np.testing.assert_array_equal(loaded.params["layers"]["attn"]["q"]["kernel"],
-                                      expected["layers"]["attn"]["q"]["kernel"])
+        np.testing.assert_array_equal(loaded.params["layers"]["attn"]["qkv"]["kernel"],
+                                      expected["layers"]["attn"]["qkv"]["kernel"])
         np.testing.assert_array_equal(loaded.params["lm_head"]["kernel"], expected["lm_head"]["kernel"])
 
 

@@ -96,7 +96,7 @@ def test_quantized_weights_fit_the_quantized_graph_and_a_tied_head_becomes_int8(
     params = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), abstract_params(cfg, "float32"))
     qcfg = dataclasses.replace(cfg, quantization="int8")
     quantized = quantize_params(qcfg, params)
-    assert "lm_head" not in params and params["layers"]["mlp"]["up"]["kernel"].dtype == np.float32  # untouched
+    assert "lm_head" not in params and params["layers"]["mlp"]["gate_up"]["kernel"].dtype == np.float32  # untouched
     on_device = jax.tree.map(lambda a: (a.shape, a.dtype), cast_weights(quantized, "bfloat16"))
     assert on_device == jax.tree.map(lambda a: (a.shape, a.dtype), abstract_params(qcfg, "bfloat16"))
     head = quantized["lm_head"]

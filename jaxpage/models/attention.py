@@ -15,7 +15,7 @@ from jaxpage.attention.backends import page_pairs_by_window, select_pairs, write
 from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.batch import TokenBatch
-from jaxpage.models.layers import Linear, RMSNorm
+from jaxpage.models.layers import Linear, QKVParallelLinear, RMSNorm
 from jaxpage.models.rope import apply_rope, rope_inv_freq
 
 
@@ -72,14 +72,12 @@ class StepContext:
 
 
 class Attention(nnx.Module):
-    """Heads shard over the model axis: q/k/v columns, o rows (and the pool's KV heads with them)."""
+    """Heads shard over the model axis: the fused q/k/v projection's KV head groups, o's rows (and the pool's KV
+    heads with them)."""
 
     def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cols = (None, MODEL_AXIS, None)
-        self.q = Linear((d,), (h, hd), cols, bias=qkv_bias)
-        self.k = Linear((d,), (kvh, hd), cols, bias=qkv_bias)
-        self.v = Linear((d,), (kvh, hd), cols, bias=qkv_bias)
+        self.qkv = QKVParallelLinear(d, h, kvh, hd, bias=qkv_bias)
         self.o = Linear((h, hd), (d,), (MODEL_AXIS, None, None), bias=o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else None
@@ -88,7 +86,7 @@ class Attention(nnx.Module):
         self.windowed = bool(cfg.layer_windows().any())
 
     def __call__(self, x: jax.Array, pool: jax.Array, layer: LayerConstants, ctx: StepContext):
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = self.qkv.split(self.qkv(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         b = ctx.batch

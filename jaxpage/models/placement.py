@@ -6,18 +6,18 @@ import jax
 import numpy as np
 
 from jaxpage.distributed.parallel import put
+from jaxpage.models.layers import QKVParallelLinear
 from jaxpage.models.quant import SCALE, weight_dtype
 
 
 def replicate_kv_heads(params: dict, slots: int) -> dict:
-    """The k/v projections (kernel [.., D, kvh, hd], bias [.., kvh, hd]) with each KV head repeated so there
-    are ``slots`` (numpy, before placement); unchanged when they already have that many."""
+    """The fused q/k/v projections (kernel, bias and int8 scale [..., kvh, G + 2, hd]) with each KV head
+    repeated so there are ``slots`` (numpy, before placement); unchanged when they already have that many."""
     def repeat(path, a):
         names = [getattr(k, "key", None) for k in path]
-        if names[-2] not in ("k", "v") or names[-1] not in ("kernel", "bias", SCALE):
+        if names[-2] != "qkv" or names[-1] not in ("kernel", "bias", SCALE) or a.shape[-3] == slots:
             return a
-        axis = a.ndim - 2  # kernel [..., D, kvh, hd], bias and int8 scale [..., kvh, hd]: KV heads second to last
-        return a if a.shape[axis] == slots else np.repeat(a, slots // a.shape[axis], axis=axis)
+        return QKVParallelLinear.replicate_kv_heads(np.asarray(a), slots)
     return jax.tree_util.tree_map_with_path(repeat, params)
 
 
