@@ -1,4 +1,5 @@
-"""The K/V write for TPU: each new token's K and V into its slot of the pool, in place, by DMA.
+"""The K/V write for TPU: each new token's K and V into its slot of the pool, in place, by DMA. The XLA attention
+path's write on a TPU; the ragged kernel (ragged_tpu) writes its batch's K/V itself, in the attention pass.
 
 XLA:TPU cannot scatter into the pool in its own layout: it relayouts the whole pool around every scatter (two
 full copies per layer per step, and a pool-sized temporary). Mosaic rejects a DMA of a single token's row of a

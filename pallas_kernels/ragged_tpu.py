@@ -1,24 +1,31 @@
-"""Ragged paged attention for TPU: one call writes a flat mixed batch's K/V into the pool and attends.
+"""Ragged paged attention for TPU: one kernel pass writes a flat mixed batch's K/V into the pool and attends.
 
 The batch is the engine's (jaxpage.model.TokenBatch): T tokens, each with its block-table row (token_seq), its
 position and its slot; a sequence's tokens are contiguous, decodes usually first. The kernel:
 
-- the batch's K/V go into their slots first (``kv_write_tpu``; in place when the pool is donated), so every
-  key a token may see is in the pool before the attention kernel starts, and that kernel only reads it;
-- grid ``(KV-head blocks, query blocks of TQ tokens)``, both ``parallel`` (megacore: nothing is written to the
-  pool, so grid steps have no order);
+- grid ``(KV-head blocks, query blocks of TQ tokens)``; head blocks are ``parallel`` (megacore: they touch
+  disjoint heads of the pool), query blocks ``arbitrary`` (in order: a prompt chunk's later query blocks read
+  the K/V its earlier ones wrote);
 - step (hb, qb) walks the runs of equal ``token_seq`` inside its query block; for each run it streams the
   sequence's pages from the one holding the first key any of the run's tokens sees (page 0 without a window)
-  up to the run's last position in chunks of P pages (one async copy per page of heads hb,
-  double buffered) through an online softmax over all TQ x G query rows (rows outside the run are masked),
-  and stores the run's rows of the output.
+  up to the run's last position in chunks of P pages (one async copy per page of heads hb, double buffered);
+- as a chunk arrives, the run's new K/V rows that belong in its pages (by slot: a padding token whose slot is
+  not in its row's pages is not written) are selected into the VMEM copy, the aligned tiles of rows holding
+  them (an int8 pool: and those pages' scales) are written back to the pool while the chunk is computed, and
+  waited for before the buffer is reused. So every key a token may see is in VMEM or already in the pool, and
+  the K/V write reads nothing (the old separate write kernel, ``kv_write_tpu``, read and wrote back a tile per
+  token; the XLA path on a TPU still uses it);
+- the chunk goes through an online softmax over all TQ x G query rows (rows outside the run are masked), and
+  the run's rows of the output are stored.
 
 Tokens in the null block (padding) get finite but unspecified outputs: they may read null-block slots that
 other padding tokens overwrote. Loaded values are reshaped, refs never are; every copy has a static shape.
-The wrapper lays q out as [KVH, T * G, D] (and the output back), so a KV head's query rows are one 2-D tile.
+The wrapper lays q out as [KVH, T * G, D] (and the output back), so a KV head's query rows are one 2-D tile,
+and the new K/V as [head blocks, T, 2, KV heads of a block, D].
 
 Not tuned yet: a run's first chunk is not prefetched during the previous run (JAX's kernel does that across
-sequences), and every run computes all TQ x G rows of its query block (decodes use G of them).
+sequences), every run computes all TQ x G rows of its query block (decodes use G of them), and with one head
+block (the default) a v5p's second core has no grid step (query blocks are in order).
 
 The GPU version is pallas_kernels.ragged_gpu.
 """
@@ -32,26 +39,92 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_write_tpu import write_kv_tpu
-from pallas_kernels.quant import pool_parts, scale_operands
+from pallas_kernels.kv_write_tpu import tile_rows
+from pallas_kernels.quant import pool_parts, quantize, scale_operands, with_parts
 from pallas_kernels.reference import check_ragged_args, window_start
 from pallas_kernels.tpu_decode import (ANY, ARBITRARY, PARALLEL, _CompilerParams, attend_chunk, chunk_copies,
-                                       finish_state, init_state, kv_scratch, load_kv, unpack_refs)
+                                       finish_state, init_state, kv_scratch, load_kv)
 
 
-def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, tables_ref,  # scalar prefetch (SMEM)
-                   q_ref, row_pos_ref, pool_hbm,  # inputs (then the pool's scales when quantized)
-                   *refs,  # output, scratch (kv_buf, sems, then the scales' buffers when quantized)
+def _unpack(refs, quantized: bool):
+    """(new scales, scales in HBM, output, kv_buf, sems, scale_buf, scale_sems, write_sem, dirty) from the refs
+    after the new K/V; the scales' None where the pool has none. The pool (and scales) are read and written
+    through the kernel's aliased outputs, never its inputs."""
+    if quantized:
+        new_scales, _, _, o_ref, pool_hbm, scales_hbm, kv_buf, sems, scale_buf, scale_sems, write_sem, dirty = refs
+        return new_scales, pool_hbm, scales_hbm, o_ref, kv_buf, sems, scale_buf, scale_sems, write_sem, dirty
+    _, o_ref, pool_hbm, kv_buf, sems, write_sem, dirty = refs
+    return None, pool_hbm, None, o_ref, kv_buf, sems, None, None, write_sem, dirty
+
+
+def _select_new_rows(run, first_page, slot, kv_buf, scale_buf, new_ref, new_scales, dirty, *, pos_ref,
+                     slot_ref, page_block, t0, block_size, rows):
+    """The new K/V of tokens ``run`` = (start, end) into buffer ``slot``, which holds the chunk's pages from
+    ``first_page`` on; marks each tile of rows it changes in ``dirty`` ([pages, tiles of a page])."""
+    pages_per_block, kv_heads, tiles = kv_buf.shape[1], kv_buf.shape[3], block_size // rows
+    for i in range(pages_per_block * tiles):
+        dirty[i] = 0
+    row = jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (block_size,), 0)
+
+    def put(t, _):
+        page, token_slot = pos_ref[t] // block_size, slot_ref[t]
+        i, offset = page - first_page, token_slot % block_size
+        mine = jnp.logical_and(jnp.logical_and(i >= 0, i < pages_per_block),
+                               page_block(page) == token_slot // block_size)
+
+        @pl.when(mine)
+        def _put():
+            for kv in range(2):
+                for h in range(kv_heads):
+                    kv_buf[slot, i, kv, h] = jnp.where(row == offset, new_ref[t - t0, kv, h][None],
+                                                       kv_buf[slot, i, kv, h])
+                    if scale_buf is not None:
+                        scale_buf[slot, i, kv, h] = jnp.where(lane == offset, new_scales[t - t0, kv, h][None],
+                                                              scale_buf[slot, i, kv, h])
+            dirty[i * tiles + offset // rows] = 1
+
+    jax.lax.fori_loop(run[0], run[1], put, None)
+
+
+def _write_backs(first_page, slot, kv_buf, scale_buf, pool_hbm, scales_hbm, write_sem, dirty, *, page_block,
+                 num_pages, layer, heads, rows):
+    """The copies of buffer ``slot``'s dirty tiles (and, for an int8 pool, the whole scales of a page with one)
+    back into the pool: [(condition, copy)]."""
+    pages_per_block, block_size = kv_buf.shape[1], kv_buf.shape[4]
+    tiles = block_size // rows
+    copies = []
+    for i in range(pages_per_block):
+        j = first_page + i
+        block = page_block(j)
+        page_dirty = []
+        for t in range(tiles):
+            flag = jnp.logical_and(j < num_pages, dirty[i * tiles + t] == 1)
+            page_dirty.append(flag)
+            tile = pl.ds(t * rows, rows)
+            copies.append((flag, pltpu.make_async_copy(kv_buf.at[slot, i, :, :, tile],
+                                                       pool_hbm.at[layer, block, :, heads, tile], write_sem)))
+        if scale_buf is not None:
+            copies.append((functools.reduce(jnp.logical_or, page_dirty), pltpu.make_async_copy(
+                scale_buf.at[slot, i], scales_hbm.at[layer, block, :, heads], write_sem)))
+    return copies
+
+
+def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, slot_ref, tables_ref,  # scalar prefetch (SMEM)
+                   q_ref, row_pos_ref, new_ref,  # inputs (then the new scales, the pool and its scales)
+                   *refs,  # outputs (attention, the pool, its scales), scratch
                    scale, soft_cap, width, num_tokens, tokens_per_block, pages_per_block, precision, quantized):
-    scales_hbm, o_ref, kv_buf, sems, scale_buf, scale_sems = unpack_refs(refs, quantized)
+    (new_scales, pool_hbm, scales_hbm, o_ref, kv_buf, sems, scale_buf, scale_sems, write_sem,
+     dirty) = _unpack(refs, quantized)
     head_block, q_block = pl.program_id(0), pl.program_id(1)
     _, _, _, kv_heads, block_size, head_dim = kv_buf.shape  # kv heads of this head block
     rows = q_ref.shape[1]
     group, block_tokens = rows // tokens_per_block, pages_per_block * block_size
-    first_head, layer = head_block * kv_heads, layer_ref[0]
+    layer = layer_ref[0]
     t0 = q_block * tokens_per_block
     t_end = t0 + tokens_per_block
-    heads = pl.ds(first_head, kv_heads)
+    heads = pl.ds(head_block * kv_heads, kv_heads)
+    tile = tile_rows(kv_buf.dtype)
 
     # Attention, one run of equal token_seq at a time. A KV head's query rows are [TQ * G, D], row r being
     # token t0 + r // G (the wrapper lays q out as [KVH, T * G, D]); row_pos_ref holds each row's position.
@@ -78,12 +151,14 @@ def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, tables_ref,  # scal
         num_chunks = pl.cdiv(num_pages - first_page, pages_per_block)
         row_in_run = jnp.logical_and(row >= (start - t0) * group, row < (end - t0) * group)
 
+        def page_block(j):
+            return tables_ref[seq * width + jnp.minimum(j, width - 1)]
+
         def copies(chunk, slot):
             bufs = [(kv_buf.at[slot], sems.at[slot])]
             bufs += [(scale_buf.at[slot], scale_sems.at[slot])] if quantized else []
             refs = (pool_hbm, scales_hbm)[:len(bufs)]
-            return chunk_copies(lambda page: [ref.at[layer, page, :, heads] for ref in refs],
-                                lambda j: tables_ref[seq * width + jnp.minimum(j, width - 1)],
+            return chunk_copies(lambda page: [ref.at[layer, page, :, heads] for ref in refs], page_block,
                                 bufs, chunk, num_pages, pages_per_block, first_page)
 
         copies(0, 0).start()
@@ -96,7 +171,15 @@ def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, tables_ref,  # scal
                 copies(chunk + 1, 1 - slot).start()
 
             copies(chunk, slot).wait()
-            first = first_page * block_size + chunk * block_tokens
+            chunk_page = first_page + chunk * pages_per_block
+            _select_new_rows((start, end), chunk_page, slot, kv_buf, scale_buf, new_ref, new_scales, dirty,
+                             pos_ref=pos_ref, slot_ref=slot_ref, page_block=page_block, t0=t0,
+                             block_size=block_size, rows=tile)
+            writes = _write_backs(chunk_page, slot, kv_buf, scale_buf, pool_hbm, scales_hbm, write_sem, dirty,
+                                  page_block=page_block, num_pages=num_pages, layer=layer, heads=heads, rows=tile)
+            for needed, copy in writes:
+                pl.when(needed)(copy.start)
+            first = chunk_page * block_size
             key_pos = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
             visible = jnp.logical_and(row_in_run, key_pos <= row_pos)  # [rows, K]
             visible = jnp.logical_and(visible, key_pos >= row_lowest)
@@ -110,6 +193,8 @@ def _ragged_kernel(layer_ref, window_ref, tseq_ref, pos_ref, tables_ref,  # scal
                 v = jnp.where(written, v, jnp.zeros_like(v))
                 new_states.append(attend_chunk(q_ref[h], k, v, visible, states[h],
                                                scale=scale, soft_cap=soft_cap, precision=precision))
+            for needed, copy in writes:  # before buffer ``slot`` takes chunk + 2, and before the next run
+                pl.when(needed)(copy.wait)
             return tuple(new_states)
 
         states = jax.lax.fori_loop(0, num_chunks, body, tuple(init_state(rows, head_dim) for _ in range(kv_heads)))
@@ -126,32 +211,37 @@ def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
                                window=0, interpret=False, queries_per_block: int = 16,
                                pages_per_compute_block: int | None = None,
                                kv_heads_per_block: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Writes the batch's K/V into the pool and attends; same semantics as
+    """Writes the batch's K/V into the pool and attends, in one kernel; same semantics as
     reference.ragged_paged_attention_reference for every token outside the null block.
 
     q: [T, H, D]; k, v: [T, KVH, D]; pool: [L, N, 2, KVH, block_size, D], whole, written and read at ``layer``;
     token_seq, positions, slot_mapping: int32 [T]; block_tables: int32 [S, W] (see check_ragged_args for the
-    batch invariants); window: int32 scalar, traced or not (0: full causal attention). Returns (out [T, H, D], pool). The K/V go in first (``write_kv_tpu``, in place under
-    ``jit`` with the pool donated); the attention kernel then only reads the pool.
+    batch invariants); window: int32 scalar, traced or not (0: full causal attention). Returns (out [T, H, D],
+    pool), the pool aliased to the kernel's output (in place under ``jit`` with the pool donated). K/V are
+    quantized to the pool's dtype first (``quant.quantize``, as the reference's write).
     queries_per_block (TQ): tokens per grid step, reduced to gcd(T, TQ); pages_per_compute_block (P,
     default ``max(1, 128 // block_size)`` capped at W); kv_heads_per_block: KV heads per step (divides KVH;
-    default all). Both grid axes are ``parallel`` (megacore). For real Mosaic: TQ * G a multiple of 8 and
-    block_size a multiple of the sublane tiling (8 for 32-bit, 16 for bf16).
+    default all). block_size must be a multiple of ``kv_write_tpu.tile_rows(pool.dtype)`` (tiles are written
+    whole). For real Mosaic: TQ * G a multiple of 8.
     q and the output pass through XLA as [KVH, T * G, D] (one small transpose each way).
     interpret: False, True or ``pltpu.InterpretParams(...)`` as for the decode kernel.
     """
     num_tokens, num_heads, head_dim, kv_heads, block_size, _, width = check_ragged_args(
         q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap, window)
+    if block_size % tile_rows(pool.dtype):
+        raise ValueError(f"block_size={block_size} must be a multiple of {tile_rows(pool.dtype)} for a "
+                         f"{pool.dtype} pool on TPU")
     tokens_per_block = math.gcd(num_tokens, queries_per_block)
     pages_per_block = pages_per_compute_block or max(1, min(width, 128 // block_size))
     kv_heads_per_block = kv_heads_per_block or kv_heads
     if kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block={kv_heads_per_block} must divide kv_heads={kv_heads}")
-    pool = write_kv_tpu(pool, layer, k, v, slot_mapping, interpret=interpret)
-    group = num_heads // kv_heads
+    group, head_blocks = num_heads // kv_heads, kv_heads // kv_heads_per_block
     rows = tokens_per_block * group
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     values, scales = pool_parts(pool)
+    pools = (values,) + scale_operands(scales)
+    new = _new_kv_by_head_block(k, v, pool.dtype, head_blocks)  # [HB, T, 2, KVH/HB, D] (and scales)
     kernel = functools.partial(_ragged_kernel, scale=float(scale), soft_cap=soft_cap, width=width,
                                num_tokens=num_tokens, tokens_per_block=tokens_per_block,
                                pages_per_block=pages_per_block, precision=precision, quantized=scales is not None)
@@ -160,22 +250,42 @@ def ragged_paged_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     q_rows = q_rows.reshape(kv_heads, num_tokens * group, head_dim)
     row_positions = jnp.repeat(positions, group).reshape(num_tokens * group, 1)
     q_spec = pl.BlockSpec((kv_heads_per_block, rows, head_dim), lambda hb, qb, *_: (hb, qb, 0))
-    scalars = (jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(window, jnp.int32).reshape(1), token_seq, positions, block_tables.reshape(-1))
-    out = pl.pallas_call(
+    new_specs = [pl.BlockSpec((None, tokens_per_block) + x.shape[2:],
+                              lambda hb, qb, *_, n=x.ndim: (hb, qb) + (0,) * (n - 2)) for x in new]
+    scalars = (jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(window, jnp.int32).reshape(1), token_seq,
+               positions, slot_mapping, block_tables.reshape(-1))
+    first_pool = len(scalars) + 2 + len(new)  # operand index of the pool
+    out, *pools = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
-            grid=(kv_heads // kv_heads_per_block, num_tokens // tokens_per_block),
-            in_specs=[q_spec, pl.BlockSpec((rows, 1), lambda hb, qb, *_: (qb, 0))]
-            + [pl.BlockSpec(memory_space=ANY)] * (1 + len(scale_operands(scales))),
-            out_specs=q_spec,
+            grid=(head_blocks, num_tokens // tokens_per_block),
+            in_specs=[q_spec, pl.BlockSpec((rows, 1), lambda hb, qb, *_: (qb, 0))] + new_specs
+            + [pl.BlockSpec(memory_space=ANY)] * len(pools),
+            out_specs=[q_spec] + [pl.BlockSpec(memory_space=ANY)] * len(pools),
             scratch_shapes=kv_scratch(pages_per_block, kv_heads_per_block, block_size, head_dim, pool.dtype,
-                                      scales is not None),
+                                      scales is not None)
+            + [pltpu.SemaphoreType.DMA(()), pltpu.SMEM((pages_per_block * block_size // tile_rows(pool.dtype),),
+                                                       jnp.int32)],
         ),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        compiler_params=_CompilerParams(dimension_semantics=(PARALLEL, PARALLEL)),
+        out_shape=[jax.ShapeDtypeStruct(q_rows.shape, q.dtype)] + [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                                                   for x in pools],
+        input_output_aliases={first_pool + i: 1 + i for i in range(len(pools))},
+        compiler_params=_CompilerParams(dimension_semantics=(PARALLEL, ARBITRARY)),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*scalars, q_rows, row_positions, values, *scale_operands(scales))
+    )(*scalars, q_rows, row_positions, *new, *pools)
     out = out.reshape(kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(num_tokens, num_heads, head_dim), pool
+    return out.reshape(num_tokens, num_heads, head_dim), with_parts(*pools)
+
+
+def _new_kv_by_head_block(k, v, dtype, head_blocks: int) -> list[jax.Array]:
+    """The new K/V quantized to the pool's ``dtype``, [HB, T, 2, KVH / HB, D] (then int8's scales, [HB, T, 2,
+    KVH / HB]): a head block's rows are a block of whole trailing dimensions, as Mosaic wants them."""
+    kv, kv_scales = quantize(jnp.stack([k, v], axis=1), dtype)  # [T, 2, KVH, D], [T, 2, KVH] or None
+    parts = [kv] if kv_scales is None else [kv, kv_scales]
+    out = []
+    for x in parts:
+        split = x.reshape(x.shape[:2] + (head_blocks, x.shape[2] // head_blocks) + x.shape[3:])
+        out.append(jnp.moveaxis(split, 2, 0))
+    return out

@@ -650,3 +650,44 @@ def test_tpu_kv_write_matches_reference(dtype, block_size, interpret):
         if part is not None:
             np.testing.assert_array_equal(np.asarray(part.astype(jnp.float32)), np.asarray(ref_part.astype(jnp.float32)),
                                           err_msg=f"slots={slots.tolist()}; {msg}")
+
+
+# ---------------------------------------------------------------------- the TPU kernel's K/V write in one pass
+
+# Prompt chunks of 40+ tokens span several of the TPU kernel's query blocks (16 tokens): a later block reads the
+# K/V an earlier one wrote, and tiles of rows and pages are shared across blocks (8-bit pools: 32-row tiles).
+TPU_LONG_RAGGED_CASES = [
+    RaggedCase("float32", 16, 4, 64, 2, 5, mix="long"),
+    RaggedCase("bfloat16", 32, 3, 128, 1, 3, padding="engine", mix="long", kw=(("queries_per_block", 8),)),
+    RaggedCase("float32", 16, 2, 64, 1, 5, mix="long", windows=WINDOWS, kw=(("pages_per_compute_block", 2),)),
+    RaggedCase("bfloat16", 32, 2, 64, 2, 3, mix="long", kv="int8", kw=(("kv_heads_per_block", 1),)),
+]
+
+
+@pytest.mark.parametrize("case", TPU_LONG_RAGGED_CASES, ids=str)
+def test_tpu_ragged_writes_long_chunks_across_query_blocks(case):
+    check_ragged(ragged_paged_attention_tpu, case, interpret=True)
+
+
+def test_tpu_ragged_writes_long_chunks_in_tpu_simulator_on_two_cores():
+    """Two cores take a KV head each (the parallel grid axis) and write their heads of the same pages; query
+    blocks run in order on each: the simulator's DMA, semaphore and race checks."""
+    case = RaggedCase("float32", 16, 2, 64, 2, 4, mix="long", kw=(("kv_heads_per_block", 1), ("queries_per_block", 8)))
+    check_ragged(ragged_paged_attention_tpu, case, interpret=SIM_2_CORES, tokens_multiple=8)
+    assert not races_found(), "the TPU simulator found a data race between cores"
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_tpu_ragged_is_one_kernel_that_writes_the_pool(kv):
+    """One Pallas call writes the K/V and attends (no separate write kernel), its pool output aliased to the
+    pool operand, so under jit with the pool donated the write is in place."""
+    rng, _ = fresh_rng()
+    case = RaggedCase("float32" if kv == "auto" else "bfloat16", 32, 2, 64, 2, 3, kv=kv)
+    args, _ = make_ragged_inputs(case, rng)
+    jaxpr = jax.make_jaxpr(functools.partial(ragged_paged_attention_tpu, scale=0.125, interpret=True))(*args)
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1, [e.params.get("name") for e in calls]
+    aliases = dict(calls[0].params["input_output_aliases"])
+    aliased = [(calls[0].invars[i].aval, calls[0].outvars[o].aval) for i, o in aliases.items()]
+    assert sorted(a.shape for a, _ in aliased) == sorted(x.shape for x in jax.tree.leaves(args[3])), aliases
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in aliased), aliased
