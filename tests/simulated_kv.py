@@ -11,6 +11,7 @@ import transformers
 from hypothesis import strategies as st
 
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
+from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.models import config_from_hf
@@ -79,6 +80,7 @@ class FakeRunner:
         assert len({id(s.seq) for s in scheduled}) == n, "a sequence scheduled twice in one step"
         total = sum(s.num_new_tokens for s in scheduled)
         assert total <= cfg.max_num_batched_tokens, f"{total} tokens > budget {cfg.max_num_batched_tokens}"
+        check_prefill_limits(cfg, scheduled)
         hashes = {}
         for s in scheduled:  # writes first (the real step writes a layer's K/V before attending)
             seq = s.seq
@@ -125,7 +127,10 @@ class FakeRunner:
 
 def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                 mode: str = "recompute", num_host_blocks: int = 0, prefix_caching: bool = True,
-                max_model_len: int = MAX_MODEL_LEN, window: int = 0) -> LLMEngine:
+                max_model_len: int = MAX_MODEL_LEN, window: int = 0,
+                long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
+                max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
+                max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills) -> LLMEngine:
     model = config_from_hf(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
@@ -135,13 +140,29 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                  gpu_memory_utilization=0.9, enable_prefix_caching=prefix_caching,
-                                 preemption_mode=mode)
+                                 preemption_mode=mode, long_prefill_token_threshold=long_prefill_token_threshold,
+                                 max_num_partial_prefills=max_num_partial_prefills,
+                                 max_long_partial_prefills=max_long_partial_prefills)
     config = dataclasses.replace(config, num_host_blocks=num_host_blocks)  # a swap space in blocks, not bytes
     runner = FakeRunner(config, num_host_blocks)
     engine = LLMEngine(config, runner, eos_token_ids=(EOS,))
     runner.block_pool = engine.block_pool
     engine.refuse_unfittable = False  # these tests drive the scheduler's own safety net for groups that never fit
     return engine
+
+
+def check_prefill_limits(cfg, scheduled) -> None:
+    """The step's prefill rows (more than one token left to compute) keep to the partial-prefill options: each
+    at most long_prefill_token_threshold tokens, at most max_num_partial_prefills of them, at most
+    max_long_partial_prefills with more than the threshold left."""
+    threshold = cfg.long_prefill_token_threshold
+    prefills = [(s.num_new_tokens, s.seq.num_tokens - s.seq.num_computed_tokens) for s in scheduled
+                if s.logits_of is None and s.seq.num_tokens - s.seq.num_computed_tokens > 1]
+    assert len(prefills) <= cfg.max_num_partial_prefills, f"{len(prefills)} prefills in one step: {prefills}"
+    if threshold:
+        assert all(n <= threshold for n, _ in prefills), f"a chunk over the threshold {threshold}: {prefills}"
+        long = sum(left > threshold for _, left in prefills)
+        assert long <= cfg.max_long_partial_prefills, f"{long} long prefills in one step: {prefills}"
 
 
 def check_accounting(engine: LLMEngine) -> None:
@@ -203,14 +224,18 @@ def _params(draw, max_num_seqs: int) -> SamplingParams:
 def scenarios(draw):
     mode = draw(st.sampled_from(["recompute", "swap"]))
     max_num_seqs = draw(st.sampled_from([4, 8]))
-    setup = dict(
-        mode=mode,
-        num_host_blocks=draw(st.integers(0, 16)) if mode == "swap" else 0,  # small: swap sometimes falls back
-        num_kv_blocks=draw(st.integers(MAX_MODEL_LEN // BLOCK_SIZE + 1, 40)),
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=draw(st.sampled_from([8, 16, 32, 64])),
-        prefix_caching=draw(st.booleans()),
-    )
+    partial = draw(st.sampled_from([1, 2, 4]))
+    setup = {
+        "mode": mode,
+        "num_host_blocks": draw(st.integers(0, 16)) if mode == "swap" else 0,  # small: swap sometimes falls back
+        "num_kv_blocks": draw(st.integers(MAX_MODEL_LEN // BLOCK_SIZE + 1, 40)),
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": draw(st.sampled_from([8, 16, 32, 64])),
+        "prefix_caching": draw(st.booleans()),
+        "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 3, 8, 20])),
+        "max_num_partial_prefills": partial,
+        "max_long_partial_prefills": draw(st.integers(1, partial)),
+    }
     prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=BLOCK_SIZE, max_size=40),
                              min_size=1, max_size=3))
     actions = []

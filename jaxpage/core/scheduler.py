@@ -10,6 +10,7 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.core.beam_search import beam_search_step
 from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.prefill_limits import PrefillLimits, num_decodes
 from jaxpage.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from jaxpage.core.stop import check_stop
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -58,6 +59,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted = False
         preemptions = self.num_preemptions
+        limits = PrefillLimits.for_step(self.config, num_decodes(self.running))
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -69,9 +71,9 @@ class Scheduler:
                     self.kv.match_prefix(seq)  # a sequence recomputing after preemption
                 self.kv.free_dead_blocks(seq)  # sliding window: blocks no query can see again
                 computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
-                num_new = min(num_tokens - computed, budget)
+                num_new = limits.tokens_for(num_tokens - computed, budget)
                 if num_new == 0:
-                    continue  # waiting for its beam siblings, or out of budget
+                    continue  # waiting for its beam siblings, or out of budget or prefill slots
                 # fast path, the common decode step: room in its blocks and no shared block to copy on write
                 if not self.kv.has_room(seq, num_new):
                     if not self._make_room(seq, num_new, group):
@@ -86,7 +88,7 @@ class Scheduler:
         if not preempted:
             self._swap_in_what_fits()
         if self.waiting and budget > 0 and not self.swapped:
-            self._admit_waiting(scheduled, budget)
+            self._admit_waiting(scheduled, budget, limits)
         scheduled.extend(self._forks(scheduled))
         if not scheduled and not self.running and (self.waiting or self.swapped):
             self._fail_head()
@@ -94,12 +96,14 @@ class Scheduler:
             self._decode = self._decode_rows(scheduled)
         return SchedulerOutput(scheduled, self.kv.take_ops())
 
-    def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
-        """Admits waiting groups in order while the token budget, max_num_seqs and the pool allow.
+    def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int, limits: PrefillLimits) -> None:
+        """Admits waiting groups in order while the token budget, max_num_seqs, the step's prefill limits and the
+        pool allow; a long prompt without a long-prefill slot waits in its place while shorter ones behind it go.
 
         Fairness: groups of several sequences (n, best_of, beams) together hold at most max_wide_seqs slots; a
         wide group beyond that waits in its place while the narrower requests behind it are admitted, so wide
         requests cannot take every slot between them."""
+        limits.decodes_left = 0  # the running decodes have had their turn (or were preempted)
         num_seqs = sum(g.max_seqs for g in self.running)  # as reserved at admission
         wide = sum(g.max_seqs for g in self.running if g.max_seqs > 1)
         i = 0
@@ -115,10 +119,15 @@ class Scheduler:
                 if not self._admit_all(group):
                     break
             else:
+                if not limits.can_start(seq.num_tokens - seq.num_computed_tokens):
+                    if limits.prefills >= limits.max_prefills:
+                        break
+                    i += 1
+                    continue
                 if seq.num_computed_tokens == 0 and not seq.block_table:
                     self.kv.match_prefix(seq)
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(seq, num_new):
+                num_new = limits.tokens_for(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not num_new or not self.kv.allocate_slots(seq, num_new):
                     self.kv.free(seq)
                     break
                 scheduled.append(self._scheduled(seq, num_new, group))

@@ -34,7 +34,10 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         quantization: str | None = None, data_parallel_size: int = 1,
                         data_parallel_rank: int = 0, enable_prefix_caching: bool = True,
                         preemption_mode: str = "recompute", swap_space: int = EngineArgs.swap_space,
-                        max_seqs_per_request: int | None = None) -> EngineConfig:
+                        max_seqs_per_request: int | None = None,
+                        long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
+                        max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
+                        max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
@@ -57,6 +60,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     num_kv_blocks = _num_kv_blocks(model, block_size, kv_dtype, max_model_len, num_kv_blocks, kv_cache_memory,
                                    gpu_memory_utilization, tensor_parallel_size, group)
     require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode, "must be 'recompute' or 'swap'")
+    long_prefill_token_threshold = _long_prefill_token_threshold(
+        long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills, max_model_len)
     per_block = kv_cache.bytes_per_block(model, block_size, kv_dtype)
     num_host_blocks = swap_space // per_block if preemption_mode == "swap" else 0
     config = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -66,7 +71,10 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
                           data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
                           enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
-                          num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request)
+                          num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request,
+                          long_prefill_token_threshold=long_prefill_token_threshold,
+                          max_num_partial_prefills=max_num_partial_prefills,
+                          max_long_partial_prefills=max_long_partial_prefills)
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
 
@@ -83,7 +91,22 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         data_parallel_size=args.data_parallel_size, data_parallel_rank=data_parallel_rank,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space, max_seqs_per_request=args.max_seqs_per_request)
+        swap_space=args.swap_space, max_seqs_per_request=args.max_seqs_per_request,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills)
+
+
+def _long_prefill_token_threshold(threshold: int, max_partial: int, max_long: int, max_model_len: int) -> int:
+    """Checks the partial-prefill options (vLLM's rules) and returns the threshold: with several partial
+    prefills and no threshold given, 4 % of max_model_len, as vLLM's SchedulerConfig sets it."""
+    require(max_partial >= 1, "max_num_partial_prefills", max_partial, "must be >= 1")
+    require(1 <= max_long <= max_partial, "max_long_partial_prefills", max_long,
+            f"must be >= 1 and <= max_num_partial_prefills={max_partial}")
+    require(threshold >= 0, "long_prefill_token_threshold", threshold, "must be >= 0 (0: no cap)")
+    if max_partial > 1 and threshold == 0:
+        return max(int(max_model_len * 0.04), 1)
+    return threshold
 
 
 def _check_tpu_tiles(backend: str, kv_dtype, block_size: int, max_num_batched_tokens: int) -> None:

@@ -1,0 +1,115 @@
+"""The partial-prefill options (core/prefill_limits.py: long_prefill_token_threshold, max_num_partial_prefills,
+max_long_partial_prefills) over the fake runner of tests/simulated_kv.py, which checks every step against the
+options and the token budget (check_prefill_limits): decodes keep their token every step while prompts arrive,
+a short prompt overtakes long ones waiting for the long slot, and every prompt still finishes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpage.core.prefill_limits import PrefillLimits
+from jaxpage.sampling_params import SamplingParams
+from tests.simulated_kv import VOCAB, check_all_free, make_engine, run_checked
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompt(rng, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(1, VOCAB, n)]
+
+
+@pytest.mark.parametrize("threshold, partial, long", [(0, 1, 1), (8, 1, 1), (8, 2, 1), (4, 3, 2)])
+def test_decodes_get_a_token_every_step_while_prompts_arrive(threshold, partial, long):
+    """Four requests decode while six 40-token prompts arrive: every step gives each decoding request its
+    token (the fake runner checks each step's prefills against the options), and every request finishes."""
+    rng = np.random.default_rng(0)
+    engine = make_engine(num_kv_blocks=60, max_num_seqs=10, max_num_batched_tokens=16,
+                         long_prefill_token_threshold=threshold, max_num_partial_prefills=partial,
+                         max_long_partial_prefills=long)
+    for i in range(4):
+        engine.add_request(f"d{i}", {"prompt_token_ids": prompt(rng, 3)},
+                           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    counts = {f"d{i}": 0 for i in range(4)}
+    while min(counts.values()) < 1:
+        for out in engine.step():
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+    for i in range(6):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt(rng, 40)}, GREEDY)
+    for _ in range(12):
+        outs = {o.request_id: len(o.outputs[0].token_ids) for o in engine.step()}
+        for request_id, before in counts.items():
+            assert outs.get(request_id) == before + 1, f"{request_id} got no token in a prefill step"
+            counts[request_id] += 1
+    finished = run_checked(engine)
+    assert all(len(finished[f"p{i}"].outputs[0].token_ids) == GREEDY.max_tokens for i in range(6))
+    check_all_free(engine)
+
+
+def test_short_prompt_overtakes_long_ones_waiting_for_the_long_slot():
+    """max_long_partial_prefills=1 of 2: while one long prompt prefills, a second long one waits and the short
+    prompt behind it is admitted first (vLLM's jump of the queue); the second long prompt still finishes."""
+    rng = np.random.default_rng(1)
+    engine = make_engine(num_kv_blocks=60, max_num_seqs=8, max_num_batched_tokens=16,
+                         long_prefill_token_threshold=6, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    for request_id, n in (("long0", 40), ("long1", 40), ("short", 5)):
+        engine.add_request(request_id, {"prompt_token_ids": prompt(rng, n)}, GREEDY)
+    first_token: dict[str, int] = {}
+    for step in range(60):
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first_token.setdefault(out.request_id, step)
+        if len(first_token) == 3:
+            break
+    assert first_token["short"] < first_token["long0"] < first_token["long1"], first_token
+    run_checked(engine)
+    check_all_free(engine)
+
+
+def test_one_prefill_a_step_admits_every_queued_prompt_in_turn():
+    """max_num_partial_prefills=1 with nothing decoding: one prompt starts per step, in arrival order, and
+    none starves."""
+    rng = np.random.default_rng(2)
+    engine = make_engine(num_kv_blocks=60, max_num_seqs=8, max_num_batched_tokens=64, max_num_partial_prefills=1)
+    for i in range(5):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt(rng, 6)}, GREEDY)
+    first_token: dict[str, int] = {}
+    for step in range(10):
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first_token.setdefault(out.request_id, step)
+    assert first_token == {f"r{i}": i for i in range(5)}
+    run_checked(engine)
+    check_all_free(engine)
+
+
+def test_tokens_for_keeps_the_decodes_still_to_come():
+    """A prefill earlier in the running queue than three decodes leaves them their tokens; past the threshold a
+    chunk is capped, and a prompt is long only with more than the threshold left."""
+    limits = PrefillLimits(threshold=0, max_prefills=2, max_long=1, decodes_left=3)
+    assert limits.tokens_for(100, budget=16) == 13
+    assert [limits.tokens_for(1, budget) for budget in (3, 2, 1)] == [1, 1, 1]
+    capped = PrefillLimits(threshold=8, max_prefills=2, max_long=1)
+    assert capped.tokens_for(8, budget=16) == 8 and not capped.long  # exactly the threshold: not long
+    assert capped.tokens_for(30, budget=16) == 8 and capped.long == 1
+    assert not capped.can_start(5)  # two prefills already
+    assert PrefillLimits(threshold=8, max_prefills=2, max_long=1, long=1).can_start(5)
+    assert not PrefillLimits(threshold=8, max_prefills=2, max_long=1, long=1).can_start(9)
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),
+    ({"max_num_partial_prefills": 2, "max_long_partial_prefills": 3}, "max_long_partial_prefills"),
+    ({"max_long_partial_prefills": 0}, "max_long_partial_prefills"),
+    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+])
+def test_bad_partial_prefill_options_name_the_field(options, field):
+    with pytest.raises(ValueError, match=field):
+        make_engine(num_kv_blocks=20, **options)
+
+
+def test_several_partial_prefills_default_the_threshold_to_4_percent_of_max_model_len():
+    """vLLM's SchedulerConfig rule: max_num_partial_prefills > 1 without a threshold sets it to 4 % of
+    max_model_len."""
+    engine = make_engine(num_kv_blocks=20, max_model_len=64, long_prefill_token_threshold=0,
+                         max_num_partial_prefills=2)
+    assert engine.config.long_prefill_token_threshold == int(64 * 0.04) == 2
