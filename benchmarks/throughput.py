@@ -49,6 +49,7 @@ from benchmarks.baselines import (ContiguousCache, RunStats, SlotBatching, Stati
                                   interleave, run_alone)
 from jaxpage.attention.kv_cache import bytes_per_block  # noqa: E402
 from jaxpage.config import ModelConfig  # noqa: E402
+from jaxpage.engine.arg_utils import EngineArgs  # noqa: E402
 from jaxpage.engine.config_builder import build_engine_config  # noqa: E402
 from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpage.models import config_from_hf, unstack_layers  # noqa: E402
@@ -77,7 +78,10 @@ def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: 
         model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=budget_bytes,
         num_kv_blocks=None if budget_bytes else num_kv_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_len, gpu_memory_utilization=0.9,
-        scan_layers=args.scan_layers, kv_cache_dtype=kv_cache_dtype)
+        scan_layers=args.scan_layers, kv_cache_dtype=kv_cache_dtype,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills)
     assert kv_cache_dtype != "auto" or config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
     num_host_blocks = config.num_kv_blocks if args.preemption_mode == "swap" else 0
     config = dataclasses.replace(config, preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks)
@@ -321,6 +325,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the ShareGPT length means")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the paged engine's cap on running sequences")
+    for name in ("long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(EngineArgs, name),
+                            help="the paged engine's partial-prefill option (default: the engine's)")
     parser.add_argument("--streams", type=int, default=32, help="the N-concurrent-streams run (0: skip)")
     parser.add_argument("--stream-prompt", type=int, default=32)
     parser.add_argument("--stream-output", type=int, default=64)
