@@ -79,6 +79,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # a preempted request's blocks: recomputed later, or swapped to the host
     num_host_blocks: int = 0  # the host's swap space in KV blocks (swap_space's bytes with preemption_mode swap)
     max_seqs_per_request: int | None = None  # most sequences (n, best_of, beams) one request holds (None: any)
+    async_scheduling: bool = True  # schedule step N+1 while step N runs, its sampled tokens kept on the device
     # The prompt tokens a step computes beside its decodes (core/prefill_limits.py, vLLM's options): a prefill
     # takes at most long_prefill_token_threshold tokens a step (0: no cap); at most max_num_partial_prefills
     # prefills a step, max_long_partial_prefills of them with more than the threshold left

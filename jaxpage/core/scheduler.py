@@ -11,7 +11,11 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.beam_search import beam_search_step
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.prefill_limits import PrefillLimits, num_decodes
-from jaxpage.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from jaxpage.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from jaxpage.core.stop import check_stop
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
@@ -177,6 +181,33 @@ class Scheduler:
         for seq in grow:
             self.kv.reserve(seq, 1)
         return SchedulerOutput(rows, self.kv.take_ops())
+
+    # --- async scheduling: the next step scheduled while this one runs ------------------------------------
+    def runs_ahead(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the step after ``scheduled`` (just launched) may be scheduled before its tokens are known: it
+        can be the decode fast path's (see _decode_rows; no beams), and no row needs its token on the host before
+        the next step is built (penalties upload the history; structured outputs advance their matcher)."""
+        return self._decode is scheduled and not any(
+            s.group.params.has_penalties or s.group.params.structured_outputs is not None for s in scheduled)
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """The next step while the last one runs (its rows hold placeholders, see add_placeholders): the decode
+        fast path, or None (nothing changed) when anything else would be scheduled; the engine then waits for the
+        last step's tokens and schedules in full."""
+        return self._decode_again(self._decode) if self._decode is not None else None
+
+    def add_placeholders(self, rows: list[ScheduledSeq]) -> None:
+        """After a decode step is launched: each row's sequence as the step leaves it, its sampled token a
+        placeholder (PLACEHOLDER_TOKEN_ID), so that the next step can be scheduled and built meanwhile."""
+        for s in rows:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+
+    def remove_placeholders(self, rows: list[ScheduledSeq]) -> None:
+        """Undoes add_placeholders before the step's real output goes through update_from_output."""
+        for s in rows:
+            assert s.seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
+            s.seq.num_computed_tokens -= s.num_new_tokens
 
     def _fail_head(self) -> None:
         """Nothing runs and the first queued request still cannot start: it can never fit in the pool."""

@@ -7,6 +7,10 @@ import dataclasses
 from jaxpage.core.kv_cache_manager import DeviceOps
 from jaxpage.sequence import Sequence, SequenceGroup
 
+# Async scheduling: the token a step still on the device samples for a sequence, in its token ids until the host
+# reads it; the next step's batch carries it and the device puts the sampled token in its place
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclasses.dataclass(slots=True)
 class ScheduledSeq:

@@ -95,6 +95,10 @@ class EngineArgs(CliArgs):
         "most prompts computing in one step beside the running decodes"))
     max_long_partial_prefills: int = dataclasses.field(default=1, metadata=_option(
         "most long prompts (see --long-prefill-token-threshold) of those; a shorter one behind them goes first"))
+    async_scheduling: bool = dataclasses.field(default=True, metadata=_option(
+        "schedule and build step N+1 while step N runs; the sampled tokens stay on the device and enter the next "
+        "step there, the host reads them a step late (steps that need them first, e.g. structured outputs, beams "
+        "and penalties, run synchronously)"))
     cache_dir: str | None = dataclasses.field(default=None, metadata=_option(
         "converted weights and compiled steps (default ~/.cache/jaxpage)"))
     progress: bool = dataclasses.field(default=True, metadata=_option("progress bars while loading and compiling"))

@@ -37,7 +37,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_seqs_per_request: int | None = None,
                         long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                         max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
-                        max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills) -> EngineConfig:
+                        max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
+                        async_scheduling: bool = EngineArgs.async_scheduling) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
@@ -74,7 +75,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request,
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_num_partial_prefills=max_num_partial_prefills,
-                          max_long_partial_prefills=max_long_partial_prefills)
+                          max_long_partial_prefills=max_long_partial_prefills, async_scheduling=async_scheduling)
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
 
@@ -94,7 +95,7 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         swap_space=args.swap_space, max_seqs_per_request=args.max_seqs_per_request,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills)
+        max_long_partial_prefills=args.max_long_partial_prefills, async_scheduling=args.async_scheduling)
 
 
 def _long_prefill_token_threshold(threshold: int, max_partial: int, max_long: int, max_model_len: int) -> int:

@@ -1,11 +1,14 @@
 """LLMEngine: requests in, one scheduled and executed step at a time, outputs back."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
 import time
 from pathlib import Path
+
+import jax
 
 from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.config import EngineConfig
@@ -28,6 +31,15 @@ from jaxpage.worker.multihost import runner_class
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineArgs", "LLMEngine", "DoesNotFitError"]
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read: the runner's handle, and the rows whose sequences
+    hold placeholders for them."""
+
+    launched: object  # the runner's LaunchedStep
+    rows: list[int]
 
 
 class DoesNotFitError(ValueError):
@@ -59,6 +71,10 @@ class LLMEngine:
         self.peak_kv = {"blocks_used": 0, "kv_tokens_stored": 0, "kv_slots_allocated": 0}
         self.load_seconds = self.warmup_seconds = 0.0
         self.structured: StructuredOutputManager | None = None  # made with the first constrained request
+        # Async scheduling, where the runner can leave a step running (launch/fetch; not across several hosts)
+        self.async_scheduling = config.async_scheduling and getattr(runner, "supports_async_scheduling", False)
+        self._in_flight: InFlight | None = None  # the decode step left running on the device
+        self._ready: list[RequestOutput] = []  # outputs of a step in flight read outside step(), for the next
 
     @classmethod
     def from_args(cls, args: EngineArgs, data_parallel_rank: int | None = None) -> "LLMEngine":
@@ -162,28 +178,77 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ends the request now and returns its blocks to the pool."""
+        self.wait_for_step()
         request = self.output_processor.abort(request_id)
         if request is not None:
             self.scheduler.finish_group(request.group, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._ready) or self.scheduler.has_unfinished()
 
     # --- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one iteration; returns an output for every request that got a token."""
+        """Schedules and runs one iteration; returns an output for every request that got a token.
+
+        With async scheduling a decode step is left running on the device: the next call schedules and launches
+        the step after it (its tokens taken from the device) before it reads this one's, so outputs come a step
+        late; anything but the decode fast path waits for the step in flight first (see DESIGN.md, the step)."""
+        outputs, self._ready = self._ready, []
+        if self._in_flight is not None:
+            ahead = self.scheduler.schedule_ahead() if self.async_scheduling else None
+            if ahead is not None:
+                self.runner.apply(ahead.ops)
+                launched = self.runner.launch(ahead.scheduled, previous=self._in_flight.launched)
+                outputs += self._finish_in_flight()
+                self._hold(launched)
+                return outputs
+            outputs += self._finish_in_flight()
         out = self.scheduler.schedule()
         self.runner.apply(out.ops)
-        outputs = [self._fail(group) for group in self.scheduler.take_failed()]
+        outputs += [self._fail(group) for group in self.scheduler.take_failed()]
         if not out.scheduled:
             return outputs
         failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
         bitmask = self.structured.bitmask(out.scheduled, failed) if self.structured is not None else None
-        sampled = (self.runner.execute(out.scheduled) if bitmask is None
-                   else self.runner.execute(out.scheduled, bitmask))
+        if not self.async_scheduling:
+            sampled = (self.runner.execute(out.scheduled) if bitmask is None
+                       else self.runner.execute(out.scheduled, bitmask))
+            return outputs + self._update(out.scheduled, sampled, failed)
+        launched = self.runner.launch(out.scheduled, bitmask)
+        if not failed and self.scheduler.runs_ahead(out.scheduled):
+            self._hold(launched)
+            return outputs
+        return outputs + self._update(out.scheduled, self.runner.fetch(launched), failed)
+
+    def wait_for_step(self) -> None:
+        """Waits for the step in flight, if any (async scheduling), and takes its tokens: the queues are then as
+        after a synchronous step. Its outputs come with the next ``step()``."""
+        if self._in_flight is not None:
+            self._ready += self._finish_in_flight()
+
+    def _hold(self, launched) -> None:
+        """Leaves a launched decode step in flight: its live rows' sequences get placeholders for their tokens."""
+        rows = [i for i, s in enumerate(launched.scheduled) if s.seq.finish_reason is None]
+        self.scheduler.add_placeholders([launched.scheduled[i] for i in rows])
+        self._in_flight = InFlight(launched, rows) if rows else None
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """The step in flight's tokens read (a row whose sequence ended since its launch computed a token that
+        is dropped), taken by the scheduler as a synchronous step's."""
+        flight, self._in_flight = self._in_flight, None
+        sampled = self.runner.fetch(flight.launched)
+        rows = flight.rows
+        scheduled = [flight.launched.scheduled[i] for i in rows]
+        if len(rows) != len(flight.launched.scheduled):
+            sampled = jax.tree.map(lambda a: a[rows], sampled)
+        self.scheduler.remove_placeholders(scheduled)
+        return self._update(scheduled, sampled, {})
+
+    def _update(self, scheduled, sampled, failed: dict[str, Exception]) -> list[RequestOutput]:
+        """A step's sampled tokens taken by the scheduler, then the outputs of the requests that got one."""
         now = time.monotonic()
-        got_token = self.scheduler.update_from_output(out.scheduled, sampled, failed)
-        outputs += self.output_processor.process_outputs(got_token, failed, now)
+        got_token = self.scheduler.update_from_output(scheduled, sampled, failed)
+        outputs = self.output_processor.process_outputs(got_token, failed, now)
         self._track_peak_kv()
         return outputs
 

@@ -35,7 +35,8 @@ class LayerLoop:
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
-        batch = jax.tree.map(lambda a: put(np.asarray(a), self.inputs), batch)
+        # host arrays placed; a device array (async scheduling's token ids) stays where it is, not read back
+        batch = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else put(np.asarray(a), self.inputs), batch)
         x, plans = self.begin(top, batch)
         for i, consts in enumerate(self.consts):
             x, pool = self.layer(layers[i], consts, x, pool, batch, plans)

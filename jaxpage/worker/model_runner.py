@@ -3,6 +3,7 @@ ahead of time, the scheduler's block moves applied to the pool, and each step ru
 build_batch makes of the scheduled sequences."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -16,13 +17,21 @@ from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, host_kv_poo
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq
-from jaxpage.distributed.parallel import placement
+from jaxpage.distributed.parallel import placement, put
 from jaxpage.models import TokenBatch, unstack_layers
 from jaxpage.models.placement import place_params, replicate_kv_heads
 from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.layer_loop import LayerLoop
 from jaxpage.worker.sampler import SamplerOutput, SamplingBatch
-from jaxpage.worker.step import abstract_step_inputs, compile_step, jit_step, sample_tokens, weight_shardings
+from jaxpage.worker.step import (
+    abstract_step_inputs,
+    compile_step,
+    jit_step,
+    replicated,
+    sample_tokens,
+    substitute_placeholders,
+    weight_shardings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +42,32 @@ log = logging.getLogger(__name__)
 HOST_LAYER_LOOP_PLATFORMS = ("cpu",)
 
 
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step started on the device: its rows and its sampler output, device arrays on their way to the host."""
+
+    scheduled: list[ScheduledSeq]
+    out: SamplerOutput
+
+
+def placeholder_rows(scheduled: list[ScheduledSeq], previous: list[ScheduledSeq], num_tokens: int) -> np.ndarray:
+    """For each token of a decode batch of ``scheduled`` (row i's token is token i), the row of its sequence in
+    the ``previous`` step, whose sampled token replaces a placeholder there (padded with 0, [num_tokens])."""
+    rows = np.zeros(num_tokens, np.int32)
+    if scheduled is previous:  # the decode fast path: the same rows
+        rows[:len(scheduled)] = np.arange(len(scheduled))
+    else:
+        where = {id(s.seq): row for row, s in enumerate(previous)}
+        rows[:len(scheduled)] = [where.get(id(s.seq), 0) for s in scheduled]
+    return rows
+
+
 class ModelRunner:
     """What runs on the device for one engine: its weights (placed, or split over its tensor-parallel mesh), the
     KV pool and the host's swap space (``config.num_host_blocks``), the step's executables, and the batch's
     persistent inputs (InputBatch)."""
+
+    supports_async_scheduling = True  # launch leaves the step running; fetch reads it
 
     def __init__(self, config: EngineConfig, params: dict):
         self.config = config
@@ -62,6 +93,7 @@ class ModelRunner:
         self.block_moves = BlockMoves.jit(where, kv_dtype)
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
+        self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))
 
     def warm_up(self, progress: bool = True) -> None:
         """Compiles (and runs once) every token bucket and the block-move functions ahead of time; serving never
@@ -71,6 +103,9 @@ class ModelRunner:
             for num_tokens in buckets:
                 if num_tokens not in self._executables:
                     self._executables[num_tokens] = self._compile(num_tokens)
+                    # several processes must make the same device calls: the leader's steps stay synchronous
+                    if self.config.async_scheduling and self.supports_async_scheduling and jax.process_count() == 1:
+                        self._compile_substitute(num_tokens)
                 bar.update()
             idle = np.zeros(self._move_size, np.int32)  # null block onto itself: compiles, changes nothing
             moves = self.block_moves
@@ -89,6 +124,12 @@ class ModelRunner:
         out, self.kv_pool = compiled(self.params, self.kv_pool, *padding)
         jax.block_until_ready(out)
         return compiled
+
+    def _compile_substitute(self, num_tokens: int) -> None:
+        """Compiles the placeholder substitution of one bucket (the previous step of the same bucket)."""
+        ids, rows = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+        sampled = put(np.zeros(self.config.num_seqs_for(num_tokens), np.int32), replicated(self.config))
+        jax.block_until_ready(self._substitute(ids, sampled, rows))
 
     def apply(self, ops: DeviceOps) -> None:
         """Carries out the queued block copies and swaps, in order, in padded fixed-size calls."""
@@ -116,10 +157,26 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq], bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for each scheduled sequence, in order. bitmask
         [rows, ceil(vocab / 32)] int32: the tokens each row may sample (structured outputs); None: any."""
+        return self.fetch(self.launch(scheduled, bitmask))
+
+    def launch(self, scheduled: list[ScheduledSeq], bitmask: np.ndarray | None = None,
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Builds the batch and starts the step without waiting for it (async scheduling); the sampled tokens
+        start their way to the host. previous: the step before, still running, whose sampled tokens take the
+        place of this batch's placeholder token ids on the device (a decode batch: token i is row i's)."""
         batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch, bitmask)
+        if previous is not None:
+            rows = placeholder_rows(scheduled, previous.scheduled, batch.token_ids.shape[0])
+            batch = dataclasses.replace(batch, token_ids=self._substitute(batch.token_ids, previous.out.tokens, rows))
         out = self.run(batch, sampling)
-        n = len(scheduled)
-        return jax.tree.map(lambda a: np.asarray(a)[:n], out)
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        return LaunchedStep(scheduled, out)
+
+    def fetch(self, launched: LaunchedStep) -> SamplerOutput:
+        """A launched step's output (numpy) for each of its rows, waiting for it if need be."""
+        n = len(launched.scheduled)
+        return jax.tree.map(lambda a: np.asarray(a)[:n], launched.out)
 
     def run(self, batch: TokenBatch, sampling: SamplingBatch) -> SamplerOutput:
         """The compiled step of the batch's bucket on it (the pool updated in place)."""

@@ -179,6 +179,8 @@ def _complete(config, batch, sampling, want_top: int, empty_history: jax.Array):
 class LeaderRunner(ModelRunner):
     """Process 0's runner: each device call is broadcast to the followers first."""
 
+    supports_async_scheduling = False  # the followers replay host arrays: a step's token ids must be on the host
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # The penalty table is kept on a device of this process only (its updates are not followers' calls) and

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jaxpage.attention.kv_cache import jit_on_pool
 from jaxpage.config import EngineConfig
+from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.distributed.parallel import placement, put, spec_shardings
 from jaxpage.models import TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs
 from jaxpage.structured.manager import bitmask_words
@@ -30,6 +31,13 @@ def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: 
                   sampling: SamplingBatch) -> SamplerOutput:
     """The step's tail: logits at each sequence's last scheduled token (final-normed ``hidden``), sampled."""
     return sample(compute_logits(config.model, params, hidden[batch.logits_indices]), sampling)
+
+
+def substitute_placeholders(token_ids: jax.Array, sampled: jax.Array, rows: jax.Array) -> jax.Array:
+    """Async scheduling (tpu-inference's _substitute_placeholder_token): each placeholder token id of a batch
+    built while the step before ran becomes the token that step sampled for its sequence, ``sampled[rows[i]]``,
+    without the token going through the host."""
+    return jnp.where(token_ids == PLACEHOLDER_TOKEN_ID, sampled[rows].astype(token_ids.dtype), token_ids)
 
 
 def jit_step(config: EngineConfig, where=None):
