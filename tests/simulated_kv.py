@@ -11,12 +11,14 @@ import transformers
 from hypothesis import strategies as st
 
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
+from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.models import config_from_hf
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpage.sequence import SequenceStatus
+from jaxpage.worker.model_runner import LaunchedStep
 from jaxpage.worker.sampler import SamplerOutput
 
 VOCAB = 24  # small, so EOS (token 0) is sampled now and then and prefixes repeat
@@ -41,6 +43,8 @@ def prefix_hashes(token_ids: list[int]) -> list[int]:
 
 class FakeRunner:
     """The runner interface over a simulated KV pool (see the module docstring)."""
+
+    supports_async_scheduling = True
 
     def __init__(self, config, num_host_blocks: int):
         self.config = config
@@ -70,6 +74,30 @@ class FakeRunner:
                 self.pool[dst] = self.host[src].copy()
             else:
                 raise AssertionError(f"unknown move {kind}")
+
+    def launch(self, scheduled, bitmask=None, previous=None):
+        """Async scheduling as the device does it: a placeholder token (a row's last, of a step built before the
+        step ``previous`` was read) becomes the token ``previous`` sampled for that sequence; then the step runs
+        at once (in launch order, as on a device) and its output waits in the handle for ``fetch``."""
+        assert bitmask is None
+        prev_rows = {id(s.seq): row for row, s in enumerate(previous.scheduled)} if previous is not None else {}
+        filled = []
+        for s in scheduled:
+            ids = s.seq.token_ids
+            at = [i for i, t in enumerate(ids) if t == PLACEHOLDER_TOKEN_ID]
+            if at:
+                assert previous is not None and at == [len(ids) - 1] and s.num_new_tokens == 1, (
+                    f"seq {s.seq.seq_id} has placeholders at {at} of {len(ids)} in a step without the one before")
+                ids[-1] = int(previous.out.tokens[prev_rows[id(s.seq)]])
+                filled.append(ids)
+        try:
+            return LaunchedStep(scheduled, self.execute(scheduled))
+        finally:
+            for ids in filled:  # the host still holds the placeholder until it reads the step before
+                ids[-1] = PLACEHOLDER_TOKEN_ID
+
+    def fetch(self, launched: LaunchedStep) -> SamplerOutput:
+        return launched.out
 
     def execute(self, scheduled) -> SamplerOutput:
         cfg, bs = self.config, self.config.block_size
@@ -130,7 +158,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 max_model_len: int = MAX_MODEL_LEN, window: int = 0,
                 long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
-                max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills) -> LLMEngine:
+                max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
+                async_scheduling: bool = True) -> LLMEngine:
     model = config_from_hf(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
@@ -142,7 +171,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  gpu_memory_utilization=0.9, enable_prefix_caching=prefix_caching,
                                  preemption_mode=mode, long_prefill_token_threshold=long_prefill_token_threshold,
                                  max_num_partial_prefills=max_num_partial_prefills,
-                                 max_long_partial_prefills=max_long_partial_prefills)
+                                 max_long_partial_prefills=max_long_partial_prefills,
+                                 async_scheduling=async_scheduling)
     config = dataclasses.replace(config, num_host_blocks=num_host_blocks)  # a swap space in blocks, not bytes
     runner = FakeRunner(config, num_host_blocks)
     engine = LLMEngine(config, runner, eos_token_ids=(EOS,))
@@ -201,7 +231,7 @@ def check_all_free(engine: LLMEngine) -> None:
 
 
 def _params(draw, max_num_seqs: int) -> SamplingParams:
-    kind = draw(st.sampled_from(["greedy", "sample", "best_of", "beam"]))
+    kind = draw(st.sampled_from(["greedy", "sample", "best_of", "beam", "penalized"]))
     max_tokens = draw(st.integers(1, 24))
     ignore_eos = draw(st.booleans())
     if kind == "greedy":
@@ -209,7 +239,11 @@ def _params(draw, max_num_seqs: int) -> SamplingParams:
     if kind == "sample":
         n = draw(st.integers(1, min(4, max_num_seqs)))
         return SamplingParams(n=n, temperature=1.0, seed=draw(st.integers(0, 2**32 - 1)), max_tokens=max_tokens,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, logprobs=draw(st.sampled_from([None, 2])),
+                              stop_token_ids=draw(st.sampled_from([[], [3, 5]])))
+    if kind == "penalized":  # needs its tokens on the host before the next step: async scheduling waits for them
+        return SamplingParams(temperature=1.0, seed=draw(st.integers(0, 2**32 - 1)), max_tokens=max_tokens,
+                              ignore_eos=ignore_eos, presence_penalty=0.5, min_tokens=min(2, max_tokens))
     if kind == "best_of":
         best_of = draw(st.integers(2, min(4, max_num_seqs)))
         return SamplingParams(n=draw(st.integers(1, best_of)), best_of=best_of, temperature=0.8,
@@ -253,12 +287,12 @@ def scenarios(draw):
     return setup, actions
 
 
-def step_checked(engine: LLMEngine, finished: set[str], params: dict) -> None:
+def step_checked(engine: LLMEngine, finished: dict, params: dict) -> None:
     for out in engine.step():
         assert out.request_id not in finished, f"output for {out.request_id} after it finished"
         p = params[out.request_id]
         if out.finished:
-            finished.add(out.request_id)
+            finished[out.request_id] = out
             assert len(out.outputs) == p.n
             for c in out.outputs:
                 # "abort": a group that can never fit in the pool (e.g. samples recomputed without prefix caching)
@@ -266,10 +300,11 @@ def step_checked(engine: LLMEngine, finished: set[str], params: dict) -> None:
         check_accounting(engine)
 
 
-def play(engine: LLMEngine, actions: list[tuple]) -> None:
+def play(engine: LLMEngine, actions: list[tuple]) -> dict:
     """Carries out a scenario's actions, checking the accounting after each; then drains the engine (a group
-    that still cannot fit after 300 steps is aborted) and checks that every block and host slot is free."""
-    finished: set[str] = set()
+    that still cannot fit after 300 steps is aborted) and checks that every block and host slot is free. Returns
+    the final output of each request that finished while stepped (request id -> RequestOutput)."""
+    finished: dict = {}
     params: dict[str, SamplingParams] = {}
     check_accounting(engine)
     for i, action in enumerate(actions):
@@ -281,11 +316,13 @@ def play(engine: LLMEngine, actions: list[tuple]) -> None:
         elif kind == "step":
             for _ in range(action[1]):
                 step_checked(engine, finished, params)
-        elif kind == "abort":
+        elif kind == "abort":  # a request that is unfinished once the step in flight is read
+            engine.wait_for_step()
             ids = sorted(engine.requests)
             if ids:
                 engine.abort_request(ids[action[1] % len(ids)])
-        elif kind == "preempt":
+        elif kind == "preempt":  # as the scheduler preempts: with no step in flight
+            engine.wait_for_step()
             running = engine.scheduler.running
             if running:
                 engine.scheduler.preempt(running[action[1] % len(running)])
@@ -299,6 +336,7 @@ def play(engine: LLMEngine, actions: list[tuple]) -> None:
         check_accounting(engine)
     engine.step()  # applies any moves still queued; schedules nothing
     check_all_free(engine)
+    return finished
 
 
 def run_checked(engine: LLMEngine, max_steps: int = 500) -> dict:

@@ -48,7 +48,59 @@ def test_block_accounting_stays_exact(scenario):
           f"copy-on-write={COPY in kinds} prefix-hit={engine.kv.prefix_cache_hits > 0}")
 
 
+def _ends(finished: dict) -> dict:
+    """Each finished request's completions: tokens, finish reason, stop reason, cumulative log-probability."""
+    return {rid: [(c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob) for c in out.outputs]
+            for rid, out in finished.items()}
+
+
+def _count_ahead(engine) -> list[bool]:
+    """Records, for each time the engine asks, whether the next step was scheduled while one ran."""
+    asked, schedule_ahead = [], engine.scheduler.schedule_ahead
+    engine.scheduler.schedule_ahead = lambda: (out := schedule_ahead(), asked.append(out is not None))[0]
+    return asked
+
+
+@settings(max_examples=40, deadline=None, derandomize=False,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios())
+def test_async_scheduling_gives_the_synchronous_outputs(scenario):
+    """Async scheduling (the next step scheduled and built while one runs, its placeholder tokens filled from the
+    step before, the host reading tokens a step late) ends every request as synchronous scheduling does: the same
+    tokens, finish and stop reasons and log-probabilities, over the scenarios' whole feature set (n > 1 forks,
+    best_of, beams, stop tokens, EOS, max_tokens, min_tokens with penalties, logprobs, both preemption modes,
+    prefix caching, aborts), with the accounting checked after every action and every block back at the end."""
+    setup, actions = scenario
+    expected = _ends(play(make_engine(**setup, async_scheduling=False), actions))
+    engine = make_engine(**setup)
+    asked = _count_ahead(engine)
+    assert _ends(play(engine, actions)) == expected
+    event(f"steps scheduled ahead: {'some' if any(asked) else 'none'}")
+
+
 # --- deterministic cases ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_runs_ahead_and_drops_the_extra_token(mode):
+    """Decodes of requests that stop at different steps (max_tokens, EOS, stop tokens) under a pool tight enough
+    to preempt: most steps are scheduled while the one before runs, a sequence that stopped had its one extra
+    token computed and dropped (never output), and tokens match synchronous scheduling; every block comes back."""
+    def run(async_scheduling):
+        engine = make_engine(num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=32, mode=mode,
+                             num_host_blocks=16 if mode == "swap" else 0, async_scheduling=async_scheduling)
+        asked = _count_ahead(engine)
+        for i in range(6):
+            p = SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=6 + 5 * i,
+                               stop_token_ids=[3] if i == 3 else [], ignore_eos=i < 2)
+            engine.add_request(f"r{i}", {"prompt_token_ids": [1 + (i * 7 + j) % (VOCAB - 1) for j in range(9)]}, p)
+        done = run_checked(engine)
+        check_all_free(engine)
+        return _ends(done), asked
+    expected, _ = run(False)
+    got, asked = run(True)
+    assert got == expected
+    assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
+
 
 @pytest.mark.parametrize("mode, host", [("recompute", 0), ("swap", 32), ("swap", 2)])
 def test_shared_prefix_and_forks_survive_preemption(mode, host):

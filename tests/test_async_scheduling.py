@@ -1,0 +1,82 @@
+"""Async scheduling on the real model: step N+1 scheduled and built while step N runs, its placeholder token ids
+filled on the device from step N's samples, the host reading tokens a step late, gives the synchronous engine's
+outputs exactly. (The scheduler side, over every feature and preemption, is tests/test_block_accounting.py.)"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from jaxpage import SamplingParams
+from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
+from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.structured_outputs import StructuredOutputsParams
+from jaxpage.worker.step import substitute_placeholders
+
+
+def test_the_flag_is_vllms_and_on_by_default():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args([])).async_scheduling is True
+    assert EngineArgs.from_cli_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
+
+
+def test_placeholders_take_the_previous_steps_tokens():
+    """Against the plain rule: a placeholder at token i becomes sampled[rows[i]]; other ids stay."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 1000, 16).astype(np.int32)
+    at = rng.random(16) < 0.5
+    ids[at] = PLACEHOLDER_TOKEN_ID
+    sampled = rng.integers(0, 1000, 8).astype(np.int32)
+    rows = rng.integers(0, 8, 16).astype(np.int32)
+    expected = np.where(at, sampled[rows], ids)
+    np.testing.assert_array_equal(np.asarray(substitute_placeholders(ids, sampled, rows)), expected)
+
+
+def _requests(tokenizer) -> list[tuple[dict, SamplingParams]]:
+    """The features async scheduling must keep exact, mixed in one batch, finishing at different steps."""
+    def ids(text):
+        return {"prompt_token_ids": tokenizer(text)["input_ids"]}
+    return [
+        (ids("The capital of France is"), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
+        (ids("def fibonacci(n):"), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),  # ends early
+        (ids("Once upon a time"), SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=16, logprobs=2)),
+        (ids("The three primary colors are"), SamplingParams(temperature=0, max_tokens=30, stop=[","])),
+        (ids("Counting: 1, 2, 3,"), SamplingParams(temperature=0.8, seed=3, max_tokens=12,
+                                                   stop_token_ids=[tokenizer(" 7")["input_ids"][-1]])),
+        (ids("Les avantages du vélo"), SamplingParams(temperature=0.7, seed=11, max_tokens=10,
+                                                     presence_penalty=0.6, min_tokens=4)),  # synchronous steps
+        (ids("The answer is"), SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+            StructuredOutputsParams(regex=r" (yes|no)\.")))),  # synchronous steps
+    ]
+
+
+def _ends(outs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("features", ["plain", "all"])
+def test_async_scheduling_gives_the_synchronous_outputs(smollm2, features):
+    """The same tokens, text, finish and stop reasons and log-probabilities as synchronous scheduling (plain:
+    greedy, seeded samples, n > 1, logprobs, stop strings and tokens, a request ending while others go on; all:
+    with penalties and structured outputs, whose steps fall back to synchronous), every block back; most decode
+    steps of the plain batch are scheduled while the one before runs."""
+    engine = smollm2.engine
+    requests = _requests(smollm2.get_tokenizer())
+    requests = requests if features == "all" else requests[:5]
+    prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+    asked, schedule_ahead = [], engine.scheduler.schedule_ahead
+    engine.scheduler.schedule_ahead = lambda: (out := schedule_ahead(), asked.append(out is not None))[0]
+    try:
+        engine.async_scheduling = False
+        expected = _ends(smollm2.generate(prompts, params))
+        engine.async_scheduling = True
+        got = _ends(smollm2.generate(prompts, params))
+    finally:
+        engine.async_scheduling = engine.config.async_scheduling
+        del engine.scheduler.schedule_ahead
+    assert got == expected
+    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1
+    if features == "plain":
+        assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
