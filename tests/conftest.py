@@ -1,4 +1,5 @@
-"""Shared fixtures: the real model is loaded once per test session, and so is its transformers reference."""
+"""Shared fixtures: the real model is loaded once per test session, and so are its transformers reference and that
+reference's greedy runs."""
 from __future__ import annotations
 
 import os
@@ -33,6 +34,14 @@ def hf_smollm2():
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_greedy(hf_smollm2):
+    """transformers' greedy runs of SmolLM2 (reference.hf_greedy), shared by the session's tests."""
+    from tests.reference import GreedyRuns
+
+    return GreedyRuns(hf_smollm2[0])
 
 
 @pytest.fixture(scope="module")

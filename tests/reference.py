@@ -24,6 +24,25 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return ids[len(prompt_ids):], np.stack(step_logits)
 
 
+class GreedyRuns:
+    """hf_greedy of one model, remembered per prompt for the test session: fewer new tokens than a prompt's
+    longest run so far are that run's first ones, more continue it (greedy step n's token and logits depend only
+    on the sequence before it, recomputed whole at every step)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._runs: dict[tuple[int, ...], tuple[list[int], np.ndarray]] = {}
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+        key = tuple(prompt_ids)
+        tokens, logits = self._runs.get(key, ([], None))
+        if len(tokens) < max_new_tokens:
+            more, more_logits = hf_greedy(self.model, [*prompt_ids, *tokens], max_new_tokens - len(tokens))
+            tokens, logits = tokens + more, more_logits if logits is None else np.concatenate([logits, more_logits])
+            self._runs[key] = tokens, logits
+        return tokens[:max_new_tokens], logits[:max_new_tokens]
+
+
 @torch.no_grad()
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
     return model(torch.tensor([token_ids])).logits[0].float().numpy()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpage import SamplingParams
-from tests.reference import assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits, paged_logits
+from tests.reference import assert_greedy_matches, assert_logits_close, hf_logits, paged_logits
 
 NEW_TOKENS = 48
 PLAIN = ["The capital of France is", "def fibonacci(n):", "Les avantages du vélo en ville sont",
@@ -31,15 +31,15 @@ def test_chat_template_equals_transformers(smollm2, hf_smollm2):
         messages, tokenize=False, add_generation_prompt=True)
 
 
-def test_greedy_generation_is_token_identical_to_transformers(smollm2, hf_smollm2):
-    model, hf_tok = hf_smollm2
+def test_greedy_generation_is_token_identical_to_transformers(smollm2, hf_smollm2, hf_smollm2_greedy):
+    _, hf_tok = hf_smollm2
     prompts = _prompts(hf_tok)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = smollm2.generate(prompts, params)  # all prompts batched together, prefill chunked by the budget
     for prompt, out in zip(prompts, outs):
         ids = hf_tok(prompt)["input_ids"]
         assert out.prompt_token_ids == ids
-        ref, ref_logits = hf_greedy(model, ids, NEW_TOKENS)
+        ref, ref_logits = hf_smollm2_greedy(ids, NEW_TOKENS)
         assert_greedy_matches(out.outputs[0].token_ids, ref, ref_logits, context=prompt)
         assert out.outputs[0].finish_reason == "length"
         # a trailing incomplete UTF-8 character is withheld, never emitted broken
@@ -48,11 +48,11 @@ def test_greedy_generation_is_token_identical_to_transformers(smollm2, hf_smollm
     assert smollm2.engine.block_pool.num_free == smollm2.engine.config.num_kv_blocks - 1
 
 
-def test_stops_on_eos_like_transformers(smollm2, hf_smollm2):
-    model, hf_tok = hf_smollm2
+def test_stops_on_eos_like_transformers(smollm2, hf_smollm2, hf_smollm2_greedy):
+    _, hf_tok = hf_smollm2
     prompt = _prompts(hf_tok)[len(PLAIN)]  # chat: the model answers briefly and ends with <|im_end|>
     out = smollm2.generate([prompt], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
-    ref, _ = hf_greedy(model, hf_tok(prompt)["input_ids"], 64)
+    ref, _ = hf_smollm2_greedy(hf_tok(prompt)["input_ids"], 64)
     eos = hf_tok.eos_token_id
     assert eos in ref, "reference does not stop within 64 tokens; pick another prompt"
     assert out.token_ids == ref[:ref.index(eos) + 1]
@@ -60,8 +60,8 @@ def test_stops_on_eos_like_transformers(smollm2, hf_smollm2):
 
 
 @pytest.mark.parametrize("prompt_index", [0, len(PLAIN)])
-def test_teacher_forced_logits_agree(smollm2, hf_smollm2, prompt_index):
+def test_teacher_forced_logits_agree(smollm2, hf_smollm2, hf_smollm2_greedy, prompt_index):
     model, hf_tok = hf_smollm2
     ids = hf_tok(_prompts(hf_tok)[prompt_index])["input_ids"]
-    ids = ids + hf_greedy(model, ids, 40)[0]  # over several blocks
+    ids = ids + hf_smollm2_greedy(ids, 40)[0]  # over several blocks
     assert_logits_close(paged_logits(smollm2, ids, seed=prompt_index), hf_logits(model, ids), rtol=1e-4)
