@@ -26,6 +26,8 @@ those, and a group aborted before its prompt forked returned one.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -71,6 +73,9 @@ def test_async_scheduling_gives_the_synchronous_outputs(scenario):
     best_of, beams, stop tokens, EOS, max_tokens, min_tokens with penalties, logprobs, both preemption modes,
     prefix caching, aborts), with the accounting checked after every action and every block back at the end."""
     setup, actions = scenario
+    # every request seeded: the fake runner's draws (greedy's too) depend on the seed, drawn afresh when None
+    actions = [(a[0], a[1], dataclasses.replace(a[2], seed=i if a[2].seed is None else a[2].seed), *a[3:])
+               if a[0] == "add" else a for i, a in enumerate(actions)]
     expected = _ends(play(make_engine(**setup, async_scheduling=False), actions))
     engine = make_engine(**setup)
     asked = _count_ahead(engine)
