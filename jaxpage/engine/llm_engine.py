@@ -179,6 +179,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Ends the request now and returns its blocks to the pool."""
         self.wait_for_step()
+        self._ready = [o for o in self._ready if o.request_id != request_id]  # nothing comes after its abort
         request = self.output_processor.abort(request_id)
         if request is not None:
             self.scheduler.finish_group(request.group, FinishReason.ABORT)
