@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.bit_moves import scatter_set
 from pallas_kernels.quant import dequantize, is_quantized, pool_parts, quantize, with_parts
 
 MASK_VALUE = -1e30  # finite, so a fully masked row gives exp(MASK - MASK) = 1 rather than NaN
@@ -158,7 +159,7 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
         slot_mapping = jnp.concatenate([jnp.asarray(slot_mapping, jnp.int32), jnp.zeros(1, jnp.int32)])
     kv, kv_scales = quantize(jnp.stack([k, v], axis=1), pool.dtype)  # [T, 2, KVH, D], [T, 2, KVH]
     at = (layer, slot_mapping // block_size, slice(None), slice(None), slot_mapping % block_size)
-    return with_parts(values.at[at].set(kv), None if scales is None else scales.at[at].set(kv_scales))
+    return with_parts(scatter_set(values, at, kv), None if scales is None else scales.at[at].set(kv_scales))
 
 
 def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,
