@@ -115,3 +115,20 @@ def agreement(ref_log_probs: np.ndarray, log_probs: np.ndarray) -> tuple[float, 
     top1 = float(np.mean(ref_log_probs.argmax(-1) == log_probs.argmax(-1)))
     kl = np.sum(np.exp(ref_log_probs) * (ref_log_probs - log_probs), axis=-1, dtype=np.float64)
     return top1, float(kl.mean())
+
+
+def agreement_with_transformers(hf_model, tokenizer, model_cfg, params, pool_dtype,
+                                block_size: int = 16) -> tuple[float, float, list[float], list[float]]:
+    """(mean top-1, mean KL, per-source top-1s, per-source KLs) of this configuration's teacher-forced
+    log-probabilities against a transformers model's (float32: the reference) over ``varied_segments``."""
+    import torch
+
+    pool = allocate_kv_pool(model_cfg, 1 + SEGMENT // block_size, block_size, pool_dtype)
+    top1s, kls = [], []
+    for ids in varied_segments(tokenizer):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+        top1, kl = agreement(ref, teacher_forced_log_probs(model_cfg, params, pool, ids, block_size))
+        top1s.append(top1)
+        kls.append(kl)
+    return float(np.mean(top1s)), float(np.mean(kls)), top1s, kls

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels import kv_write
 from pallas_kernels.bit_moves import scatter_set
 from pallas_kernels.quant import dequantize, is_quantized, pool_parts, quantize, with_parts
 
@@ -159,7 +160,12 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
         slot_mapping = jnp.concatenate([jnp.asarray(slot_mapping, jnp.int32), jnp.zeros(1, jnp.int32)])
     kv, kv_scales = quantize(jnp.stack([k, v], axis=1), pool.dtype)  # [T, 2, KVH, D], [T, 2, KVH]
     at = (layer, slot_mapping // block_size, slice(None), slice(None), slot_mapping % block_size)
-    return with_parts(scatter_set(values, at, kv), None if scales is None else scales.at[at].set(kv_scales))
+    new_values = scatter_set(values, at, kv)
+    if kv_write.needs_kernel(values.dtype) and kv_write.available():
+        new_values = jax.lax.platform_dependent(  # XLA:CPU copies the whole pool around a narrow float's scatter
+            values, kv, slot_mapping, cpu=lambda *a: kv_write.write_kv(a[0], layer, *a[1:]),
+            default=lambda *_: new_values)
+    return with_parts(new_values, None if scales is None else scales.at[at].set(kv_scales))
 
 
 def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer,

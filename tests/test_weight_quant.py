@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.quality import SEGMENT, SOURCES, agreement, teacher_forced_log_probs, varied_segments
+from benchmarks.quality import SEGMENT, SOURCES, agreement_with_transformers
 from jaxpage.config import ModelConfig
 from jaxpage.models import abstract_params, cast_weights, quantize_params
 from jaxpage.models.layers import Linear
@@ -116,22 +116,9 @@ def smollm2_int8():
 
 
 def test_smollm2_int8_teacher_forced_quality_against_float32(smollm2_int8, hf_smollm2):
-    import torch
-
-    from jaxpage.attention.kv_cache import allocate_kv_pool
-
     model, tokenizer = hf_smollm2
     cfg, params = smollm2_int8
-    block_size = 16
-    pool = allocate_kv_pool(cfg, 1 + SEGMENT // block_size, block_size, jnp.float32)
-    top1s, kls = [], []
-    for ids in varied_segments(tokenizer):
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
-        top1, kl = agreement(ref, teacher_forced_log_probs(cfg, params, pool, ids, block_size))
-        top1s.append(top1)
-        kls.append(kl)
-    top1, kl = float(np.mean(top1s)), float(np.mean(kls))
+    top1, kl, top1s, kls = agreement_with_transformers(model, tokenizer, cfg, params, jnp.float32)
     print(f"int8 weights vs float32 over {SEGMENT * len(SOURCES)} tokens: top-1 {top1:.4f}, mean KL {kl:.5f} "
           f"(per source: {[round(t, 4) for t in top1s]}, {[round(k, 5) for k in kls]})")
     assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)

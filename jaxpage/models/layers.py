@@ -5,6 +5,7 @@ attention heads, MLP columns/rows, experts' columns), never sharded eagerly: the
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpu_kernels import onednn
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.quant import int8_dot, quantization_being_built
 
@@ -35,6 +37,26 @@ class RMSNorm(nnx.Module):
         return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = False) -> jax.Array:
+    """x [..., *in] . kernel [*in, *out] (kernel [out, in] with ``transposed``, one axis each): on the CPU,
+    bfloat16 runs oneDNN's matmul (cpu_kernels.onednn: XLA:CPU converts bfloat16 dots to float32 every call);
+    every other platform and dtype, XLA's dot."""
+    in_axes = (1,) if transposed else tuple(range(num_in))
+    dims = ((tuple(range(x.ndim - num_in, x.ndim)), in_axes), ((), ()))
+    xla = functools.partial(jax.lax.dot_general, dimension_numbers=dims)
+    if not (x.dtype == kernel.dtype == jnp.bfloat16 and onednn.available()):
+        return xla(x, kernel)
+
+    def cpu(x, kernel):
+        out_shape = kernel.shape[:1] if transposed else kernel.shape[num_in:]
+        k, n = math.prod(x.shape[x.ndim - num_in:]), math.prod(out_shape)
+        flat = kernel.reshape((n, k) if transposed else (k, n))
+        y = onednn.matmul(x.reshape(-1, k), flat, transposed=transposed)
+        return y.reshape(*x.shape[:x.ndim - num_in], *out_shape)
+
+    return jax.lax.platform_dependent(x, kernel, cpu=cpu, default=xla)
+
+
 class Linear(nnx.Module):
     """y = x . kernel (+ bias), contracting x's trailing ``in_shape`` axes; kernel [*in_shape, *out_shape].
     The one place a matmul with weights happens. Built under ``quant.building("int8")``, the kernel is int8 with
@@ -54,8 +76,7 @@ class Linear(nnx.Module):
         if kernel.dtype == jnp.int8:
             y = int8_dot(x, kernel, self.scale[...], self.num_in)
         else:
-            y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - self.num_in, x.ndim)),
-                                                 tuple(range(self.num_in))), ((), ())))
+            y = dense(x, kernel, self.num_in)
         return y if self.bias is None else y + self.bias[...]
 
     def in_axes(self, ndim: int) -> tuple[int, ...]:
@@ -72,7 +93,7 @@ class Embedding(nnx.Module):
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """Tied LM head: hidden [N, D] against every embedding row."""
-        return jnp.einsum("nd,vd->nv", hidden, self.embedding[...])
+        return dense(hidden, self.embedding[...], 1, transposed=True)
 
 
 ACTIVATIONS = {

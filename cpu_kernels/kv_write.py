@@ -1,0 +1,27 @@
+"""The K/V write into the paged pool as an in-place FFI call on the CPU, for 8- and 16-bit float pools.
+
+XLA:CPU has no bfloat16 or float8 scatter: it converts the whole pool to float32 around one, or, scattering the
+pool's bits as integers, copies it twice (~0.6 s a layer for SmolLM2's 1 GiB default pool); this copies T rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels.library import available
+
+__all__ = ["available", "needs_kernel", "write_kv"]
+
+
+def needs_kernel(dtype) -> bool:
+    """Whether XLA:CPU's scatter cannot write this pool dtype in place (floats narrower than 32 bits)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+
+
+def write_kv(values: jax.Array, layer, kv: jax.Array, slots: jax.Array) -> jax.Array:
+    """values [L, NB, 2, KVH, BS, D] with kv [T, 2, KVH, D] written at ``slots`` [T] of ``layer`` (the pool is
+    aliased to the result: donated, it is written in place). CPU only, and only where ``available()``."""
+    out = jax.ShapeDtypeStruct(values.shape, values.dtype)
+    call = jax.ffi.ffi_call("jaxpage_write_kv", out, input_output_aliases={0: 0})
+    return call(values, kv.astype(values.dtype), jnp.asarray(slots, jnp.int32), jnp.asarray(layer, jnp.int32))

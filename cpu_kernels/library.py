@@ -1,0 +1,82 @@
+"""The CPU kernels' shared library: built on first use, loaded and registered with XLA as FFI targets.
+
+The sources (onednn_matmul.cc, kv_write.cc) are compiled with the system's C++ compiler against the oneDNN wheels
+(PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN version; without a
+compiler or oneDNN, or with ``JAXPAGE_ONEDNN=0``, ``available()`` is False and callers keep XLA's ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("onednn_matmul.cc", "kv_write.cc"))
+TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv"}
+
+
+def onednn_prefix() -> Path | None:
+    """The install prefix that holds oneDNN's headers and library (the wheels put them under the environment's
+    ``include/`` and ``lib/``), or None."""
+    for prefix in (os.environ.get("JAXPAGE_ONEDNN_ROOT"), sys.prefix, sysconfig.get_config_var("prefix")):
+        if prefix and (Path(prefix) / "include/oneapi/dnnl/dnnl.hpp").exists() and \
+                any((Path(prefix) / "lib").glob("libdnnl.so*")):
+            return Path(prefix)
+    return None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxpage" / "cpu_kernels"
+
+
+def build(prefix: Path) -> Path:
+    """Compiles the extension once per source, JAX and oneDNN version; returns the shared library's path."""
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + f"{jax.__version__}{prefix}".encode())
+    key = key.hexdigest()[:16]
+    path = cache_dir() / f"libjaxpage_onednn-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+        command = [os.environ.get("CXX", "g++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+                   f"-I{include}", f"-I{prefix / 'include'}", *map(str, SOURCES), f"-L{prefix / 'lib'}", "-ldnnl",
+                   f"-Wl,-rpath,{prefix / 'lib'}", "-o", tmp.name]
+        try:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+            os.replace(tmp.name, path)  # atomic: processes building at once each leave a whole library
+        finally:
+            Path(tmp.name).unlink(missing_ok=True)
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the library is built, loaded and its targets registered with XLA (once per process)."""
+    if os.environ.get("JAXPAGE_ONEDNN", "1") == "0":
+        return False
+    prefix = onednn_prefix()
+    if prefix is None:
+        log.info("oneDNN not installed: the CPU kernels stay XLA's ops")
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build(prefix)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        log.warning("the CPU kernels could not be built (%s): XLA's ops are used instead",
+                    getattr(e, "stderr", None) or e)
+        return False
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True
+
