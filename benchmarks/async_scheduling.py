@@ -25,10 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-from benchmarks.stand_in import StandInRunner  # noqa: E402
+from benchmarks.stand_in import StandInRunner, start_decoding  # noqa: E402
 from jaxpage.engine.config_builder import build_engine_config  # noqa: E402
 from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpage.models import config_from_hf  # noqa: E402
@@ -46,14 +45,7 @@ def stand_in_part(args) -> dict:
                                  max_num_batched_tokens=4096, max_model_len=2048, gpu_memory_utilization=0.9)
     runner = StandInRunner(config, step_seconds=args.device_ms / 1e3, build_batches=True, simulated_device=True)
     engine = LLMEngine(config, runner)
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, output_kind="delta")  # as served
-    for i in range(args.seqs):
-        engine.add_request(str(i), {"prompt_token_ids": rng.integers(0, 49152, rng.integers(50, 400)).tolist()},
-                           params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1
-                                          for g in engine.scheduler.running for s in g.seqs):
-        engine.step()  # prefill until every sequence is decoding
+    start_decoding(engine, args.seqs, 100_000)
     runs = {mode: {"idle_ms_per_step": [], "steps_per_s": []} for mode in MODES}
     for _ in range(args.rounds):
         for mode, on in MODES.items():

@@ -59,3 +59,11 @@ def _tail(log_path) -> str:
     if log_path is None or not Path(log_path).exists():
         return ""
     return "\n--- server log (tail) ---\n" + Path(log_path).read_text(errors="replace")[-4000:]
+
+
+def apply_quick(parser, args, quick: dict) -> None:
+    """``--quick``: each option in ``quick`` that was left at its default takes the quick value instead."""
+    defaults = {a.dest: a.default for a in parser._actions}
+    for name, value in quick.items():
+        if getattr(args, name) == defaults[name]:
+            setattr(args, name, value)

@@ -59,7 +59,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import workloads  # noqa: E402
-from benchmarks.launch import free_port, spawn, wait_serving  # noqa: E402
+from benchmarks.launch import apply_quick, free_port, spawn, wait_serving  # noqa: E402
 from serving import generation_pb2 as pb  # noqa: E402
 from serving import generation_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -432,10 +432,7 @@ def parse_args(argv=None):
                    help="the engine's scan_layers option")
     args = parser.parse_args(argv)
     if args.quick:
-        defaults = {a.dest: a.default for a in parser._actions}
-        for k, v in QUICK.items():
-            if getattr(args, k) == defaults[k]:
-                setattr(args, k, v)
+        apply_quick(parser, args, QUICK)
     if any(r <= 0 for r in args.rates):
         parser.error("--rates must be > 0")
     if "http" in args.protocol and args.address and not args.http_url:

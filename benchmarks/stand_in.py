@@ -83,3 +83,18 @@ def _output(n: int) -> SamplerOutput:
     top_ids = np.tile(np.arange(TOKEN, TOKEN + MAX_LOGPROBS), (n, 1))
     top_logprobs = np.tile(-np.arange(1, MAX_LOGPROBS + 1, dtype=np.float64), (n, 1))
     return SamplerOutput(np.full(n, TOKEN), np.full(n, -1.0), top_ids, top_logprobs)
+
+
+def start_decoding(engine, num_seqs: int, max_tokens: int, seed: int = 0) -> None:
+    """Adds ``num_seqs`` random prompts of 50-400 tokens (greedy, EOS ignored, streamed as served) and steps the
+    engine until every sequence is decoding."""
+    from jaxpage.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind="delta")
+    for i in range(num_seqs):
+        engine.add_request(str(i), {"prompt_token_ids": rng.integers(0, 49152, rng.integers(50, 400)).tolist()},
+                           params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1
+                                          for g in engine.scheduler.running for s in g.seqs):
+        engine.step()  # prefill until every sequence is decoding

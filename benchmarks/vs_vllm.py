@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.launch import ROOT, free_port, spawn, wait_serving
+from benchmarks.launch import ROOT, apply_quick, free_port, spawn, wait_serving
 
 PEER = Path("/tmp/vllm-peer")
 RESULTS = ROOT / "benchmarks" / "results"
@@ -621,10 +621,7 @@ def parse_args(argv=None):
         help="LD_PRELOAD of vllm serve, those that exist (tcmalloc and Intel OpenMP, as vLLM's CPU docs say)")
     args = parser.parse_args(argv)
     if args.quick:
-        defaults = {a.dest: a.default for a in parser._actions}
-        for k, v in QUICK.items():
-            if getattr(args, k) == defaults[k]:
-                setattr(args, k, v)
+        apply_quick(parser, args, QUICK)
     if min(args.concurrency) < 1 or args.prompts_per_concurrency < 1 or (args.num_prompts or 1) < 1:
         parser.error("--concurrency, --prompts-per-concurrency and --num-prompts must be >= 1")
     return args
