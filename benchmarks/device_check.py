@@ -132,7 +132,7 @@ def engine_benchmark(setup: dict, started: float, budget_s: float) -> dict:
     slots = max(setup["streams"])
     args = types.SimpleNamespace(dtype=dtype, block_size=16, max_num_batched_tokens=setup["max_num_batched_tokens"],
                                  max_len=max_len, scan_layers=True, preemption_mode="recompute", sequential=False,
-                                 systems=list(throughput.SYSTEMS))
+                                 systems=list(throughput.SYSTEMS), **throughput.prefill_limits_defaults())
     loaded = types.SimpleNamespace(tokenizer=None, eos_token_ids=(), name=f"random {model.num_layers}-layer")
     t = time.perf_counter()
     params = random_model.random_params(model, jnp.dtype(dtype))

@@ -69,6 +69,14 @@ def paged_systems(args) -> dict[str, str]:
     return {"paged" if kv == "auto" else f"paged_{kv}": kv for kv in args.kv_cache_dtype}
 
 
+PREFILL_LIMITS = ("long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills")
+
+
+def prefill_limits_defaults() -> dict:
+    """The engine's defaults of the partial-prefill options that the paged engine here takes."""
+    return {name: getattr(EngineArgs, name) for name in PREFILL_LIMITS}
+
+
 def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: int, max_num_seqs: int,
                  budget_bytes: int | None = None, kv_cache_dtype: str = "auto") -> ModelRunner:
     """The engine's own runner over the shared weights, its pool sized from the byte budget when given (a
@@ -325,8 +333,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the ShareGPT length means")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the paged engine's cap on running sequences")
-    for name in ("long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(EngineArgs, name),
+    for name, default in prefill_limits_defaults().items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                             help="the paged engine's partial-prefill option (default: the engine's)")
     parser.add_argument("--streams", type=int, default=32, help="the N-concurrent-streams run (0: skip)")
     parser.add_argument("--stream-prompt", type=int, default=32)
