@@ -1,7 +1,8 @@
 """The K/V write into the paged pool as an in-place FFI call on the CPU, for 8- and 16-bit float pools.
 
-XLA:CPU has no bfloat16 or float8 scatter: it converts the whole pool to float32 around one, or, scattering the
-pool's bits as integers, copies it twice (~0.6 s a layer for SmolLM2's 1 GiB default pool); this copies T rows.
+XLA:CPU has no bfloat16 or float8 scatter: it converts the whole pool to float32 around one (~0.9 s a layer for
+SmolLM2's 1 GiB default pool), or, scattering the pool's bits as integers, copies it twice through the bitcasts
+(~0.6 s); this copies the T new rows.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def needs_kernel(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
 
 
-def write_kv(values: jax.Array, layer, kv: jax.Array, slots: jax.Array) -> jax.Array:
+def write_kv(values: jax.Array, kv: jax.Array, *, layer, slots: jax.Array) -> jax.Array:
     """values [L, NB, 2, KVH, BS, D] with kv [T, 2, KVH, D] written at ``slots`` [T] of ``layer`` (the pool is
     aliased to the result: donated, it is written in place). CPU only, and only where ``available()``."""
     out = jax.ShapeDtypeStruct(values.shape, values.dtype)

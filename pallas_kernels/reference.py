@@ -16,11 +16,12 @@ attention. Kernels skip the pages wholly before the window and mask the rest.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from cpu_kernels import kv_write
-from pallas_kernels.bit_moves import scatter_set
 from pallas_kernels.quant import dequantize, is_quantized, pool_parts, quantize, with_parts
 
 MASK_VALUE = -1e30  # finite, so a fully masked row gives exp(MASK - MASK) = 1 rather than NaN
@@ -160,11 +161,14 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
         slot_mapping = jnp.concatenate([jnp.asarray(slot_mapping, jnp.int32), jnp.zeros(1, jnp.int32)])
     kv, kv_scales = quantize(jnp.stack([k, v], axis=1), pool.dtype)  # [T, 2, KVH, D], [T, 2, KVH]
     at = (layer, slot_mapping // block_size, slice(None), slice(None), slot_mapping % block_size)
-    new_values = scatter_set(values, at, kv)
-    if kv_write.needs_kernel(values.dtype) and kv_write.available():
-        new_values = jax.lax.platform_dependent(  # XLA:CPU copies the whole pool around a narrow float's scatter
-            values, kv, slot_mapping, cpu=lambda *a: kv_write.write_kv(a[0], layer, *a[1:]),
-            default=lambda *_: new_values)
+    def scatter(values, kv):
+        return values.at[at].set(kv)
+
+    if kv_write.needs_kernel(values.dtype) and kv_write.available():  # XLA:CPU copies the pool around this scatter
+        cpu = functools.partial(kv_write.write_kv, layer=layer, slots=slot_mapping)
+        new_values = jax.lax.platform_dependent(values, kv, cpu=cpu, default=scatter)
+    else:
+        new_values = scatter(values, kv)
     return with_parts(new_values, None if scales is None else scales.at[at].set(kv_scales))
 
 

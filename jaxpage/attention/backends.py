@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from jaxpage.attention.kv_cache import write_kv
 from jaxpage.distributed.parallel import model_axis_size, over_heads
-from pallas_kernels.bit_moves import take
 from pallas_kernels.quant import dequantize, pool_parts
 from pallas_kernels.reference import soft_cap_logits, window_start
 
@@ -166,7 +165,7 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
         m, l, acc = carry
         rows, tok, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
                                   for a in (pair_row, pairs.token, pairs.page, pairs.valid))
-        kv = dequantize(take(pages, rows, axis=0, mode="clip"),  # [C, 2, kvh, bs, hd]
+        kv = dequantize(jnp.take(pages, rows, axis=0, mode="clip"),  # [C, 2, kvh, bs, hd]
                         None if scales is None else jnp.take(page_scales, rows, axis=0, mode="clip"), jnp.float32)
         scores = soft_cap_logits(jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0]), soft_cap)
         key_pos = page[:, None] * block_size + jnp.arange(block_size)

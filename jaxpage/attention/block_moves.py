@@ -10,20 +10,19 @@ import jax
 import numpy as np
 
 from jaxpage.attention.kv_cache import jit_on_pool, pool_format
-from pallas_kernels.bit_moves import scatter_set, take
 
 
 def copy_blocks(pool, src: jax.Array, dst: jax.Array):
     """Copies whole pages ``src[i] -> dst[i]`` (with their scales) in every layer (copy-on-write, swap-in)."""
-    return jax.tree.map(lambda a: scatter_set(a, (slice(None), dst), take(a, src, axis=1, mode="clip")), pool)
+    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)
 
 
 def _gather_blocks(pool, blocks: jax.Array):
-    return jax.tree.map(lambda a: take(a, blocks, axis=1, mode="clip"), pool)  # an int8 pool's scales move with their blocks
+    return jax.tree.map(lambda a: a[:, blocks], pool)  # an int8 pool's scales move with their blocks
 
 
 def _scatter_blocks(pool, blocks: jax.Array, data):
-    return jax.tree.map(lambda a, d: scatter_set(a, (slice(None), blocks), d), pool, data)
+    return jax.tree.map(lambda a, d: a.at[:, blocks].set(d), pool, data)
 
 
 def store_blocks(host: np.ndarray, gathered: jax.Array, blocks: np.ndarray) -> None:
