@@ -1,8 +1,9 @@
-"""The K/V write into the paged pool as an in-place FFI call on the CPU, for 8- and 16-bit float pools.
+"""The K/V write into the paged pool (in place) and the pool's page gather as FFI calls on the CPU, for 8- and
+16-bit float pools.
 
 XLA:CPU has no bfloat16 or float8 scatter: it converts the whole pool to float32 around one (~0.9 s a layer for
 SmolLM2's 1 GiB default pool), or, scattering the pool's bits as integers, copies it twice through the bitcasts
-(~0.6 s); this copies the T new rows.
+(~0.6 s); a gather of its pages likewise converts the whole pool. These copy the T new rows and the pages read.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 
 from cpu_kernels.library import available
 
-__all__ = ["available", "needs_kernel", "write_kv"]
+__all__ = ["available", "gather_rows", "needs_kernel", "write_kv"]
 
 
 def needs_kernel(dtype) -> bool:
@@ -26,3 +27,9 @@ def write_kv(values: jax.Array, kv: jax.Array, *, layer, slots: jax.Array) -> ja
     out = jax.ShapeDtypeStruct(values.shape, values.dtype)
     call = jax.ffi.ffi_call("jaxpage_write_kv", out, input_output_aliases={0: 0})
     return call(values, kv.astype(values.dtype), jnp.asarray(slots, jnp.int32), jnp.asarray(layer, jnp.int32))
+
+
+def gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
+    """``jnp.take(table, rows, axis=0, mode="clip")``. CPU only, and only where ``available()``."""
+    out = jax.ShapeDtypeStruct((*rows.shape, *table.shape[1:]), table.dtype)
+    return jax.ffi.ffi_call("jaxpage_gather_rows", out)(table, jnp.asarray(rows, jnp.int32))

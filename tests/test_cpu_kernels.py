@@ -90,3 +90,24 @@ def test_smollm2_bfloat16_teacher_forced_quality_against_float32(hf_smollm2):
     print(f"bfloat16 vs float32 over {SEGMENT * len(SOURCES)} tokens: top-1 {top1:.4f}, mean KL {kl:.5f} "
           f"(per source: {[round(t, 4) for t in top1s]}, {[round(k, 5) for k in kls]})")
     assert top1 >= MIN_TOP1_BF16 and kl <= MAX_KL_BF16, (top1, kl)
+
+
+def test_bfloat16_attention_gathers_pages_without_converting_the_pool():
+    """The XLA path's page gather from a bfloat16 pool: XLA:CPU converted the whole pool to float32 to gather."""
+    from jaxpage.attention.backends import paged_attention_xla, take_pages
+
+    rng = np.random.default_rng(2)
+    pool = jnp.asarray(rng.standard_normal((3, 40, 2, 2, 16, 8)), jnp.bfloat16)
+    pages = pool.reshape(120, 2, 2, 16, 8)
+    rows = jnp.asarray([5, 0, 119, 200, -3], jnp.int32)  # out of range clips, as jnp.take's mode="clip"
+    np.testing.assert_array_equal(np.asarray(jax.jit(take_pages)(pages, rows), np.float32),
+                                  np.asarray(jnp.take(pages, rows, axis=0, mode="clip"), np.float32))
+    q = jnp.asarray(rng.standard_normal((4, 4, 8)), jnp.bfloat16)
+    tables = jnp.asarray([[1, 2, 3]] * 4, jnp.int32)
+    fn = jax.jit(lambda q, pool: paged_attention_xla(q, pool, jnp.int32(1), jnp.arange(4, dtype=jnp.int32),
+                                                     jnp.asarray([3, 10, 20, 40], jnp.int32), tables, 0.3))
+    compiled = fn.lower(q, pool).compile().as_text()
+    assert ("jaxpage_gather_rows" in compiled) == kv_write.available()
+    assert not any(f"{t}[120,2,2,16,8]" in compiled or f"{t}[3,40,2,2,16,8]" in compiled for t in ("f32", "u16"))
+    f32 = fn(q.astype(jnp.float32), pool.astype(jnp.float32))  # the same values, read from a float32 pool
+    np.testing.assert_allclose(np.asarray(fn(q, pool), np.float32), np.asarray(f32), rtol=2 ** -7, atol=2 ** -7)

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels import kv_write
 from jaxpage.attention.kv_cache import write_kv
 from jaxpage.distributed.parallel import model_axis_size, over_heads
 from pallas_kernels.quant import dequantize, pool_parts
@@ -131,6 +132,17 @@ def select_pairs(plans: PagePairs, index) -> PagePairs:
     return jax.tree.map(lambda a: a[index], plans)
 
 
+def take_pages(pages: jax.Array, rows: jax.Array) -> jax.Array:
+    """pages[rows] (clipped), with the CPU's gather kernel for a bfloat16/float8 pool (XLA:CPU would convert the
+    whole pool to float32 to gather from it)."""
+    def take(pages, rows):
+        return jnp.take(pages, rows, axis=0, mode="clip")
+
+    if not (kv_write.needs_kernel(pages.dtype) and kv_write.available()):
+        return take(pages, rows)
+    return jax.lax.platform_dependent(pages, rows, cpu=kv_write.gather_rows, default=take)
+
+
 def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_seq: jax.Array,
                         positions: jax.Array, block_tables: jax.Array, scale: float,
                         pairs: PagePairs | None = None, window=0, soft_cap: float | None = None) -> jax.Array:
@@ -165,7 +177,7 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
         m, l, acc = carry
         rows, tok, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
                                   for a in (pair_row, pairs.token, pairs.page, pairs.valid))
-        kv = dequantize(jnp.take(pages, rows, axis=0, mode="clip"),  # [C, 2, kvh, bs, hd]
+        kv = dequantize(take_pages(pages, rows),  # [C, 2, kvh, bs, hd]
                         None if scales is None else jnp.take(page_scales, rows, axis=0, mode="clip"), jnp.float32)
         scores = soft_cap_logits(jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0]), soft_cap)
         key_pos = page[:, None] * block_size + jnp.arange(block_size)
