@@ -338,10 +338,13 @@ SUMMARY = {"completed": "completed", "failed": "failed", "duration_s": "duration
 
 
 def idle_cores_busy(server: Server, seconds: float = 5.0) -> float:
-    """The server's CPU seconds per second with no request in flight (vLLM's worker and engine poll)."""
-    before = sum(t for _, _, t in thread_cpu(server.proc.pid).values())
+    """The server's CPU seconds per second with no request in flight (vLLM's worker and engine poll), over the
+    threads alive at both ends (a thread that exits in between takes its ticks with it)."""
+    before = thread_cpu(server.proc.pid)
     time.sleep(seconds)
-    return (sum(t for _, _, t in thread_cpu(server.proc.pid).values()) - before) / _ticks_per_s() / seconds
+    after = thread_cpu(server.proc.pid)
+    ticks = sum(after[key][2] - before[key][2] for key in after.keys() & before.keys())
+    return ticks / _ticks_per_s() / seconds
 
 
 def run_seed(args, workload: Workload, concurrency: int) -> int:
