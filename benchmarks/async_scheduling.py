@@ -25,24 +25,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformers import LlamaConfig  # noqa: E402
 
-from benchmarks.stand_in import StandInRunner, start_decoding  # noqa: E402
-from jaxpage.engine.config_builder import build_engine_config  # noqa: E402
+from benchmarks.stand_in import StandInRunner, smollm2_shaped_config, start_decoding  # noqa: E402
 from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxpage.models import config_from_hf  # noqa: E402
 from jaxpage.sampling_params import SamplingParams  # noqa: E402
 
 MODES = {"sync": False, "async": True}
 
 
 def stand_in_part(args) -> dict:
-    model = config_from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                       max_position_embeddings=8192))
-    config = build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None,
-                                 num_kv_blocks=args.seqs * 64 + 1, max_num_seqs=args.seqs,
-                                 max_num_batched_tokens=4096, max_model_len=2048, gpu_memory_utilization=0.9)
+    config = smollm2_shaped_config(args.seqs)
     runner = StandInRunner(config, step_seconds=args.device_ms / 1e3, build_batches=True, simulated_device=True)
     engine = LLMEngine(config, runner)
     start_decoding(engine, args.seqs, 100_000)

@@ -98,3 +98,18 @@ def start_decoding(engine, num_seqs: int, max_tokens: int, seed: int = 0) -> Non
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1
                                           for g in engine.scheduler.running for s in g.seqs):
         engine.step()  # prefill until every sequence is decoding
+
+
+def smollm2_shaped_config(num_seqs: int):
+    """An engine config of SmolLM2-135M's shapes (float32, 64 blocks a sequence) for ``num_seqs`` sequences."""
+    from transformers import LlamaConfig
+
+    from jaxpage.engine.config_builder import build_engine_config
+    from jaxpage.models import config_from_hf
+
+    model = config_from_hf(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                       max_position_embeddings=8192))
+    return build_engine_config(model, dtype="float32", block_size=16, kv_cache_memory=None,
+                               num_kv_blocks=num_seqs * 64 + 1, max_num_seqs=num_seqs,
+                               max_num_batched_tokens=4096, max_model_len=2048, gpu_memory_utilization=0.9)
