@@ -65,8 +65,8 @@ def build(prefix: Path) -> Path:
 @functools.cache
 def available() -> bool:
     """Whether the library is built, loaded and its targets registered with XLA (once per process)."""
-    if os.environ.get("JAXPAGE_ONEDNN", "1") == "0":
-        return False
+    if os.environ.get("JAXPAGE_ONEDNN", "1") == "0" or jax.default_backend() != "cpu":
+        return False  # a GPU or TPU host never runs them: no build at its first trace
     prefix = onednn_prefix()
     if prefix is None:
         log.info("oneDNN not installed: the CPU kernels stay XLA's ops")
