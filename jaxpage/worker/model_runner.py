@@ -94,6 +94,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
         self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))
+        self._substitutes: dict[int, object] = {}  # token bucket -> compiled substitution (async scheduling)
 
     def warm_up(self, progress: bool = True) -> None:
         """Compiles (and runs once) every token bucket and the block-move functions ahead of time; serving never
@@ -126,10 +127,13 @@ class ModelRunner:
         return compiled
 
     def _compile_substitute(self, num_tokens: int) -> None:
-        """Compiles the placeholder substitution of one bucket (the previous step of the same bucket)."""
+        """Compiles the placeholder substitution of one bucket (the previous step of the same bucket) ahead of
+        time, so that nothing (not even jax.clear_caches) makes serving compile it again."""
         ids, rows = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
         sampled = put(np.zeros(self.config.num_seqs_for(num_tokens), np.int32), replicated(self.config))
-        jax.block_until_ready(self._substitute(ids, sampled, rows))
+        compiled = self._substitute.lower(ids, sampled, rows).compile()
+        jax.block_until_ready(compiled(ids, sampled, rows))
+        self._substitutes[num_tokens] = compiled
 
     def apply(self, ops: DeviceOps) -> None:
         """Carries out the queued block copies and swaps, in order, in padded fixed-size calls."""
@@ -167,7 +171,8 @@ class ModelRunner:
         batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch, bitmask)
         if previous is not None:
             rows = placeholder_rows(scheduled, previous.scheduled, batch.token_ids.shape[0])
-            batch = dataclasses.replace(batch, token_ids=self._substitute(batch.token_ids, previous.out.tokens, rows))
+            substitute = self._substitutes.get(batch.token_ids.shape[0], self._substitute)
+            batch = dataclasses.replace(batch, token_ids=substitute(batch.token_ids, previous.out.tokens, rows))
         out = self.run(batch, sampling)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
