@@ -23,6 +23,7 @@ LAYERS = (
     ("attention", ("jaxpage.attention",)),
     ("models", ("jaxpage.models",)),
     ("structured", ("jaxpage.structured",)),
+    ("lora", ("jaxpage.lora",)),
     ("core", ("jaxpage.core",)),
     ("worker", ("jaxpage.worker",)),
     ("engine", ("jaxpage.engine",)),

@@ -45,6 +45,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     quantization: str | None = None  # None or "int8" (jaxpage.models.quant): the engine's, not the checkpoint's
+    # LoRA adapter slots on the device (the engine's, as quantization): max_loras adapters of rank up to
+    # max_lora_rank in every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def layer_windows(self) -> np.ndarray:
         """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""
@@ -86,6 +90,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 64
     max_num_partial_prefills: int = 2
     max_long_partial_prefills: int = 1
+    max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
 
     @property
     def seqs_per_request(self) -> int:

@@ -39,6 +39,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     pending_top: tuple | None = None  # beam search: this step's top (ids, logprobs), until all beams have theirs
+    lora_int_id: int = 0  # the LoRA adapter its K/V are computed with (0: the base model); keys its cached blocks
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +76,11 @@ class SequenceGroup:
     status: SequenceStatus = SequenceStatus.WAITING
     forked: bool = False  # whether the prompt's sequence has been forked into its samples or beams
     finished_seqs: list[Sequence] = dataclasses.field(default_factory=list)  # finished beam hypotheses
+    lora_request: object | None = None  # its jaxpage.lora.request.LoRARequest; None: the base model
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def width(self) -> int:

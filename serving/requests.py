@@ -98,13 +98,14 @@ class RequestLifecycle:
             task.cancel()
 
     async def generate(self, request_id: str, prepare: Callable[[object], tuple], priority: int = 0,
-                       when_admitted: Callable[[Callable[[], None]], None] | None = None
+                       when_admitted: Callable[[Callable[[], None]], None] | None = None, lora_request=None
                        ) -> AsyncIterator:
         """Admits the request and yields its RequestOutputs, observed in the metrics.
 
         prepare(engine) -> (prompt, SamplingParams) runs once the request is admitted (its ValueError is an
         InvalidRequestError). when_admitted(release) is handed a function that aborts and forgets the request
         unless its handler already has (for a call that may end while its handler is not waiting on the engine).
+        lora_request: the request's LoRA adapter (a jaxpage.lora.request.LoRARequest; None: the base model).
         """
         from jaxpage.engine.async_engine import EngineDeadError, RequestFailedError
 
@@ -114,7 +115,7 @@ class RequestLifecycle:
         try:
             if when_admitted is not None:
                 when_admitted(lambda: self._release(engine, request_id, task))
-            stream, params, served = await self._add(engine, request_id, prepare, priority)
+            stream, params, served = await self._add(engine, request_id, prepare, priority, lora_request)
             async with contextlib.aclosing(stream):  # its clean-up aborts the request (if not done already)
                 last = None
                 async for out in stream:
@@ -144,14 +145,16 @@ class RequestLifecycle:
         self.metrics.labels(self.metrics.in_flight).inc()
         return engine
 
-    async def _add(self, engine, request_id: str, prepare: Callable[[object], tuple], priority: int) -> tuple:
+    async def _add(self, engine, request_id: str, prepare: Callable[[object], tuple], priority: int,
+                   lora_request=None) -> tuple:
         """(the engine's output stream, the SamplingParams, the replica label of the metrics)."""
         from jaxpage.engine.async_engine import EngineDeadError
         from jaxpage.engine.llm_engine import DoesNotFitError
 
         try:
             prompt, params = prepare(engine)
-            stream = await engine.add_request(request_id, prompt, params, priority=priority)
+            stream = await engine.add_request(request_id, prompt, params, priority=priority,
+                                              lora_request=lora_request)
         except DoesNotFitError as e:
             raise RequestTooLargeError(str(e)) from None
         except ValueError as e:

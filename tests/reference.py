@@ -62,8 +62,10 @@ def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[np.n
     assert len(ours) == len(ref), f"{context}: {len(ours)} tokens, reference {len(ref)}"
 
 
-def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla") -> np.ndarray:
-    """Teacher-forced logits of the engine's model for one sequence, through a shuffled block table."""
+def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla",
+                 lora_slot: int | None = None) -> np.ndarray:
+    """Teacher-forced logits of the engine's model for one sequence, through a shuffled block table; with the
+    LoRA adapter in device slot ``lora_slot`` (an engine with LoRA; None: the base weights)."""
     cfg, params = llm.engine.config, llm.engine.runner.params
     bs, n = cfg.block_size, len(token_ids)
     rng = np.random.default_rng(seed)
@@ -73,7 +75,8 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla")
     tables = np.zeros((1, cfg.max_blocks_per_seq), np.int32)
     tables[0, :num_blocks] = table
     batch = TokenBatch(np.asarray(token_ids, np.int32), pos, table[pos // bs] * bs + pos % bs,
-                       np.zeros(n, np.int32), tables, np.zeros(1, np.int32))
+                       np.zeros(n, np.int32), tables, np.zeros(1, np.int32),
+                       None if lora_slot is None else np.full(n, lora_slot, np.int32))
     pool = jnp.zeros_like(llm.engine.runner.kv_pool)
 
     def logits(params, pool, batch):

@@ -15,6 +15,7 @@ from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.lora.request import LoRARequest
 from jaxpage.models import config_from_hf
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpage.sequence import SequenceStatus
@@ -32,9 +33,10 @@ _MOD = (1 << 61) - 1
 AVOID_KNOWN_FORK_BUG = False
 
 
-def prefix_hashes(token_ids: list[int]) -> list[int]:
-    """hash(tokens[:p + 1]) for every position p: what the K/V at p depends on. Never 0 (0 = never written)."""
-    out, h = [], 7
+def prefix_hashes(token_ids: list[int], lora_int_id: int = 0) -> list[int]:
+    """hash(tokens[:p + 1]) under the LoRA adapter for every position p: what the K/V at p depends on (an
+    adapter computes other K/V from the same tokens). Never 0 (0 = never written)."""
+    out, h = [], (7 + 104_729 * lora_int_id) % _MOD
     for t in token_ids:
         h = (h * 1_000_003 + t + 1) % _MOD
         out.append(h or 1)
@@ -58,6 +60,9 @@ class FakeRunner:
 
     def warm_up(self, progress: bool = False) -> None:
         pass
+
+    def load_lora(self, request) -> None:
+        """Adapters have no weights here: the simulated K/V of a token depends on its sequence's adapter id."""
 
     def apply(self, ops) -> None:
         nb = self.config.num_kv_blocks
@@ -109,6 +114,8 @@ class FakeRunner:
         total = sum(s.num_new_tokens for s in scheduled)
         assert total <= cfg.max_num_batched_tokens, f"{total} tokens > budget {cfg.max_num_batched_tokens}"
         check_prefill_limits(cfg, scheduled)
+        loras = {s.group.lora_int_id for s in scheduled} - {0}
+        assert len(loras) <= cfg.model.max_loras, f"adapters {sorted(loras)} in one step: more than the slots"
         hashes = {}
         for s in scheduled:  # writes first (the real step writes a layer's K/V before attending)
             seq = s.seq
@@ -120,7 +127,8 @@ class FakeRunner:
             assert 0 < count <= seq.num_tokens - first, (first, count, seq.num_tokens)
             assert s.samples == (first + count == seq.num_tokens)
             assert len(seq.block_table) * bs >= first + count, "block table too short for the chunk"
-            h = hashes[seq.seq_id] = prefix_hashes(seq.token_ids)
+            assert seq.lora_int_id == s.group.lora_int_id, "a sequence computed with another adapter"
+            h = hashes[seq.seq_id] = prefix_hashes(seq.token_ids, seq.lora_int_id)
             for p in range(first, first + count):
                 block = seq.block_table[p // bs]
                 assert 0 < block < cfg.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
@@ -159,7 +167,7 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                 max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                async_scheduling: bool = True) -> LLMEngine:
+                async_scheduling: bool = True, max_loras: int = 0) -> LLMEngine:
     model = config_from_hf(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
@@ -172,7 +180,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  preemption_mode=mode, long_prefill_token_threshold=long_prefill_token_threshold,
                                  max_num_partial_prefills=max_num_partial_prefills,
                                  max_long_partial_prefills=max_long_partial_prefills,
-                                 async_scheduling=async_scheduling)
+                                 async_scheduling=async_scheduling, enable_lora=max_loras > 0,
+                                 max_loras=max(max_loras, 1))
     config = dataclasses.replace(config, num_host_blocks=num_host_blocks)  # a swap space in blocks, not bytes
     runner = FakeRunner(config, num_host_blocks)
     engine = LLMEngine(config, runner, eos_token_ids=(EOS,))
@@ -269,7 +278,9 @@ def scenarios(draw):
         "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 3, 8, 20])),
         "max_num_partial_prefills": partial,
         "max_long_partial_prefills": draw(st.integers(1, partial)),
+        "max_loras": draw(st.sampled_from([0, 1, 2])),  # LoRA adapter slots (0: no LoRA)
     }
+    loras = [None] + list(range(1, 4)) if setup["max_loras"] else [None]
     prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=BLOCK_SIZE, max_size=40),
                              min_size=1, max_size=3))
     actions = []
@@ -279,7 +290,8 @@ def scenarios(draw):
             base = draw(st.sampled_from([[]] + prefixes))
             suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24))
             prompt = (base + suffix)[:MAX_MODEL_LEN - 1]
-            actions.append(("add", prompt, _params(draw, max_num_seqs), draw(st.sampled_from([-1, 0, 0, 1]))))
+            actions.append(("add", prompt, _params(draw, max_num_seqs), draw(st.sampled_from([-1, 0, 0, 1])),
+                            draw(st.sampled_from(loras))))
         elif what == "step":
             actions.append(("step", draw(st.integers(1, 6))))
         else:
@@ -310,9 +322,10 @@ def play(engine: LLMEngine, actions: list[tuple]) -> dict:
     for i, action in enumerate(actions):
         kind = action[0]
         if kind == "add":
-            _, prompt, p, priority = action
+            _, prompt, p, priority, *lora = action
+            lora = LoRARequest(f"adapter{lora[0]}", lora[0], "/no/weights") if lora and lora[0] else None
             params[f"r{i}"] = p
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p, priority=priority)
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p, priority=priority, lora_request=lora)
         elif kind == "step":
             for _ in range(action[1]):
                 step_checked(engine, finished, params)

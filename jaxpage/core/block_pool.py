@@ -9,9 +9,10 @@ import numpy as np
 from jaxpage.attention.kv_cache import NULL_BLOCK
 
 
-def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """Prefix-cache key of a full block: chained from its parent's key, so equal keys mean equal prefixes."""
-    h = hashlib.blake2b(parent or b"root", digest_size=16)
+def hash_block(parent: bytes | None, token_ids: list[int], lora_int_id: int = 0) -> bytes:
+    """Prefix-cache key of a full block: chained from its parent's key, so equal keys mean equal prefixes; the
+    first block's from the LoRA adapter the K/V were computed with (two adapters never share a block)."""
+    h = hashlib.blake2b(parent or (b"lora%d" % lora_int_id if lora_int_id else b"root"), digest_size=16)
     h.update(np.asarray(token_ids, np.int64).tobytes())
     return h.digest()
 

@@ -86,7 +86,7 @@ class KVCacheManager:
         bs, tokens = self.block_size, seq.token_ids
         hashes, cached = [], []
         for i in range((seq.num_tokens - 1) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], seq.lora_int_id))
             cached.append(self.pool.lookup(hashes[-1]))
             if cached[-1] is None and not self.window:
                 break
@@ -165,7 +165,7 @@ class KVCacheManager:
         while len(seq.block_hashes) < seq.num_computed_tokens // bs:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.lora_int_id)
             seq.block_hashes.append(block_hash)
             if seq.block_table[i] != NULL_BLOCK:
                 self.pool.cache(seq.block_table[i], block_hash)

@@ -106,16 +106,18 @@ class Scheduler:
 
         Fairness: groups of several sequences (n, best_of, beams) together hold at most max_wide_seqs slots; a
         wide group beyond that waits in its place while the narrower requests behind it are admitted, so wide
-        requests cannot take every slot between them."""
+        requests cannot take every slot between them. LoRA: a group whose adapter would make more distinct
+        adapters run than the device has slots (max_loras) waits in its place too."""
         limits.decodes_left = 0  # the running decodes have had their turn (or were preempted)
         num_seqs = sum(g.max_seqs for g in self.running)  # as reserved at admission
         wide = sum(g.max_seqs for g in self.running if g.max_seqs > 1)
+        loras = self._running_loras()
         i = 0
         while i < len(self.waiting) and budget > 0:
             group = self.waiting[i]
             if num_seqs + group.max_seqs > self.config.max_num_seqs:
                 break
-            if group.max_seqs > 1 and wide + group.max_seqs > self.max_wide_seqs:
+            if group.max_seqs > 1 and wide + group.max_seqs > self.max_wide_seqs or not self._lora_fits(group, loras):
                 i += 1
                 continue
             seq = None if group.forked else group.seqs[0]
@@ -141,6 +143,17 @@ class Scheduler:
             self.running.append(group)
             num_seqs += group.max_seqs
             wide += group.max_seqs if group.max_seqs > 1 else 0
+            loras.add(group.lora_int_id)
+
+    def _running_loras(self) -> set[int]:
+        """The LoRA adapters of the running groups (0: the base model, which takes no slot)."""
+        return {g.lora_int_id for g in self.running} - {0}
+
+    def _lora_fits(self, group: SequenceGroup, loras: set[int]) -> bool:
+        """Whether ``group`` may run beside groups of these adapters: its adapter is among them, or a device slot
+        is left for it (the runner loads it there before the step)."""
+        lora = group.lora_int_id
+        return not lora or lora in loras or len(loras - {0}) < self.config.model.max_loras
 
     def _decode_rows(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
         """``scheduled`` if it is one decode row (a token, sampled) of every live sequence of every running group
@@ -285,7 +298,7 @@ class Scheduler:
             group = self.swapped[0]
             live = group.live_seqs
             needed = self.kv.blocks_to_swap_in(live) + len(live)  # and room for each to grow by a block
-            if needed > self.kv.num_free_blocks():
+            if needed > self.kv.num_free_blocks() or not self._lora_fits(group, self._running_loras()):
                 return
             self.swapped.pop(0)
             self.kv.swap_in(live)

@@ -99,6 +99,15 @@ class EngineArgs(CliArgs):
         "schedule and build step N+1 while step N runs; the sampled tokens stay on the device and enter the next "
         "step there, the host reads them a step late (steps that need them first, e.g. structured outputs, beams "
         "and penalties, run synchronously)"))
+    enable_lora: bool = dataclasses.field(default=False, metadata=_option(
+        "serve LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors) beside the base model, "
+        "a request's adapter chosen per request"))
+    max_loras: int = dataclasses.field(default=1, metadata=_option(
+        "most distinct LoRA adapters in one step (adapter slots on the device)"))
+    max_lora_rank: int = dataclasses.field(default=16, metadata=_option(
+        "highest LoRA rank the slots hold (smaller ranks are zero-padded)"))
+    max_cpu_loras: int | None = dataclasses.field(default=None, metadata=_option(
+        "LoRA adapters kept loaded in host memory, least recently used dropped first (default: max-loras)"))
     cache_dir: str | None = dataclasses.field(default=None, metadata=_option(
         "converted weights and compiled steps (default ~/.cache/jaxpage)"))
     progress: bool = dataclasses.field(default=True, metadata=_option("progress bars while loading and compiling"))

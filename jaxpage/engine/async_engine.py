@@ -38,7 +38,8 @@ class AsyncEngine:
         self._work = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # filled by coroutines, drained by the loop thread between steps: the event loop never waits for a step
-        self._inbox: collections.deque = collections.deque()  # (request_id, prompt, params, priority, loop, queue, admitted)
+        # (request_id, prompt, params, priority, lora_request, loop, queue, admitted)
+        self._inbox: collections.deque = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._stopping = False
         self.error: BaseException | None = None
@@ -56,7 +57,7 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None and not self._stopping
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Queues the request (bad input raises here) and returns the stream of its outputs.
 
         The loop thread admits every request that arrived during a step before the next one, so the event loop
@@ -69,7 +70,7 @@ class AsyncEngine:
             prompt = {"prompt": prompt, "prompt_token_ids": ids}
         queue: asyncio.Queue = asyncio.Queue()
         admitted = loop.create_future()
-        self._inbox.append((request_id, prompt, params, priority, loop, queue, admitted))
+        self._inbox.append((request_id, prompt, params, priority, lora_request, loop, queue, admitted))
         self._work.set()
         if not self.is_running:  # the loop died (or is stopping) meanwhile and may not see the inbox again
             self._fail_inbox()
@@ -118,9 +119,9 @@ class AsyncEngine:
     def _admit(self) -> None:
         """Loop thread, holding the lock: admits the waiting requests, then applies the aborts."""
         while self._inbox:
-            request_id, prompt, params, priority, loop, queue, admitted = self._inbox.popleft()
+            request_id, prompt, params, priority, lora_request, loop, queue, admitted = self._inbox.popleft()
             try:
-                self.engine.add_request(request_id, prompt, params, priority)
+                self.engine.add_request(request_id, prompt, params, priority, lora_request=lora_request)
             except Exception as e:  # noqa: BLE001 - bad input: raised by add_request in the caller
                 loop.call_soon_threadsafe(_settle, admitted, e)
                 continue

@@ -38,12 +38,17 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                         max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                         max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                        async_scheduling: bool = EngineArgs.async_scheduling) -> EngineConfig:
+                        async_scheduling: bool = EngineArgs.async_scheduling, enable_lora: bool = False,
+                        max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
+                        max_cpu_loras: int | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
     check_quantization(quantization)
-    model = model_for_tp(dataclasses.replace(model, quantization=quantization), tensor_parallel_size)
+    model = dataclasses.replace(model, quantization=quantization)
+    if enable_lora:
+        model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras, tensor_parallel_size)
+    model = model_for_tp(model, tensor_parallel_size)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
     require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
             f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
@@ -75,7 +80,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request,
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_num_partial_prefills=max_num_partial_prefills,
-                          max_long_partial_prefills=max_long_partial_prefills, async_scheduling=async_scheduling)
+                          max_long_partial_prefills=max_long_partial_prefills, async_scheduling=async_scheduling,
+                          max_cpu_loras=max_cpu_loras or 0)
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
 
@@ -95,7 +101,23 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         swap_space=args.swap_space, max_seqs_per_request=args.max_seqs_per_request,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills, async_scheduling=args.async_scheduling)
+        max_long_partial_prefills=args.max_long_partial_prefills, async_scheduling=args.async_scheduling,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras)
+
+
+def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
+               tensor_parallel_size: int) -> tuple[ModelConfig, int]:
+    """The model with its adapter slots, and the host's LRU size (default: max_loras)."""
+    require(max_loras >= 1, "max_loras", max_loras, "must be >= 1")
+    require(max_lora_rank >= 1, "max_lora_rank", max_lora_rank, "must be >= 1")
+    max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
+    require(max_cpu_loras >= max_loras, "max_cpu_loras", max_cpu_loras, f"must be >= max_loras={max_loras}")
+    require(tensor_parallel_size == 1, "tensor_parallel_size", tensor_parallel_size,
+            "must be 1 with enable_lora (LoRA slots are not sharded yet)")
+    require(jax.process_count() == 1, "enable_lora", True, "runs on one host only (the followers' replay "
+            "carries no adapter slots yet)")
+    return dataclasses.replace(model, max_loras=max_loras, max_lora_rank=max_lora_rank), max_cpu_loras
 
 
 def _long_prefill_token_threshold(threshold: int, max_partial: int, max_long: int, max_model_len: int) -> int:

@@ -60,14 +60,14 @@ class DataParallelEngine:
         return next((r.error for r in self.replicas if r.error is not None), None)
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         if request_id in self._owner:
             raise ValueError(f"request_id={request_id!r} is already in use")
         rank = min(range(len(self.replicas)), key=lambda r: (self.load[r], r))
         self._owner[request_id] = rank
         self.load[rank] += 1
         try:
-            stream = await self.replicas[rank].add_request(request_id, prompt, params, priority)
+            stream = await self.replicas[rank].add_request(request_id, prompt, params, priority, lora_request)
         except BaseException:
             self._release(request_id)
             raise

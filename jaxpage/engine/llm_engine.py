@@ -109,7 +109,10 @@ class LLMEngine:
             raise ValueError("this model has no chat template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0,
+                    lora_request=None) -> None:
+        """lora_request: a jaxpage.lora.request.LoRARequest (the engine started with enable_lora), its adapter
+        read and checked here; None: the base model."""
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, token_ids = self._prompt_tokens(prompt)
@@ -118,6 +121,8 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_len = min(max_len, len(token_ids) + params.max_tokens)
         self._check_fits(len(token_ids), params.best_of, max_len)
+        if lora_request is not None:
+            self.runner.load_lora(lora_request)
         if params.structured_outputs is not None and self.structured is None:
             if self.tokenizer is None:
                 raise ValueError("SamplingParams.structured_outputs needs a model with a tokenizer")
@@ -125,8 +130,9 @@ class LLMEngine:
                                                       sorted(self.eos_token_ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
-                       max_len=max_len, seed=seed)
-        group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority)
+                       max_len=max_len, seed=seed, lora_int_id=lora_request.lora_int_id if lora_request else 0)
+        group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority,
+                              lora_request=lora_request)
         self.output_processor.add_request(group, text, list(token_ids), RequestMetrics(time.monotonic()))
         self.scheduler.add(group)
 

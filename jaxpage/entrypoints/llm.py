@@ -7,6 +7,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from jaxpage.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpage.lora.request import LoRARequest
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 
@@ -20,8 +21,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generates for every prompt (a string or {"prompt_token_ids": [...]}); results in input order."""
+                 use_tqdm: bool = False, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generates for every prompt (a string or {"prompt_token_ids": [...]}); results in input order.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -29,10 +32,13 @@ class LLM:
         params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+                self.engine.add_request(request_id, prompt, p, lora_request=lora)
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

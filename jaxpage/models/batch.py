@@ -11,7 +11,8 @@ class TokenBatch:
     """The device half of one step's flat batch (all int32, padded to a bucket).
 
     token_ids, positions, slot_mapping, token_seq: [T]; block_tables: [S, W]; logits_indices: [S].
-    Padding tokens write into the null block and belong to an all-null block-table row.
+    Padding tokens write into the null block and belong to an all-null block-table row. lora_slots [T]: each
+    token's adapter slot (0: none), only in an engine with LoRA (None otherwise: the step has no such input).
     """
 
     token_ids: jax.Array
@@ -20,6 +21,7 @@ class TokenBatch:
     token_seq: jax.Array
     block_tables: jax.Array
     logits_indices: jax.Array
+    lora_slots: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(

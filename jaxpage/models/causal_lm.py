@@ -22,6 +22,7 @@ from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.attention import LayerConstants, StepContext, layer_constants
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import Embedding, Linear, RMSNorm, embed_scale, soft_cap
+from jaxpage.models.lora_slots import building_slots
 from jaxpage.models.quant import building, weight_dtype
 from jaxpage.models.registry import architecture
 
@@ -35,12 +36,14 @@ class CausalLM(nnx.Module):
         arch = architecture(cfg.model_type)
         layer_cls = arch.DecoderLayer
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
-        if unrolled:
-            self.layers = nnx.List([layer_cls(cfg) for _ in range(cfg.num_layers)])
-        else:
-            make = nnx.vmap(lambda: layer_cls(cfg), axis_size=cfg.num_layers,
-                            transform_metadata={nnx.PARTITION_NAME: None})
-            self.layers = make()
+        # with LoRA, every Linear of the decoder layers gets adapter slots (the LM head none)
+        with building_slots(cfg.max_loras + 1 if cfg.max_loras else 0, cfg.max_lora_rank):
+            if unrolled:
+                self.layers = nnx.List([layer_cls(cfg) for _ in range(cfg.num_layers)])
+            else:
+                make = nnx.vmap(lambda: layer_cls(cfg), axis_size=cfg.num_layers,
+                                transform_metadata={nnx.PARTITION_NAME: None})
+                self.layers = make()
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # quantized, a tied head is a Linear of its own (made from the embedding at load): its matmul is int8
         self.lm_head = (None if cfg.tie_word_embeddings and not cfg.quantization
@@ -167,6 +170,13 @@ def stack_layers(params: dict) -> dict:
     layers = [params["layers"][i] for i in range(len(params["layers"]))]
     return {**params, "layers": jax.tree.map(lambda *a: np.stack(a) if isinstance(a[0], np.ndarray)
                                              else jnp.stack(a), *layers)}
+
+
+def layer_linears(cfg: ModelConfig) -> dict[tuple, Linear]:
+    """Every Linear of a decoder layer by its path in the layer (("attn", "qkv"), ("mlp", "down"), ...), as
+    modules of shapes only."""
+    model = _abstract_model(cfg)
+    return {tuple(path): module for path, module in nnx.iter_graph(model.layers) if isinstance(module, Linear)}
 
 
 def abstract_params(cfg: ModelConfig, dtype) -> dict:

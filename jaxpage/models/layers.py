@@ -15,6 +15,7 @@ from flax import nnx
 
 from cpu_kernels import onednn
 from jaxpage.distributed.parallel import MODEL_AXIS
+from jaxpage.models.lora_slots import lora_delta, slots_being_built
 from jaxpage.models.quant import int8_dot, quantization_being_built
 
 
@@ -60,24 +61,40 @@ def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = Fa
 class Linear(nnx.Module):
     """y = x . kernel (+ bias), contracting x's trailing ``in_shape`` axes; kernel [*in_shape, *out_shape].
     The one place a matmul with weights happens. Built under ``quant.building("int8")``, the kernel is int8 with
-    a float32 ``scale`` [*out_shape] per output channel (sharded as the kernel's output axes)."""
+    a float32 ``scale`` [*out_shape] per output channel (sharded as the kernel's output axes). Built under
+    ``lora_slots.building_slots``, it holds adapter slots (``lora_a``, ``lora_b``) for its ``parts``
+    projections, and a call given each token's slot adds that adapter's delta."""
 
-    def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], names: tuple, bias: bool = False):
+    def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], names: tuple, bias: bool = False,
+                 parts: int = 1):
         quantized = quantization_being_built() is not None
         self.kernel = param((*in_shape, *out_shape), names, jnp.int8 if quantized else jnp.float32)
-        out_names = names[len(in_shape):]
+        in_names, out_names = names[:len(in_shape)], names[len(in_shape):]
         if quantized:
             self.scale = param(out_shape, out_names)
         self.bias = param(out_shape, out_names) if bias else None
         self.num_in, self.num_out = len(in_shape), len(out_shape)
+        num_slots, rank = slots_being_built()
+        if num_slots:
+            self.lora_a = param((num_slots, *in_shape, parts * rank), (None, *in_names, None))
+            self.lora_b = param((num_slots, parts * rank, *out_shape), (None, None, *out_names))
+        else:
+            self.lora_a = self.lora_b = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        """lora_slots [T]: each token's adapter slot (x [T, *in_shape]); None: the base weights alone."""
         kernel = self.kernel[...]
         if kernel.dtype == jnp.int8:
             y = int8_dot(x, kernel, self.scale[...], self.num_in)
         else:
             y = dense(x, kernel, self.num_in)
+        if self.lora_a is not None and lora_slots is not None:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora_slots, self.num_in).astype(y.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+    def part_sizes(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The output width of each projection this kernel [*in, *out] fuses (one: its whole output)."""
+        return (math.prod(kernel_shape[self.num_in:]),)
 
     def in_axes(self, ndim: int) -> tuple[int, ...]:
         """The input axes of this kernel's array with ``ndim`` dimensions (leading axes: layers, stacked)."""
@@ -117,8 +134,14 @@ class QKVParallelLinear(Linear):
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False):
         group = num_heads // num_kv_heads
-        super().__init__((dim,), (num_kv_heads, group + 2, head_dim), (None, MODEL_AXIS, None, None), bias=bias)
+        super().__init__((dim,), (num_kv_heads, group + 2, head_dim), (None, MODEL_AXIS, None, None), bias=bias,
+                         parts=3)
         self.group = group
+
+    def part_sizes(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """q's, k's and v's output widths."""
+        kv_slots, width, hd = kernel_shape[-3:]
+        return kv_slots * (width - 2) * hd, kv_slots * hd, kv_slots * hd
 
     def split(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The fused output [..., kv_slots, G + 2, hd] as q [..., heads, hd], k and v [..., kv_slots, hd]."""
@@ -149,8 +172,11 @@ class MergedColumnParallelLinear(Linear):
     projection. ``split`` gives the ``count`` outputs [..., F]."""
 
     def __init__(self, dim: int, width: int, count: int):
-        super().__init__((dim,), (count, width), (None, None, MODEL_AXIS))
+        super().__init__((dim,), (count, width), (None, None, MODEL_AXIS), parts=count)
         self.count = count
+
+    def part_sizes(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (kernel_shape[-1],) * self.count
 
     def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(y[..., i, :] for i in range(self.count))
@@ -170,9 +196,9 @@ class MLP(nnx.Module):
         self.down = Linear((hidden,), (dim,), (MODEL_AXIS, None))
         self.act = act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_up.split(self.gate_up(x))
-        return self.down(activation(self.act)(gate) * up)
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        gate, up = self.gate_up.split(self.gate_up(x, lora_slots))
+        return self.down(activation(self.act)(gate) * up, lora_slots)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

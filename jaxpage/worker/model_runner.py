@@ -18,6 +18,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.distributed.parallel import placement, put
+from jaxpage.lora.worker_manager import SlotWriter, WorkerLoRAManager, token_slots, with_empty_slots
 from jaxpage.models import TokenBatch, unstack_layers
 from jaxpage.models.placement import place_params, replicate_kv_heads
 from jaxpage.worker.input_batch import InputBatch, build_batch
@@ -77,11 +78,16 @@ class ModelRunner:
         device = self.mesh.devices.flat[0] if self.mesh is not None else where
         host_loop = config.scan_layers and device.platform in HOST_LAYER_LOOP_PLATFORMS and self.mesh is None
         unrolled = host_loop or not config.scan_layers
+        # LoRA: the adapters on the host and in the device slots (all zeros until an adapter is written in)
+        self.lora = WorkerLoRAManager(config) if config.model.max_loras else None
+        if self.lora is not None:
+            params = with_empty_slots(config, params)
         if unrolled:
             params = unstack_layers(params)
         params = replicate_kv_heads(params, config.model.num_kv_heads)
         shardings = weight_shardings(config, self.mesh, where, unrolled=unrolled)
         self.params = place_params(params, shardings, dtype)
+        self._lora_writer = SlotWriter(self.params) if self.lora is not None else None
         kv_dtype = jnp.dtype(config.kv_dtype)
         self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where)
         self.host_pool = (host_kv_pool(config.model, config.num_host_blocks, config.block_size, kv_dtype)
@@ -113,6 +119,8 @@ class ModelRunner:
             self.kv_pool = moves.copy(self.kv_pool, idle, idle)
             if self.host_pool is not None:
                 self.kv_pool = moves.scatter(self.kv_pool, idle, moves.gather(self.kv_pool, idle))
+            if self._lora_writer is not None:  # zeros into slot 0: compiles the slot write, changes nothing
+                self.params = self._lora_writer.write(self.params, 0, None)
             bar.update()
 
     def _compile(self, num_tokens: int):
@@ -169,6 +177,8 @@ class ModelRunner:
         start their way to the host. previous: the step before, still running, whose sampled tokens take the
         place of this batch's placeholder token ids on the device (a decode batch: token i is row i's)."""
         batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch, bitmask)
+        if self.lora is not None:
+            batch = self._with_lora_slots(scheduled, batch)
         if previous is not None:
             rows = placeholder_rows(scheduled, previous.scheduled, batch.token_ids.shape[0])
             substitute = self._substitutes.get(batch.token_ids.shape[0], self._substitute)
@@ -177,6 +187,22 @@ class ModelRunner:
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
         return LaunchedStep(scheduled, out)
+
+    def _with_lora_slots(self, scheduled: list[ScheduledSeq], batch: TokenBatch) -> TokenBatch:
+        """The batch with each token's adapter slot, the step's adapters written into their slots first (those not
+        resident: into a free slot or the least recently used one this step does not need)."""
+        row_slots, writes = self.lora.slots_for([s.group.lora_request for s in scheduled])
+        for slot, adapter in writes:
+            self.params = self._lora_writer.write(self.params, slot, adapter)
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        return dataclasses.replace(batch, lora_slots=token_slots(row_slots, batch.token_seq, num_tokens,
+                                                                 len(scheduled)))
+
+    def load_lora(self, request) -> None:
+        """Reads a LoRARequest's adapter onto the host (checked: a ValueError naming the file and field)."""
+        if self.lora is None:
+            raise ValueError("a lora_request needs an engine started with enable_lora=True")
+        self.lora.get(request)
 
     def fetch(self, launched: LaunchedStep) -> SamplerOutput:
         """A launched step's output (numpy) for each of its rows, waiting for it if need be."""

@@ -87,7 +87,8 @@ def abstract_step_inputs(config: EngineConfig, num_tokens: int):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     batch = TokenBatch(i32(num_tokens), i32(num_tokens), i32(num_tokens), i32(num_tokens),
-                       i32(num_seqs, config.max_blocks_per_seq), i32(num_seqs))
+                       i32(num_seqs, config.max_blocks_per_seq), i32(num_seqs),
+                       i32(num_tokens) if config.model.max_loras else None)
     sampling = SamplingBatch(f32(num_seqs), i32(num_seqs), f32(num_seqs), f32(num_seqs),
                              jax.ShapeDtypeStruct((num_seqs,), jnp.uint32), i32(num_seqs),
                              f32(num_seqs), f32(num_seqs), f32(num_seqs),

@@ -1,0 +1,134 @@
+"""The runner's adapters (vLLM's LRUCacheWorkerLoRAManager): an LRU of adapters loaded on the host
+(``max_cpu_loras``), which adapter sits in each of the device's ``max_loras`` slots (slot 0: none), and the writes
+of an adapter into a free or least recently used slot between steps.
+
+The scheduler never runs more distinct adapters in one step than there are slots, so a step's adapters always
+fit: a slot is taken back only from an adapter the step does not use.
+"""
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+
+from jaxpage.config import EngineConfig
+from jaxpage.lora.models import LoRAModel, load_lora_model
+from jaxpage.models import abstract_params
+from jaxpage.models.lora_slots import LORA_LEAVES
+
+
+class WorkerLoRAManager:
+    def __init__(self, config: EngineConfig):
+        self.model = config.model
+        self.max_loras, self.max_cpu_loras = config.model.max_loras, config.max_cpu_loras
+        self._host: collections.OrderedDict[int, LoRAModel] = collections.OrderedDict()  # least recent first
+        self._slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora_int_id -> slot, LRU first
+        self.num_loads = 0  # adapters read from disk
+        self.num_slot_writes = 0  # adapters written into a device slot
+
+    def get(self, request) -> LoRAModel:
+        """The request's adapter, from the host LRU or read from its directory (the least recently used dropped
+        beyond max_cpu_loras). A missing or malformed adapter raises ValueError naming the file and field."""
+        adapter = self._host.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_lora_model(request.lora_int_id, request.lora_path, self.model)
+            self.num_loads += 1
+            self._host[request.lora_int_id] = adapter
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
+        self._host.move_to_end(request.lora_int_id)
+        return adapter
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forgets an adapter on the host; its slot is reused when needed (requests must not use it meanwhile)."""
+        self._host.pop(lora_int_id, None)
+        self._slots.pop(lora_int_id, None)
+
+    def slots_for(self, requests: list) -> tuple[np.ndarray, list[tuple[int, LoRAModel]]]:
+        """Each row's slot (a LoRARequest or None per row) and the (slot, adapter) writes the device needs first."""
+        wanted = {r.lora_int_id: r for r in requests if r is not None}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"{len(wanted)} distinct LoRA adapters in one step, max_loras={self.max_loras}")
+        for lora in wanted:
+            if lora in self._slots:
+                self._slots.move_to_end(lora)
+        writes = []
+        for lora, request in wanted.items():
+            if lora not in self._slots:
+                used = set(self._slots.values())
+                free = [s for s in range(1, self.max_loras + 1) if s not in used]
+                slot = free[0] if free else self._slots.pop(next(x for x in self._slots if x not in wanted))
+                self._slots[lora] = slot
+                writes.append((slot, self.get(request)))
+        self.num_slot_writes += len(writes)
+        return np.asarray([self._slots[r.lora_int_id] if r is not None else 0 for r in requests], np.int32), writes
+
+    def resident(self) -> dict[int, int]:
+        """lora_int_id -> device slot, of the adapters in the slots now."""
+        return dict(self._slots)
+
+
+def with_empty_slots(config: EngineConfig, params: dict) -> dict:
+    """The loaded weights (numpy, layers stacked) with every Linear's adapter slots, all zeros."""
+    shapes = abstract_params(config.model, np.float32)["layers"]
+
+    def fill(shape_tree, tree):
+        out = dict(tree)
+        for key, sub in shape_tree.items():
+            if key in LORA_LEAVES:
+                out[key] = np.zeros(sub.shape, np.float32)
+            elif isinstance(sub, dict):
+                out[key] = fill(sub, tree.get(key, {}))
+        return out
+
+    return {**params, "layers": fill(shapes, params["layers"])}
+
+
+def token_slots(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, num_rows: int) -> np.ndarray:
+    """Each token's adapter slot [T] from its row's (``token_rows``, the batch's token_seq); the padding tokens
+    after the first ``num_tokens`` (and any row past ``num_rows``) get slot 0."""
+    padded = np.zeros(max(len(token_rows), num_rows, 1), np.int32)
+    padded[:num_rows] = row_slots
+    slots = padded[np.asarray(token_rows)]
+    slots[num_tokens:] = 0
+    return slots
+
+
+class SlotWriter:
+    """Writes one adapter into one slot of the runner's weights (a pytree, layers stacked or unrolled: each
+    LoRA leaf [L, slots, ...] or, per layer, [slots, ...]): one jitted update of every LoRA leaf, the slot a
+    traced argument, so one compile serves every slot."""
+
+    def __init__(self, params: dict):
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.paths = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path) for path, _ in flat]
+        self.lora = [i for i, path in enumerate(self.paths) if path[-1] in LORA_LEAVES]
+        self._set = jax.jit(_set_slot, static_argnums=3)
+
+    def write(self, params: dict, slot: int, adapter: LoRAModel | None) -> dict:
+        """params with ``adapter`` (None: zeros) in ``slot``."""
+        leaves = jax.tree_util.tree_leaves(params)
+        values, axes = [], []
+        for i in self.lora:
+            path, leaf = self.paths[i], leaves[i]
+            unrolled = isinstance(path[1], int)  # ("layers", i, ...) against ("layers", ...)
+            key = path[2:] if unrolled else path[1:]
+            full = adapter.weights.get(key) if adapter is not None else None
+            shape = leaf.shape[1:] if unrolled else (leaf.shape[0], *leaf.shape[2:])
+            value = np.zeros(shape, np.float32) if full is None else (full[path[1]] if unrolled else full)
+            values.append(value)
+            axes.append(0 if unrolled else 1)
+        new = self._set([leaves[i] for i in self.lora], np.int32(slot), values, tuple(axes))
+        for i, leaf in zip(self.lora, new):
+            leaves[i] = leaf
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _set_slot(leaves: list, slot, values: list, axes: tuple) -> list:
+    return [_set_one(a, slot, v, axis) for a, v, axis in zip(leaves, values, axes)]
+
+
+def _set_one(a, slot, value, axis: int):
+    index = (slice(None),) * axis + (slot,)
+    return a.at[index].set(value.astype(a.dtype))
