@@ -33,6 +33,7 @@ from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool
 from jaxpage.config import ModelConfig, pick_bucket
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import TokenBatch
+from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
 from jaxpage.worker.step import jit_step
@@ -211,7 +212,8 @@ class ContiguousCache:
                 f, i, np.ones(num_seqs, np.float32), f, np.zeros(num_seqs, np.uint32), i, f, f,
                 np.ones(num_seqs, np.float32), np.full((1, self.max_len), -1, np.int32), i, i,
                 np.full((num_seqs, MAX_BANNED), -1, np.int32), np.bool_(False),
-                np.full((num_seqs, bitmask_words(self.config.model.vocab_size)), -1, np.int32))
+                np.full((num_seqs, bitmask_words(self.config.model.vocab_size)), -1, np.int32),
+                np.full((num_seqs, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32))
         return self._greedy[num_seqs]
 
     def warm_up(self) -> None:

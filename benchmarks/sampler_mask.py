@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.distributed.vocab_shard import VocabShard
+from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch, sample
 
 S, V, W = 32, 49152, 1536  # rows, SmolLM2's vocabulary, bitmask words
@@ -20,7 +21,8 @@ def batch(mask: np.ndarray) -> SamplingBatch:
     f = lambda v: np.full(S, v, np.float32)  # noqa: E731
     return SamplingBatch(f(1.0), np.zeros(S, np.int32), f(1.0), f(0.0), np.arange(S, dtype=np.uint32),
                          np.zeros(S, np.int32), f(0), f(0), f(1), np.full((1, 8), -1, np.int32),
-                         np.zeros(S, np.int32), np.zeros(S, np.int32), np.full((S, MAX_BANNED), -1, np.int32), np.bool_(False), mask)
+                         np.zeros(S, np.int32), np.zeros(S, np.int32), np.full((S, MAX_BANNED), -1, np.int32), np.bool_(False), mask,
+                         np.full((S, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((S, MAX_LOGIT_BIAS), np.float32))
 
 
 def main() -> None:

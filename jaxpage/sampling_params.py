@@ -16,6 +16,8 @@ MIN_TOP_P = 1e-6
 MIN_REPETITION_PENALTY = 1e-2
 MAX_ABS_LENGTH_PENALTY = 10.0
 MAX_STOP_TOKEN_IDS = 64  # all of them are banned under min_tokens (sampler.MAX_BANNED)
+MAX_LOGIT_BIAS = 128  # token ids one request may bias: the width of the step's per-row bias list
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range of a bias
 
 
 @dataclasses.dataclass
@@ -39,6 +41,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top log-probabilities returned per generated token
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     skip_special_tokens: bool = True
     # "cumulative": every step, the whole output so far; "delta": every step, what is new since the last
     # output; "final_only": one output when finished
@@ -50,6 +53,7 @@ class SamplingParams:
         self._check_counts()
         self._check_sampling()
         self._check_lengths_and_stops()
+        self._check_logit_bias()
         self._check_outputs()
         if self.use_beam_search:
             self._check_beam_search()
@@ -61,6 +65,9 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.best_of = self.n if self.best_of is None else self.best_of
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+               "must be a dict of token id -> bias")
+        self.logit_bias = dict(self.logit_bias or {})
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -105,6 +112,16 @@ class SamplingParams:
                f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
 
+    def _check_logit_bias(self):
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(self.logit_bias)} ids>",
+               f"must hold at most {MAX_LOGIT_BIAS} token ids")
+        for token, bias in self.logit_bias.items():
+            _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias", token,
+                   "keys must be token ids (integers >= 0)")
+            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+                   and abs(bias) <= MAX_ABS_LOGIT_BIAS, "logit_bias", {token: bias},
+                   f"values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+
     def _check_outputs(self):
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
@@ -119,6 +136,7 @@ class SamplingParams:
         _check(2 * self.best_of <= MAX_LOGPROBS, "best_of", self.best_of,
                f"must be at most {MAX_LOGPROBS // 2} with use_beam_search")
         _check(not self.has_penalties, "use_beam_search", True, "cannot be combined with penalties")
+        _check(not self.logit_bias, "use_beam_search", True, "cannot be combined with logit_bias")
         self.temperature = 0.0
 
     @property

@@ -1,10 +1,12 @@
 """Presence, frequency and repetition penalties, against plain-loop references of vLLM's definitions: the
 sampler's penalized logits over steps (each sequence's tokens kept on the device, new ones sent each step, slots
-reused), and greedy generation on the real model against transformers' logits with the penalties applied."""
+reused), and greedy generation on the real model against transformers' logits with the penalties applied. The
+logit bias (OpenAI's logit_bias) against logits + bias, as the input rows holding it are reused."""
 from __future__ import annotations
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,7 +15,7 @@ from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.distributed.vocab_shard import VocabShard
 from jaxpage.sequence import Sequence, SequenceGroup
 from jaxpage.worker.input_batch import InputBatch, build_batch
-from jaxpage.worker.sampler import _apply_penalties
+from jaxpage.worker.sampler import _apply_penalties, sample
 from tests.compiles import CompileCounter
 from tests.reference import NEAR_TIE, hf_logits
 from tests.stand_in import make_engine
@@ -68,6 +70,36 @@ def test_penalties_over_steps_match_the_reference_as_slots_are_reused():
         for seq in (seqs[i] for i in subset):
             seq.num_computed_tokens = seq.num_tokens
     assert checked_rows == sum(map(len, subsets))
+
+
+def test_logit_bias_matches_logits_plus_bias_as_rows_are_reused():
+    """Sixteen sequences, four a step, every other one biased (bans and boosts, with or without a forced token),
+    so that rows of biased sequences are taken back and rewritten for unbiased ones: greedy tokens are
+    argmax(logits + bias), the reported log-probabilities the unbiased ones."""
+    config = make_engine(max_num_seqs=4, max_model_len=64).config
+    vocab, rng = config.model.vocab_size, np.random.default_rng(1)
+    state, sample_jitted = InputBatch(config), jax.jit(sample)
+    for start in range(0, 16, 4):
+        scheduled, biases = [], []
+        for i in range(start, start + 4):
+            ids = rng.choice(vocab, 5, replace=False).tolist()
+            bias = {0: dict(zip(ids, (-100, 8, -3, 5, 100))), 2: dict(zip(ids, (-100, 8, -3, 5)))}.get(i % 4, {})
+            prompt = rng.integers(0, vocab, 5).tolist()
+            seq = Sequence(i, prompt, len(prompt), 64, block_table=[i + 1])
+            params = SamplingParams(temperature=0, logit_bias=bias)
+            scheduled.append(ScheduledSeq(seq, len(prompt), SequenceGroup(str(i), [seq], params, i), True))
+            biases.append(bias)
+        batch, sampling = build_batch(config, scheduled, (), state)
+        logits = rng.normal(size=(len(sampling.temperature), vocab)).astype(np.float32) * 3
+        sampled = sample_jitted(jnp.asarray(logits), sampling)
+        for row, bias in enumerate(biases):
+            ref = logits[row].astype(np.float64)
+            ref[list(bias)] += list(bias.values())
+            token = int(sampled.tokens[row])
+            assert token == int(np.argmax(ref)), (start, row, bias)
+            shifted = logits[row].astype(np.float64) - logits[row].max()
+            np.testing.assert_allclose(float(sampled.logprobs[row]), shifted[token] - np.log(np.exp(shifted).sum()),
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_with_penalties_matches_transformers_and_compiles_nothing(smollm2, hf_smollm2):

@@ -171,9 +171,9 @@ if IN_CHILD:
     @pytest.mark.parametrize("tp,vocab", [(2, 100), (3, 192), (4, 256), (8, 49152)])
     def test_sampler_split_by_vocabulary_equals_one_device(tp, vocab):
         """The sampler on logits split by vocabulary over a TP mesh against the one-device sampler: the same
-        tokens (seeded random draws, top-k, top-p, min-p, penalties, bans, structured-output bitmasks, ties),
-        the same top log-probabilities and ids, log-probabilities within float32 rounding. Slices of 50 and 64
-        tokens start inside bitmask words."""
+        tokens (seeded random draws, top-k, top-p, min-p, penalties, bans, logit biases, structured-output
+        bitmasks, ties), the same top log-probabilities and ids, log-probabilities within float32 rounding. Slices
+        of 50 and 64 tokens start inside bitmask words."""
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
 
@@ -196,7 +196,8 @@ if IN_CHILD:
 
     def mixed_sampling(vocab: int, rng, greedy: bool = False):
         """Eight rows, each with its own setting: greedy, plain random, top-k, top-p, min-p, penalties, a bitmask
-        of allowed tokens, all of them at once (all greedy when ``greedy``)."""
+        of allowed tokens, a logit bias, all of them at once (all greedy when ``greedy``)."""
+        from jaxpage.sampling_params import MAX_LOGIT_BIAS
         from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
 
         rows = 8
@@ -211,10 +212,12 @@ if IN_CHILD:
         allowed[6:] = rng.integers(-2**31, 2**31, size=(2, words), dtype=np.int64).astype(np.int32)
         banned = np.full((rows, MAX_BANNED), -1, np.int32)
         banned[:, :2] = [3, vocab - 1]
+        bias_ids, bias = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+        bias_ids[1:4, :3], bias[1:4, :3] = [5, vocab // 2, vocab - 2], [4.0, -3.0, 2.5]
         return SamplingBatch(temperature, top_k, top_p, min_p, np.arange(rows, dtype=np.uint32),
                              np.arange(rows, dtype=np.int32) * 3, 0.5 * penalty, 0.2 * penalty, 1 + 0.3 * penalty,
                              history, penalty.astype(np.int32), np.full(rows, 5, np.int32), banned, np.bool_(True),
-                             allowed)
+                             allowed, bias_ids, bias)
 
     def test_tp4_step_with_the_triton_kernel_lowers_for_cuda():
         """The CUDA lane at TP 4 (Llama-3-8B's shapes, attention_backend="pallas_gpu"): the step lowers for four

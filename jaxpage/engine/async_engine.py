@@ -82,6 +82,11 @@ class AsyncEngine:
             raise
         return self._stream(request_id, queue)
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """text's token ids, from the thread that tokenizes prompts (off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self.engine.tokenize, text,
+                                                                add_special_tokens)
+
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:

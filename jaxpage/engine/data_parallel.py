@@ -73,6 +73,9 @@ class DataParallelEngine:
             raise
         return self._stream(request_id, stream)
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.replicas[0].tokenize(text, add_special_tokens)
+
     async def _stream(self, request_id: str, stream) -> AsyncIterator[RequestOutput]:
         try:
             async with contextlib.aclosing(stream):  # closing it aborts an unfinished request at once

@@ -99,15 +99,16 @@ class LLMEngine:
         return engine
 
     # --- requests -------------------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: give prompt_token_ids instead of text")
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0,
                     lora_request=None) -> None:
@@ -118,6 +119,7 @@ class LLMEngine:
         text, token_ids = self._prompt_tokens(prompt)
         max_len = self.config.max_model_len
         self._check_width(params)
+        self._check_logit_bias(params)
         if params.max_tokens is not None:
             max_len = min(max_len, len(token_ids) + params.max_tokens)
         self._check_fits(len(token_ids), params.best_of, max_len)
@@ -151,6 +153,13 @@ class LLMEngine:
                      else f"max_num_seqs={self.config.max_num_seqs}")
             raise ValueError(f"SamplingParams.{field}={params.best_of} exceeds {limit} "
                              "(the sequences one request may hold at once)")
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.config.model.vocab_size
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
+        if outside:
+            raise ValueError(f"SamplingParams.logit_bias: token ids {outside[:5]} are not in the vocabulary "
+                             f"[0, {vocab})")
 
     def _check_fits(self, num_prompt_tokens: int, width: int, max_len: int) -> None:
         """Refuses a request that can never fit in the pool: the prompt's full blocks, shared by its width

@@ -11,6 +11,7 @@ from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.core.stop import reached_min_tokens
 from jaxpage.models import TokenBatch
+from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.sequence import Sequence
 from jaxpage.worker.penalty_history import PenaltyHistory
 from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
@@ -32,7 +33,8 @@ class InputBatch:
     _FIELDS = {"tables": (np.int32, 0), "temperature": (np.float32, 0), "top_k": (np.int32, 0),
                "top_p": (np.float32, 1), "min_p": (np.float32, 0), "seeds": (np.uint32, 0), "want_top": (bool, 0),
                "special_below": (np.int64, 0),  # special_below: the row needs special inputs while steps < this
-               "num_prompt": (np.int64, 0)}
+               "num_prompt": (np.int64, 0),
+               "logit_bias_ids": (np.int32, -1), "logit_bias": (np.float32, 0)}  # [rows, MAX_LOGIT_BIAS]
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -44,7 +46,9 @@ class InputBatch:
         """Makes room for ``capacity`` rows, keeping the rows written so far."""
         old = len(self.tables) if hasattr(self, "tables") else 1
         for name, (dtype, fill) in self._FIELDS.items():
-            shape = (capacity, self.config.max_blocks_per_seq) if name == "tables" else (capacity,)
+            width = {"tables": self.config.max_blocks_per_seq, "logit_bias_ids": MAX_LOGIT_BIAS,
+                     "logit_bias": MAX_LOGIT_BIAS}.get(name)
+            shape = (capacity,) if width is None else (capacity, width)
             array = np.full(shape, fill, dtype)
             if hasattr(self, name):
                 array[:old] = getattr(self, name)
@@ -84,6 +88,10 @@ class InputBatch:
         self.num_prompt[row] = seq.num_prompt_tokens
         self.want_top[row] = p.logprobs is not None or p.use_beam_search
         self.special_below[row] = np.iinfo(np.int64).max if p.has_penalties else p.min_tokens
+        self.logit_bias_ids[row] = -1
+        if p.logit_bias:
+            self.logit_bias_ids[row, :len(p.logit_bias)] = list(p.logit_bias)
+            self.logit_bias[row, :len(p.logit_bias)] = list(p.logit_bias.values())
         entry = self._entries[seq] = [list(table), row]
         return entry
 
@@ -217,7 +225,24 @@ def build_sampling_batch(config: EngineConfig, scheduled: list[ScheduledSeq], st
     return SamplingBatch(
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
         steps, presence, frequency, repetition, state.penalty_history.table, history_rows, num_prompt, banned,
-        np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config))
+        np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config),
+        *_logit_bias_rows(state, index, num_rows))
+
+
+def _logit_bias_rows(state: InputBatch, index: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, biases) [num_seqs, MAX_LOGIT_BIAS] of the rows' logit_bias: gathered when a row has one, else
+    the shared unbiased arrays."""
+    if (state.logit_bias_ids[index[:num_rows], 0] >= 0).any():
+        return state.logit_bias_ids[index], state.logit_bias[index]
+    return _no_logit_bias(len(index))
+
+
+@functools.lru_cache(maxsize=64)
+def _no_logit_bias(num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    arrays = (np.full((num_seqs, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32))
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
 
 
 def _special_inputs(scheduled: list[ScheduledSeq], state: InputBatch, special_rows: list[int], num_seqs: int,

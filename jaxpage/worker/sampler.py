@@ -24,7 +24,8 @@ class SamplingBatch:
     are history[history_rows[i]] (slot 0: none), read only when a row has a penalty; banned [S, MAX_BANNED] (-1 padded)
     lists token ids that may not be sampled. want_top [] says whether any row needs the top log-probabilities.
     allowed [S, ceil(vocab / 32)] int32 is each row's bitmask of tokens it may sample (bit j of word i: token
-    32 i + j), all ones for rows without structured outputs.
+    32 i + j), all ones for rows without structured outputs. logit_bias_ids [S, MAX_LOGIT_BIAS] (-1 padded) and
+    logit_bias [S, MAX_LOGIT_BIAS] are each row's OpenAI logit_bias, added to the logits before the penalties.
     """
 
     temperature: jax.Array
@@ -42,6 +43,8 @@ class SamplingBatch:
     banned: jax.Array
     want_top: jax.Array
     allowed: jax.Array
+    logit_bias_ids: jax.Array
+    logit_bias: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -76,6 +79,8 @@ def sample_shard(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard, noise)
     """``sample`` on the slice ``vocab`` of the vocabulary: logits [S, vocab.size]; noise() gives the slice's
     exponential noise (``exponential_noise``), asked for only when a row samples at random."""
     logprobs = vocab.log_softmax(logits)
+    logits = jax.lax.cond(jnp.any(sp.logit_bias_ids >= 0), lambda: _apply_logit_bias(logits, sp, vocab),
+                          lambda: logits)
     has_penalty = (sp.presence_penalty != 0) | (sp.frequency_penalty != 0) | (sp.repetition_penalty != 1)
     logits = jax.lax.cond(jnp.any(has_penalty), lambda: _apply_penalties(logits, sp, vocab), lambda: logits)
     rows = jnp.arange(logits.shape[0])[:, None]
@@ -98,6 +103,12 @@ def exponential_noise(sp: SamplingBatch, vocab: int) -> jax.Array:
     shard by shard, each device its own slice."""
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sp.seeds, sp.steps)
     return jax.vmap(lambda k: jax.random.exponential(k, (vocab,)))(keys)
+
+
+def _apply_logit_bias(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard) -> jax.Array:
+    """Each row's biases added to its logits (vLLM applies them before the penalties, as here)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, vocab.local(sp.logit_bias_ids)].add(sp.logit_bias, mode="drop")
 
 
 def _apply_penalties(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard) -> jax.Array:

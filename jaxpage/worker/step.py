@@ -15,6 +15,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.distributed.parallel import placement, put, spec_shardings
 from jaxpage.models import TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs
+from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.layer_loop import LayerLoop
 from jaxpage.worker.sampler import MAX_BANNED, SamplerOutput, SamplingBatch, sample
@@ -94,7 +95,8 @@ def abstract_step_inputs(config: EngineConfig, num_tokens: int):
                              f32(num_seqs), f32(num_seqs), f32(num_seqs),
                              i32(config.max_num_seqs + 1, config.max_model_len), i32(num_seqs), i32(num_seqs),
                              i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
-                             i32(num_seqs, bitmask_words(config.model.vocab_size)))
+                             i32(num_seqs, bitmask_words(config.model.vocab_size)),
+                             i32(num_seqs, MAX_LOGIT_BIAS), f32(num_seqs, MAX_LOGIT_BIAS))
     return batch, sampling
 
 
