@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 
+# vLLM's PromptLogprobs, with the log-probability a float as in CompletionOutput.logprobs: one entry per prompt
+# token, None for the first (nothing precedes it), else token id -> log-probability for the top N at that
+# position and the prompt token itself
+PromptLogprobs = list[dict[int, float] | None]
+
 
 @dataclasses.dataclass
 class CompletionOutput:
@@ -50,3 +55,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine ended this request on an internal failure
+    # with SamplingParams.prompt_logprobs (in delta mode, in the request's first output only)
+    prompt_logprobs: PromptLogprobs | None = None

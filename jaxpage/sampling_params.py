@@ -41,6 +41,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top log-probabilities returned per generated token
+    # the top N log-probabilities and the prompt token's own at every prompt position (vLLM's); such a request
+    # reads nothing from the prefix cache, as in vLLM, so that every position is computed
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     skip_special_tokens: bool = True
     # "cumulative": every step, the whole output so far; "delta": every step, what is new since the last
@@ -125,6 +128,10 @@ class SamplingParams:
     def _check_outputs(self):
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         _check(self.output_kind in ("cumulative", "delta", "final_only"), "output_kind", self.output_kind,
                "must be 'cumulative', 'delta' or 'final_only'")
         _check(self.output_kind != "delta" or (self.best_of == self.n and not self.use_beam_search),

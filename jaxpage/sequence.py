@@ -81,6 +81,9 @@ class SequenceGroup:
     @property
     def lora_int_id(self) -> int:
         return self.lora_request.lora_int_id if self.lora_request is not None else 0
+    # with params.prompt_logprobs: [None] and an entry per prompt position computed so far, in order (each the
+    # next prompt token's; core/prompt_logprobs.py); complete (one per prompt token) once the prompt is
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def width(self) -> int:

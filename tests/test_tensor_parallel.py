@@ -12,7 +12,8 @@ a Gemma 2 with a sliding window and soft caps) and SmolLM2 at TP 3 (9 heads, 3 K
 - the KV pool really is split: each device holds 1/TP of it, its share of the KV head slots;
 - the step with the Triton kernel lowers for four GPUs (the CUDA lane at TP 4);
 - the LM head and the sampler work on each device's slice of the vocabulary (no array spans all of it), and the
-  sampler so split gives the one-device sampler's tokens for every sampling setting;
+  sampler so split gives the one-device sampler's tokens for every sampling setting; SmolLM2's prompt logprobs
+  at TP 3 are TP 1's;
 - sizes that cannot work are refused by name.
 """
 from __future__ import annotations
@@ -158,6 +159,18 @@ if IN_CHILD:
                 assert mine.keys() == theirs.keys()
                 np.testing.assert_allclose(list(mine.values()), list(theirs.values()), rtol=1e-4, atol=1e-4)
         assert ours[1].outputs[0].text in ("positive", "negative", "neutral")
+
+    def test_smollm2_tp3_prompt_logprobs_equal_tp1():
+        """Prompt logprobs at TP 3 (each device's top ids of its third of the vocabulary, gathered; the prompt
+        token's log-probability from the device holding it), a 40-token prompt in three chunks of the 16-token
+        budget: TP 1's top ids, log-probabilities within float32 rounding."""
+        ids = engine("smollm2", 1, "xla").get_tokenizer()("The printing press spread across Europe. " * 8)["input_ids"]
+        params = SamplingParams(prompt_logprobs=3, max_tokens=1, temperature=0)
+        ours, ref = (engine("smollm2", tp, "xla").generate({"prompt_token_ids": ids[:40]}, params)[0] for tp in (3, 1))
+        assert len(ours.prompt_logprobs) == 40 and ours.prompt_logprobs[0] is None
+        for mine, theirs in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert mine.keys() == theirs.keys()
+            np.testing.assert_allclose(list(mine.values()), [theirs[t] for t in mine], rtol=1e-4, atol=1e-4)
 
     def test_lm_head_and_sampler_never_hold_the_full_logits():
         """SmolLM2 at TP 3: each device's LM head and sampler see its own third of the 49152-token vocabulary;

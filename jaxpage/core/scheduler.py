@@ -11,6 +11,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.beam_search import beam_search_step
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.prefill_limits import PrefillLimits, num_decodes
+from jaxpage.core.prompt_logprobs import lacks_prompt_logprobs, take_prompt_logprobs
 from jaxpage.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
     ScheduledSeq,
@@ -72,7 +73,7 @@ class Scheduler:
                 if not seq.block_table and seq.num_computed_tokens == 0:
                     if seq is not live[0] and live[0].num_computed_tokens < live[0].num_prompt_tokens:
                         continue  # a recomputing sibling waits until the first has cached the shared prompt
-                    self.kv.match_prefix(seq)  # a sequence recomputing after preemption
+                    self._match_prefix(seq, group)  # a sequence recomputing after preemption
                 self.kv.free_dead_blocks(seq)  # sliding window: blocks no query can see again
                 computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
                 num_new = limits.tokens_for(num_tokens - computed, budget)
@@ -131,7 +132,7 @@ class Scheduler:
                     i += 1
                     continue
                 if seq.num_computed_tokens == 0 and not seq.block_table:
-                    self.kv.match_prefix(seq)
+                    self._match_prefix(seq, group)
                 num_new = limits.tokens_for(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not num_new or not self.kv.allocate_slots(seq, num_new):
                     self.kv.free(seq)
@@ -154,6 +155,12 @@ class Scheduler:
         is left for it (the runner loads it there before the step)."""
         lora = group.lora_int_id
         return not lora or lora in loras or len(loras - {0}) < self.config.model.max_loras
+
+    def _match_prefix(self, seq: Sequence, group: SequenceGroup) -> None:
+        """The prefix cache's blocks for a sequence starting (or recomputing), unless its request still lacks
+        prompt logprobs: those need every prompt position computed, so, as in vLLM, it reads no cached block."""
+        if not lacks_prompt_logprobs(group):
+            self.kv.match_prefix(seq)
 
     def _decode_rows(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
         """``scheduled`` if it is one decode row (a token, sampled) of every live sequence of every running group
@@ -314,9 +321,13 @@ class Scheduler:
         tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
         bs, finished = self.config.block_size, SequenceStatus.FINISHED
         got, beams = [], []
+        at = 0  # the row's first token in the step's flat batch
         for row, s in enumerate(scheduled):
+            first_token, at = at, at + s.num_new_tokens
             try:
                 seq, group = s.seq, s.group
+                if group.prompt_logprobs is not None:  # before its tokens are counted as computed
+                    take_prompt_logprobs(s, sampled.prompt, first_token)
                 if s.logits_of is None:
                     seq.num_computed_tokens += s.num_new_tokens
                 else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)

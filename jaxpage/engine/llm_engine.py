@@ -8,8 +8,6 @@ import os
 import time
 from pathlib import Path
 
-import jax
-
 from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.config import EngineConfig
 from jaxpage.core.block_pool import BlockPool
@@ -135,6 +133,8 @@ class LLMEngine:
                        max_len=max_len, seed=seed, lora_int_id=lora_request.lora_int_id if lora_request else 0)
         group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority,
                               lora_request=lora_request)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first prompt token's: nothing precedes it
         self.output_processor.add_request(group, text, list(token_ids), RequestMetrics(time.monotonic()))
         self.scheduler.add(group)
 
@@ -256,7 +256,7 @@ class LLMEngine:
         rows = flight.rows
         scheduled = [flight.launched.scheduled[i] for i in rows]
         if len(rows) != len(flight.launched.scheduled):
-            sampled = jax.tree.map(lambda a: a[rows], sampled)
+            sampled = sampled.rows(rows)
         self.scheduler.remove_placeholders(scheduled)
         return self._update(scheduled, sampled, {})
 

@@ -24,6 +24,7 @@ class RequestState:
     prompt_token_ids: list[int]  # every output's prompt_token_ids (one list, made once, as in vLLM)
     detokenizers: dict[int, IncrementalDetokenizer] = dataclasses.field(default_factory=dict)  # by seq_id
     sent: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # delta mode: [tokens, chars] sent
+    prompt_logprobs_sent: bool = False  # delta mode: the prompt logprobs go in the first output only
 
 
 class OutputProcessor:
@@ -123,7 +124,15 @@ class OutputProcessor:
         completions = ([self._completion(request, seqs[0], 0, finished)] if len(seqs) == 1 else
                        [self._completion(request, seq, index, finished) for index, seq in enumerate(seqs)])
         return RequestOutput(group.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.metrics)
+                             request.metrics, prompt_logprobs=self._prompt_logprobs(request))
+
+    def _prompt_logprobs(self, request: RequestState) -> list | None:
+        """The request's prompt logprobs once complete (they are by its first token), if it asked for them."""
+        entries = request.group.prompt_logprobs
+        if entries is None or len(entries) < len(request.prompt_token_ids) or request.prompt_logprobs_sent:
+            return None
+        request.prompt_logprobs_sent = request.group.params.output_kind == "delta"
+        return entries
 
     def _completion(self, request: RequestState, seq: Sequence, index: int, finished: bool) -> CompletionOutput:
         p, seq_id = request.group.params, seq.seq_id

@@ -8,6 +8,7 @@ import functools
 import numpy as np
 
 from jaxpage.config import EngineConfig, pick_bucket
+from jaxpage.core.prompt_logprobs import no_targets, prompt_targets
 from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.core.stop import reached_min_tokens
 from jaxpage.models import TokenBatch
@@ -107,7 +108,9 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
     state = state if state is not None else InputBatch(config)
     batch, index, decode = build_token_batch(config, scheduled, state)
     steps = _steps(scheduled, state, index, batch.positions, decode)
-    return batch, build_sampling_batch(config, scheduled, state, index, steps, eos_token_ids, bitmask)
+    num_tokens = len(batch.token_ids)  # a decode row's token is its sequence's last: no prompt target
+    targets = no_targets(num_tokens) if decode else prompt_targets(scheduled, num_tokens)
+    return batch, build_sampling_batch(config, scheduled, state, index, steps, eos_token_ids, bitmask, targets)
 
 
 def build_token_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
@@ -215,9 +218,11 @@ def _steps(scheduled: list[ScheduledSeq], state: InputBatch, index: np.ndarray, 
 
 def build_sampling_batch(config: EngineConfig, scheduled: list[ScheduledSeq], state: InputBatch, index: np.ndarray,
                          steps: np.ndarray, eos_token_ids: tuple[int, ...] = (),
-                         bitmask: np.ndarray | None = None) -> SamplingBatch:
+                         bitmask: np.ndarray | None = None,
+                         targets: np.ndarray | None = None) -> SamplingBatch:
     """The batch's sampling part: each row's settings gathered from its InputBatch row (``index``), penalties
-    and banned tokens for the rows that need them, the penalty history and the bitmask (None: any token)."""
+    and banned tokens for the rows that need them, the penalty history, the bitmask (None: any token) and the
+    tokens' prompt ``targets`` (core/prompt_logprobs.py; None: a step without prompt logprobs)."""
     num_rows, num_seqs = len(scheduled), len(index)
     special_rows = np.flatnonzero(steps[:num_rows] < state.special_below[index[:num_rows]]).tolist()
     presence, frequency, repetition, history_rows, num_prompt, banned = _special_inputs(
@@ -226,7 +231,7 @@ def build_sampling_batch(config: EngineConfig, scheduled: list[ScheduledSeq], st
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
         steps, presence, frequency, repetition, state.penalty_history.table, history_rows, num_prompt, banned,
         np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config),
-        *_logit_bias_rows(state, index, num_rows))
+        *_logit_bias_rows(state, index, num_rows), targets)
 
 
 def _logit_bias_rows(state: InputBatch, index: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -206,8 +206,7 @@ class ModelRunner:
 
     def fetch(self, launched: LaunchedStep) -> SamplerOutput:
         """A launched step's output (numpy) for each of its rows, waiting for it if need be."""
-        n = len(launched.scheduled)
-        return jax.tree.map(lambda a: np.asarray(a)[:n], launched.out)
+        return jax.tree.map(np.asarray, launched.out).rows(slice(len(launched.scheduled)))
 
     def run(self, batch: TokenBatch, sampling: SamplingBatch) -> SamplerOutput:
         """The compiled step of the batch's bucket on it (the pool updated in place)."""

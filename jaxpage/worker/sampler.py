@@ -26,6 +26,9 @@ class SamplingBatch:
     allowed [S, ceil(vocab / 32)] int32 is each row's bitmask of tokens it may sample (bit j of word i: token
     32 i + j), all ones for rows without structured outputs. logit_bias_ids [S, MAX_LOGIT_BIAS] (-1 padded) and
     logit_bias [S, MAX_LOGIT_BIAS] are each row's OpenAI logit_bias, added to the logits before the penalties.
+    prompt_targets [T] (one per token of the flat batch, not per row): the next prompt token of each token whose
+    request asks for prompt logprobs at its position, -1 elsewhere (core/prompt_logprobs.py); None in batches
+    made without them, whose step computes none.
     """
 
     temperature: jax.Array
@@ -45,10 +48,31 @@ class SamplingBatch:
     allowed: jax.Array
     logit_bias_ids: jax.Array
     logit_bias: jax.Array
+    prompt_targets: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     SamplingBatch, data_fields=[f.name for f in dataclasses.fields(SamplingBatch)], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobsOutput:
+    """Per token of the step's flat batch [T]: the log-probability of its prompt target (SamplingBatch.
+    prompt_targets) and the top MAX_LOGPROBS at its position; zeros where no token of its chunk of the
+    batch has a target (``prompt_logprobs`` was not computed there)."""
+
+    logprobs: jax.Array  # [T] float32
+    top_ids: jax.Array  # [T, MAX_LOGPROBS] int32
+    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
+
+    @classmethod
+    def zeros(cls, num_tokens: int) -> PromptLogprobsOutput:
+        return cls(jnp.zeros(num_tokens, jnp.float32), jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.int32),
+                   jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.float32))
+
+
+jax.tree_util.register_dataclass(
+    PromptLogprobsOutput, data_fields=[f.name for f in dataclasses.fields(PromptLogprobsOutput)], meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +81,12 @@ class SamplerOutput:
     logprobs: jax.Array  # [S] log-probability of each sampled token under the model's distribution
     top_ids: jax.Array  # [S, MAX_LOGPROBS] (zeros unless want_top)
     top_logprobs: jax.Array
+    prompt: PromptLogprobsOutput | None = None  # per token, not per row; None from a batch without targets
+
+    def rows(self, index) -> SamplerOutput:
+        """The rows ``index`` (a slice or row numbers) of the per-row outputs; the per-token prompt part whole."""
+        return SamplerOutput(self.tokens[index], self.logprobs[index], self.top_ids[index], self.top_logprobs[index],
+                             self.prompt)
 
 
 jax.tree_util.register_dataclass(
@@ -186,3 +216,22 @@ def _bisect(holds, rows: int) -> jax.Array:
 
     bounds = (jnp.zeros((rows, 1), jnp.uint32), jnp.full((rows, 1), 0xFFFFFFFF, jnp.uint32))
     return jax.lax.fori_loop(0, 32, step, bounds)[0]  # 32 halvings span every uint32 key
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array) -> PromptLogprobsOutput:
+    """Prompt logprobs of logits [N, V] (the positions' float32 logits): each row's log-softmax, its top
+    MAX_LOGPROBS and the log-probability of its target token (targets [N]; a negative one reads token 0). Under a
+    tensor-parallel mesh, on each device's slice of the vocabulary, as ``sample``."""
+    tp, vocab = model_axis_size(), logits.shape[1]
+    if tp == 1 or vocab % tp:
+        return prompt_logprobs_shard(logits, targets, VocabShard(vocab, vocab))
+    # no noise is drawn: the logits stand in for it (over_vocab passes the noise as a callable, never called here)
+    return over_vocab(lambda x, t, shard, _: prompt_logprobs_shard(x, t, shard), logits, logits, targets)
+
+
+def prompt_logprobs_shard(logits: jax.Array, targets: jax.Array, vocab: VocabShard) -> PromptLogprobsOutput:
+    """``prompt_logprobs`` on the slice ``vocab`` of the vocabulary (the top ones: lower ids first among ties)."""
+    logprobs = vocab.log_softmax(logits)
+    top_logprobs, top_ids = vocab.top_k(logprobs, MAX_LOGPROBS)
+    return PromptLogprobsOutput(vocab.take(logprobs, jnp.maximum(targets, 0)), top_ids.astype(jnp.int32),
+                                top_logprobs)
