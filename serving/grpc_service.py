@@ -37,7 +37,7 @@ STATUS_CODES = {NotServingError: grpc.StatusCode.UNAVAILABLE, QueueFullError: gr
 # SamplingParams fields whose proto field has presence: absent means "the engine's default".
 _OPTIONAL = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "length_penalty",
-             "skip_special_tokens")
+             "skip_special_tokens", "prompt_logprobs")
 _PLAIN = ("ignore_eos", "use_beam_search", "include_stop_str_in_output")
 
 
@@ -111,7 +111,8 @@ def engine_prompt(request: pb.GenerateRequest, engine) -> str | dict:
 
 
 def _logprobs(entries) -> list[pb.PositionLogprobs]:
-    return [pb.PositionLogprobs(top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in entry.items()])
+    """Per position, its entry's log-probabilities (a None entry, the first prompt token's: none)."""
+    return [pb.PositionLogprobs(top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in (entry or {}).items()])
             for entry in entries]
 
 
@@ -146,7 +147,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 final = out
         completions = [_completion(c, c.finish_reason or "") for c in final.outputs]
         return pb.GenerateResponse(request_id=final.request_id, completions=completions,
-                                   usage=_usage(final, sum(len(c.token_ids) for c in final.outputs)))
+                                   usage=_usage(final, sum(len(c.token_ids) for c in final.outputs)),
+                                   prompt_logprobs=_logprobs(final.prompt_logprobs or []))
 
     async def GenerateStream(self, request, context):
         finished: set[int] = set()
@@ -164,7 +166,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if not completions and not out.finished:
                     continue
                 yield pb.GenerateResponse(request_id=out.request_id, completions=completions,
-                                          usage=_usage(out, total) if out.finished else None)
+                                          usage=_usage(out, total) if out.finished else None,
+                                          prompt_logprobs=_logprobs(out.prompt_logprobs or []))
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
         """The service's methods, with requests parsed leniently (see _lenient)."""
