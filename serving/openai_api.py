@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the server's RequestLifecycle (serving/requests.py).
 
     POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with ``stream``),
-    GET /v1/models, /health, /version, /metrics
+    GET /v1/models, /health, /version, /metrics; vLLM's POST /tokenize and /detokenize
+
+A completion of a batch of prompts (``prompt`` a list of strings or of token-id lists) is one engine request
+per prompt, run together: prompt i's choices are indexed i * n + their own index, as OpenAI's.
 
 Both front ends share one ``RequestLifecycle``: its engine, its --max-queue (counted over HTTP and gRPC
 calls together), its in-flight table (drained on SIGTERM) and its Prometheus metrics. Errors are OpenAI's
 error object: 400 naming the field, 401 without the API key (when one is set: every path but /health), 404
 for an unknown model, 413 for a body over --max-message-bytes, 429 when the queue is full, 503 while the
 server is starting, stopping or restarting its engine (calls in flight when it died included), 500 when the
-engine fails under one request. --max-prompt-bytes bounds prompts and chat messages as over gRPC. A client
-that disconnects (streaming or not) cancels its handler; the engine stream's clean-up aborts the request
-and frees its KV blocks at once.
+engine fails under one request; unknown paths (404), wrong methods (405) and unexpected failures (500) too.
+--max-prompt-bytes bounds prompts and chat messages as over gRPC. A client that disconnects (streaming or not)
+cancels its handler; the engine streams' clean-up aborts the requests and frees their KV blocks at once.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 import jaxpage
 from jaxpage.outputs import RequestOutput
@@ -37,11 +41,12 @@ from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFail
 from serving.structured import from_openai
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "service_unavailable"}
 # the metrics' error codes are gRPC's names, so that both front ends count in the same series
-METRIC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
-                429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+METRIC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
+                413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
+                503: "UNAVAILABLE"}
 # the lifecycle's errors (but InvalidRequestError, a 400 naming the field) as (HTTP status, OpenAI error code)
 STATUSES = {NotServingError: (503, "not_serving"), QueueFullError: (429, "queue_full"),
             DuplicateRequestError: (400, None), EngineDiedError: (503, "engine_restarting"),
@@ -74,6 +79,7 @@ def _openai_error(e: RequestError, prompt_field: str) -> OpenAIError:
 
 def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     kw = {name: getattr(body, name) for name in _OPTIONAL if getattr(body, name) is not None}
+    kw["logit_bias"] = logit_bias(body.logit_bias)
     best_of = body.best_of or body.n
     streamable = best_of == body.n  # else the best n are known only at the end: one chunk then
     try:
@@ -92,16 +98,23 @@ def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs:
         raise _invalid(str(e), "") from None
 
 
-def completion_prompt(prompt) -> str | dict:
-    """One prompt as the engine takes it: text, or token ids."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise OpenAIError(400, f"prompt: a batch of {len(prompt)} prompts; jaxpage takes one prompt per "
-                                   "request (send them as concurrent requests)", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        return {"prompt_token_ids": prompt}
-    return prompt
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it (which checks the biases)."""
+    if not bias:
+        return None
+    bad = next((key for key in bias if not re.fullmatch(r"[0-9]{1,12}", key)), None)
+    if bad is not None:
+        raise OpenAIError(400, f"logit_bias: the key {bad!r} is not a token id", "logit_bias")
+    return {int(key): value for key, value in bias.items()}
+
+
+def completion_prompts(prompt) -> list[str | dict]:
+    """The prompts as the engine takes them (text, or token ids): a list of strings or of token-id lists is a
+    batch, a string or a token-id list one prompt."""
+    if prompt == []:
+        raise OpenAIError(400, "prompt: an empty list", "prompt")
+    batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in batch]
 
 
 class OpenAIServing:
@@ -122,16 +135,21 @@ class OpenAIServing:
     def _decode(self, token: int) -> str:
         return self._engine().engine.tokenizer.decode([token])
 
+    def _check_model(self, model: str | None) -> str:
+        """The model name the response carries; 404 for another model."""
+        names = self.model_names()
+        if model is not None and model not in names:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                                   f"{', '.join(map(repr, names))}", "model", "model_not_found")
+        return model or names[0]
+
     def _check(self, body: oai.SamplingRequest) -> str:
         """The model name the response carries; 404 for another model, 400 for a field jaxpage cannot honour."""
-        names = self.model_names()
-        if body.model is not None and body.model not in names:
-            raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
-                                   f"{', '.join(map(repr, names))}", "model", "model_not_found")
+        model = self._check_model(body.model)
         field = body.unsupported()
         if field is not None:
             raise OpenAIError(400, f"{field} is not supported by jaxpage", field)
-        return body.model or names[0]
+        return model
 
     def _check_prompt_bytes(self, texts: list[str], field: str) -> None:
         try:
@@ -150,43 +168,41 @@ class OpenAIServing:
                     yield out
         except RequestError as e:
             raise _openai_error(e, prompt_field) from None
-        except asyncio.CancelledError:
-            self._count_error(499)  # the client left
-            raise
 
-    async def _respond(self, raw: Request, outputs: AsyncIterator[RequestOutput], stream: bool,
-                       render: Rendering, include_usage: bool) -> Response:
-        if stream:  # the first output before the headers: admission errors are still an HTTP status
-            first = await _unless_disconnected(raw, anext(outputs))
-            return Response(status_code=499) if first is None else StreamingResponse(
-                self._events(first, outputs, render, include_usage), media_type="text/event-stream")
-        final = await _unless_disconnected(raw, _last(outputs))
-        return Response(status_code=499) if final is None else JSONResponse(render.final(final).model_dump())
+    async def _respond(self, raw: Request, streams: list[AsyncIterator[RequestOutput]], stream: bool,
+                       renders: list[Rendering], include_usage: bool, n: int = 1) -> Response:
+        """The response to one prompt's outputs, or a batch's (prompt i's choices indexed i * n + their own)."""
+        outputs = _merged(streams, lambda: self._count_error(499))  # 499: the client left
+        if stream:  # each prompt's first output before the headers: admission errors are still an HTTP status
+            read = await _unless_disconnected(raw, _firsts(outputs, len(streams)))
+            return Response(status_code=499) if read is None else StreamingResponse(
+                self._events(_replay(read, outputs), renders, include_usage, n), media_type="text/event-stream")
+        finals = await _unless_disconnected(raw, _finals(outputs, len(streams)))
+        return Response(status_code=499) if finals is None else JSONResponse(
+            _merged_response([r.final(out) for r, out in zip(renders, finals)], n).model_dump())
 
-    async def _events(self, first: RequestOutput, outputs: AsyncIterator[RequestOutput], render: Rendering,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, outputs: AsyncIterator[tuple[int, RequestOutput]], renders: list[Rendering],
+                      include_usage: bool, n: int) -> AsyncIterator[str]:
         """The stream as server-sent events; an engine failure ends it with an error event."""
-        finished: set[int] = set()
+        finished: set[tuple[int, int]] = set()  # (prompt, choice)
+        prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         try:
             async with contextlib.aclosing(outputs):
-                out = first
-                while True:
+                async for i, out in outputs:
+                    prompt_tokens[i] = len(out.prompt_token_ids)
                     choices = []
                     for c in out.outputs:
-                        reason = c.finish_reason if c.finish_reason and c.index not in finished else None
+                        reason = c.finish_reason if c.finish_reason and (i, c.index) not in finished else None
                         if reason:
-                            finished.add(c.index)
+                            finished.add((i, c.index))
                         if c.token_ids or c.text or reason:
                             choices.append((c, reason))
                             completion_tokens += len(c.token_ids)
                     if choices:
-                        yield _event(render.chunk(choices))
-                    if out.finished:
-                        break
-                    out = await anext(outputs)
+                        yield _event(_shifted(renders[i].chunk(choices), i * n))
             if include_usage:
-                yield _event(render.usage_chunk(usage(len(first.prompt_token_ids), completion_tokens)))
+                yield _event(renders[0].usage_chunk(usage(sum(prompt_tokens.values()), completion_tokens)))
         except OpenAIError as e:
             self._count_error(e.status)
             yield _event(e.body())
@@ -201,19 +217,27 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             raise OpenAIError(400, "echo with logprobs needs the prompt's logprobs, which jaxpage does not "
                                    "compute", "echo")
-        prompt = completion_prompt(body.prompt)
-        if isinstance(prompt, str):
-            self._check_prompt_bytes([prompt], "prompt")
+        prompts = completion_prompts(body.prompt)
+        self._check_prompt_bytes([p for p in prompts if isinstance(p, str)], "prompt")
         params = sampling_params(body, body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        renders = [self._completion_rendering(request_id, model, body, prompt) for prompt in prompts]
+        for render in renders[1:]:
+            render.created = renders[0].created
+        # a batch: one engine request per prompt, "<id>-<prompt index>" (vLLM's)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [self._outputs(i, prompt, params, body.priority, "prompt") for i, prompt in zip(ids, prompts)]
+        return await self._respond(raw, streams, body.stream, renders, _include_usage(body), body.n)
+
+    def _completion_rendering(self, request_id: str, model: str, body: oai.CompletionRequest,
+                              prompt: str | dict) -> CompletionRendering:
+        """How one prompt's choices are rendered."""
         echo = None
         if body.echo:
             echo = prompt if isinstance(prompt, str) else self._engine().engine.tokenizer.decode(
                 prompt["prompt_token_ids"])
-        render = CompletionRendering(request_id, model, self._decode, body.logprobs, body.return_token_ids,
-                                     echo=echo)
-        outputs = self._outputs(request_id, prompt, params, body.priority, "prompt")
-        return await self._respond(raw, outputs, body.stream, render, _include_usage(body))
+        return CompletionRendering(request_id, model, self._decode, body.logprobs, body.return_token_ids,
+                                   echo=echo)
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, raw: Request) -> Response:
         model = self._check(body)
@@ -229,7 +253,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         render = ChatRendering(request_id, model, self._decode, k, body.return_token_ids)
         outputs = self._outputs(request_id, prompt, params, body.priority, "messages")
-        return await self._respond(raw, outputs, body.stream, render, _include_usage(body))
+        return await self._respond(raw, [outputs], body.stream, [render], _include_usage(body))
 
     async def models(self) -> oai.ModelList:
         cfg = self._engine().engine.config
@@ -237,6 +261,43 @@ class OpenAIServing:
                                                  kv_cache_dtype=cfg.kv_cache_dtype,
                                                  quantization=cfg.model.quantization)
                                    for name in self.model_names()])
+
+    async def tokenize(self, body: oai.TokenizeRequest) -> oai.TokenizeResponse:
+        """vLLM's /tokenize: the token ids of a prompt, or of chat messages through the chat template."""
+        self._check_model(body.model)
+        engine = self._engine()
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give either prompt or messages", "prompt")
+        special = body.add_special_tokens
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            self._check_prompt_bytes([text for m in messages for text in m.values()], "messages")
+            try:
+                text = engine.engine.apply_chat_template(messages, body.add_generation_prompt)
+            except ValueError as e:
+                raise OpenAIError(400, f"messages: {e}", "messages") from None
+            special = bool(special)
+        else:
+            self._check_prompt_bytes([body.prompt], "prompt")
+            text, special = body.prompt, special is not False
+        try:
+            ids = await engine.tokenize(text, special)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), "prompt") from None
+        strs = engine.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return oai.TokenizeResponse(count=len(ids), max_model_len=engine.engine.config.max_model_len, tokens=ids,
+                                    token_strs=strs)
+
+    async def detokenize(self, body: oai.DetokenizeRequest) -> oai.DetokenizeResponse:
+        """vLLM's /detokenize: the text of token ids."""
+        self._check_model(body.model)
+        engine = self._engine().engine
+        vocab = engine.config.model.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise OpenAIError(400, f"tokens must be token ids in [0, {vocab})", "tokens")
+        if engine.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer", "tokens")
+        return oai.DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
     async def health(self) -> Response:
         return Response(status_code=200 if self.requests.serving else 503)
@@ -251,6 +312,23 @@ class OpenAIServing:
 
     async def openai_error(self, request: Request, e: OpenAIError) -> JSONResponse:
         return self.error_response(e)
+
+    async def http_error(self, request: Request, e: HTTPException) -> JSONResponse:
+        """Starlette's own errors (an unknown path, a wrong method) as OpenAI's error object."""
+        if e.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+        else:
+            message = e.detail
+        status = e.status_code if e.status_code in ERROR_TYPES else 400
+        response = self.error_response(OpenAIError(status, message))
+        response.headers.update(e.headers or {})
+        return response
+
+    async def unexpected_error(self, request: Request, e: Exception) -> JSONResponse:
+        return self.error_response(OpenAIError(500, f"internal error: {e!r}", code="internal_error"))
 
     async def validation_error(self, request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
@@ -268,12 +346,95 @@ def _event(model) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
+async def _merged(streams: list[AsyncIterator[RequestOutput]], on_cancel) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of a request's prompts (one engine request each) as they come, as (prompt index, output).
+
+    Each stream runs in a task of its own, the one the lifecycle's in-flight table holds (the watcher cancels it
+    when the engine dies: an EngineDiedError). A prompt's failure is raised here; leaving early (the client
+    went: on_cancel() is called; a prompt failed) cancels every stream, whose clean-up aborts its engine request
+    and frees its blocks."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - an OpenAIError (or a bug), raised by the reader
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    except asyncio.CancelledError:
+        on_cancel()
+        raise
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _firsts(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[tuple[int, RequestOutput]]:
+    """What outputs gives until each of its count prompts has given one output."""
+    read, seen = [], set()
+    async for i, out in outputs:
+        read.append((i, out))
+        seen.add(i)
+        if len(seen) == count:
+            break
+    return read
+
+
+async def _replay(read: list, outputs: AsyncIterator):
+    """read's items, then the rest of outputs."""
+    for item in read:
+        yield item
     async with contextlib.aclosing(outputs):
-        async for final in outputs:
-            pass
-    return final
+        async for item in outputs:
+            yield item
+
+
+async def _finals(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    """Each prompt's last output."""
+    finals = [None] * count
+    async with contextlib.aclosing(outputs):
+        async for i, out in outputs:
+            finals[i] = out
+    return finals
+
+
+def _shifted(response, offset: int):
+    """response with its choices' indexes moved by offset (prompt i of a batch: i * n)."""
+    for choice in response.choices:
+        choice.index += offset
+    return response
+
+
+def _merged_response(responses: list, n: int):
+    """The response of a batch: each prompt's (from its Rendering.final) choices, indexed as OpenAI's, the usage
+    summed, and each choice with its prompt's token ids when they are asked for (vLLM's place in a batch)."""
+    if len(responses) == 1:
+        return responses[0]
+    merged = responses[0].model_copy()
+    merged.choices = []
+    for i, response in enumerate(responses):
+        for choice in _shifted(response, i * n).choices:
+            choice.prompt_token_ids = response.prompt_token_ids
+            merged.choices.append(choice)
+    merged.usage = usage(sum(r.usage.prompt_tokens for r in responses),
+                         sum(r.usage.completion_tokens for r in responses))
+    merged.prompt_token_ids = None
+    return merged
 
 
 async def _unless_disconnected(raw: Request, work) -> RequestOutput | None:
@@ -305,8 +466,12 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
                                                                                            code=code)))
     app.add_exception_handler(OpenAIError, api.openai_error)
     app.add_exception_handler(RequestValidationError, api.validation_error)
+    app.add_exception_handler(HTTPException, api.http_error)
+    app.add_exception_handler(Exception, api.unexpected_error)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)

@@ -49,8 +49,8 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM: each choice carries its token ids, the response the prompt's
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
     # OpenAI fields jaxpage does not implement: a request that sets one gets a 400 naming it
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None  # "text", "json_object", "json_schema" (serving/structured.py)
@@ -58,14 +58,14 @@ class SamplingRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field set that jaxpage cannot honour, or None."""
-        for name in ("logit_bias", "suffix", "tools"):
+        for name in ("suffix", "tools"):
             if getattr(self, name):
                 return name
         return None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]  # a list of strings or of id lists: a batch
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -127,6 +127,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # a batch's (return_token_ids): the choice's prompt's, as vLLM's
 
 
 class CompletionResponse(Head):
@@ -193,6 +194,36 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's chat template."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # vLLM's defaults: on for a prompt, off for messages (the template's)
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

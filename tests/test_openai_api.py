@@ -4,8 +4,12 @@ with the official `openai` package (sync and async clients, streaming and not) a
 - completions and chat completions give the offline engine's greedy text, token ids and token counts;
   n=3 with a seed gives the offline engine's samples; logprobs agree with the text and with the offline engine;
   stop strings and echo; 32 concurrent streams;
-- every bad request is OpenAI's error object with the right status (400 naming the field, 404 unknown model),
-  and the server keeps serving with every KV block back (read from /metrics on the same port);
+- a batch of prompts (strings, token ids; n=2; streamed) gives each prompt's own completions, indexed as OpenAI's,
+  and a cancelled batch frees every block; logit_bias bans and forces tokens as the unbiased distribution says;
+  /tokenize and /detokenize agree with the tokenizer;
+- every bad request is OpenAI's error object with the right status (400 naming the field, 404 unknown model,
+  unknown paths and 405 wrong methods), and the server keeps serving with every KV block back (read from
+  /metrics on the same port);
 - a client that disconnects (streaming or not) gets its blocks freed within a second;
 - SIGTERM lets the HTTP and gRPC streams in flight finish, then the server exits 0.
 A stand-in engine (test_serving's, no model) shows 429 for a full queue, and 503 for the calls in flight when
@@ -244,15 +248,22 @@ BAD = [
     ("completions", {"prompt": "hi", "n": 40}, 400, "n"),  # over --max-seqs-per-request (16: half of 32)
     ("completions", {"prompt": [1] * 600}, 400, "prompt"),
     ("completions", {"prompt": [10**6]}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": ["hi", ""]}, 400, "prompt"),  # one bad prompt of a batch: all refused
+    ("completions", {"prompt": [[1, 2], [10**6]]}, 400, "prompt"),
     ("completions", {}, 400, "prompt"),
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
-    ("completions", {"prompt": "hi", "logit_bias": {"1": 1.0}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1.0}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"1": 100.5}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1.0}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(129)}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 1}}, 400,
+     "logit_bias"),
 ]
 
 
@@ -275,6 +286,124 @@ def test_bad_requests_are_openai_errors_and_the_server_keeps_serving(server, str
     assert server.all_blocks_free() and server.metrics()["jaxpage:num_requests_in_flight"] == 0
     assert len(server.client().completions.create(model=NAMES[0], prompt="hi", max_tokens=3,
                                                   **GREEDY).choices[0].model_extra["token_ids"]) == 3
+
+
+CALLS = [  # (method, path, body, status, the error's param or a word of its message)
+    ("GET", "/v1/nothing", None, 404, "/v1/nothing"), ("POST", "/tokenizer_info", {}, 404, "/tokenizer_info"),
+    ("GET", "/v1/completions", None, 405, "POST"), ("PUT", "/tokenize", {}, 405, "/tokenize"),
+    ("POST", "/tokenize", {}, 400, "prompt"), ("POST", "/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("POST", "/tokenize", {"messages": []}, 400, "messages"),
+    ("POST", "/detokenize", {"tokens": [10**6]}, 400, "tokens"), ("POST", "/detokenize", {"tokens": [-1]}, 400,
+                                                                   "tokens.0"),
+]
+
+
+def test_unknown_paths_wrong_methods_and_bad_tokenize_calls_are_openai_errors(server):
+    with httpx.Client(base_url=server.base, timeout=30) as http:
+        for method, path, body, status, named in CALLS:
+            r = http.request(method, path, json=body)
+            assert r.status_code == status, (method, path, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+            assert error["param"] == named or named in error["message"], (method, path, error)
+        assert http.get("/v1/completions").headers["allow"] == "POST"
+    with pytest.raises(openai.NotFoundError):
+        server.client().embeddings.create(model=NAMES[0], input="hi")
+
+
+def test_tokenize_and_detokenize_agree_with_the_tokenizer(server, smollm2):
+    tokenizer = smollm2.get_tokenizer()
+    text = "The capital of France is Paris. Ünïcode: 東京"
+    messages = [{"role": "user", "content": "Name a colour."}]
+    with httpx.Client(base_url=server.base, timeout=30) as http:
+        r = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+        want = tokenizer(text)["input_ids"]
+        assert (r["tokens"], r["count"], r["max_model_len"]) == (want, len(want), 512)
+        assert r["token_strs"] == tokenizer.convert_ids_to_tokens(want)
+        assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": tokenizer.decode(want)}
+        assert tokenizer.decode(want, skip_special_tokens=True) == text
+        for add_generation_prompt in (True, False):
+            r = http.post("/tokenize", json={"model": NAMES[1], "messages": messages,
+                                             "add_generation_prompt": add_generation_prompt}).json()
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt)
+            assert r["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            assert "token_strs" not in r or r["token_strs"] is None
+            assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == rendered
+
+
+def test_a_batch_of_prompts_gives_each_prompts_completions(server, smollm2):
+    """A list of prompts is one request with len(prompt) x n choices, prompt i's at i * n + j: the offline
+    engine's completions of each prompt alone (greedy strings; seeded samples of token ids), streamed too."""
+    ids = [smollm2.get_tokenizer()(p)["input_ids"] for p in PROMPTS]
+    seeded = dict(n=2, temperature=0.8, seed=77, max_tokens=6, ignore_eos=True)
+    cases = [(PROMPTS, smollm2.generate(PROMPTS, greedy(6)), dict(n=1, max_tokens=6, **GREEDY)),
+             (ids, smollm2.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(**seeded)),
+              dict(n=2, temperature=0.8, seed=77, max_tokens=6,
+                   extra_body={"ignore_eos": True, "return_token_ids": True}))]
+    for prompts, want, kw in cases:
+        n = kw["n"]
+        want_tokens = {i * n + j: c.token_ids for i, w in enumerate(want) for j, c in enumerate(w.outputs)}
+        assert len(set(map(tuple, want_tokens.values()))) > n, "the prompts' completions differ"
+        r = server.client().completions.create(model=NAMES[0], prompt=prompts, **kw)
+        assert {c.index: c.model_extra["token_ids"] for c in r.choices} == want_tokens
+        assert {c.index: c.text for c in r.choices} == {i * n + j: c.text for i, w in enumerate(want)
+                                                        for j, c in enumerate(w.outputs)}
+        assert [c.model_extra["prompt_token_ids"] for c in sorted(r.choices, key=lambda c: c.index)] == [
+            w.prompt_token_ids for w in want for _ in range(n)]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (sum(len(w.prompt_token_ids) for w in want),
+                                                                      6 * n * len(want))
+        got = asyncio.run(_stream_completion(server, dict(model=NAMES[0], prompt=prompts,
+                                                          stream_options={"include_usage": True}, **kw)))
+        assert got["token_ids"] == want_tokens and len(got["ids"]) == 1
+        assert got["finish"] == {i: "length" for i in want_tokens}
+        assert got["usage"].prompt_tokens == r.usage.prompt_tokens
+    assert server.all_blocks_free()
+
+
+def test_a_cancelled_batch_frees_every_block(server):
+    before = server.metrics()
+    free = before["jaxpage:kv_blocks_free"]
+    body = {"model": NAMES[0], "prompt": [[3, *LONG], [4, *LONG[:100]]], "n": 2, "max_tokens": 300,
+            "temperature": 1.0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base + "/v1", timeout=120) as http:
+        with http.stream("POST", "/completions", json=body) as r:
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            chunks = [json.loads(next(events).removeprefix("data: ")) for _ in range(12)]
+            indexes = {c["index"] for chunk in chunks for c in chunk["choices"]}
+            assert indexes == {0, 1, 2, 3}  # both prompts' two samples decoding
+            assert server.metrics()["jaxpage:num_requests_running"] == 4
+    server.assert_freed(free, before, 4 * 300, within=1.0)
+
+
+def test_logit_bias_bans_and_forces_tokens(server, smollm2):
+    """-100 on the greedy first token: the next likeliest (by the unbiased log-probabilities, which logprobs
+    reports) comes instead; +100 on a token: it comes every step; on completions, chat and LLM.generate."""
+    client = server.client()
+    plain = client.completions.create(model=NAMES[0], prompt=PROMPTS[0], max_tokens=4, logprobs=2, **GREEDY)
+    first = plain.choices[0].model_extra["token_ids"][0]
+    runner_up = sorted(plain.choices[0].logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])[1][0]
+    banned = client.completions.create(model=NAMES[0], prompt=PROMPTS[0], max_tokens=4, logprobs=2,
+                                       logit_bias={str(first): -100}, **GREEDY)
+    tokens = banned.choices[0].model_extra["token_ids"]
+    assert first not in tokens and banned.choices[0].logprobs.tokens[0] == runner_up
+    assert banned.choices[0].logprobs.top_logprobs[0] == pytest.approx(  # logprobs are the model's: unbiased
+        plain.choices[0].logprobs.top_logprobs[0], abs=1e-4)
+    [offline] = smollm2.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                            logit_bias={first: -100}))
+    assert offline.outputs[0].token_ids == tokens
+
+    forced = 1000 if first != 1000 else 1001
+    r = client.completions.create(model=NAMES[0], prompt=PROMPTS, max_tokens=3, logit_bias={str(forced): 100},
+                                  **GREEDY)
+    assert [c.model_extra["token_ids"] for c in r.choices] == [[forced] * 3] * len(PROMPTS)
+    chat = client.chat.completions.create(model=NAMES[0], messages=[{"role": "user", "content": "Hi!"}],
+                                          max_tokens=3, logit_bias={str(forced): 100}, **GREEDY)
+    assert chat.choices[0].model_extra["token_ids"] == [forced] * 3
+    [offline] = smollm2.generate(PROMPTS[1], SamplingParams(temperature=0.9, seed=5, max_tokens=3,
+                                                            logit_bias={forced: 100}))
+    assert offline.outputs[0].token_ids == [forced] * 3
+    assert server.all_blocks_free()
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
