@@ -5,6 +5,8 @@
 
 A completion of a batch of prompts (``prompt`` a list of strings or of token-id lists) is one engine request
 per prompt, run together: prompt i's choices are indexed i * n + their own index, as OpenAI's.
+Completions with ``echo`` and ``logprobs`` carry the prompt's tokens and log-probabilities (the engine's
+prompt_logprobs) before the output's; ``max_tokens`` 0 with ``echo``: the prompt alone, as vLLM's.
 
 Both front ends share one ``RequestLifecycle``: its engine, its --max-queue (counted over HTTP and gRPC
 calls together), its in-flight table (drained on SIGTERM) and its Prometheus metrics. Errors are OpenAI's
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import uuid
 from typing import AsyncIterator
@@ -77,7 +80,11 @@ def _openai_error(e: RequestError, prompt_field: str) -> OpenAIError:
     return OpenAIError(status, e.message, code=code)
 
 
-def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams; prompt_logprobs: the engine's (default: the body's vLLM field)."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise OpenAIError(400, "prompt_logprobs are not available with stream (as in vLLM)", "prompt_logprobs")
     kw = {name: getattr(body, name) for name in _OPTIONAL if getattr(body, name) is not None}
     kw["logit_bias"] = logit_bias(body.logit_bias)
     best_of = body.best_of or body.n
@@ -93,6 +100,7 @@ def sampling_params(body: oai.SamplingRequest, max_tokens: int | None, logprobs:
             frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             output_kind="delta" if body.stream and streamable else "final_only", **kw)
     except ValueError as e:
         raise _invalid(str(e), "") from None
@@ -214,12 +222,13 @@ class OpenAIServing:
     # --- the endpoints --------------------------------------------------------------------------------
     async def completions(self, body: oai.CompletionRequest, raw: Request) -> Response:
         model = self._check(body)
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs needs the prompt's logprobs, which jaxpage does not "
-                                   "compute", "echo")
         prompts = completion_prompts(body.prompt)
         self._check_prompt_bytes([p for p in prompts if isinstance(p, str)], "prompt")
-        params = sampling_params(body, body.max_tokens, body.logprobs)
+        echo_only = body.echo and body.max_tokens == 0  # vLLM's: the prompt alone (a token is made, not sent)
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:  # the prompt's logprobs go out with its echo
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        params = sampling_params(body, 1 if echo_only else body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         renders = [self._completion_rendering(request_id, model, body, prompt) for prompt in prompts]
         for render in renders[1:]:
@@ -227,6 +236,8 @@ class OpenAIServing:
         # a batch: one engine request per prompt, "<id>-<prompt index>" (vLLM's)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [self._outputs(i, prompt, params, body.priority, "prompt") for i, prompt in zip(ids, prompts)]
+        if body.echo:
+            streams = [_echoed(stream, render, echo_only) for stream, render in zip(streams, renders)]
         return await self._respond(raw, streams, body.stream, renders, _include_usage(body), body.n)
 
     def _completion_rendering(self, request_id: str, model: str, body: oai.CompletionRequest,
@@ -237,7 +248,7 @@ class OpenAIServing:
             echo = prompt if isinstance(prompt, str) else self._engine().engine.tokenizer.decode(
                 prompt["prompt_token_ids"])
         return CompletionRendering(request_id, model, self._decode, body.logprobs, body.return_token_ids,
-                                   echo=echo)
+                                   body.prompt_logprobs, echo=echo)
 
     async def chat_completions(self, body: oai.ChatCompletionRequest, raw: Request) -> Response:
         model = self._check(body)
@@ -251,7 +262,7 @@ class OpenAIServing:
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, body.max_completion_tokens or body.max_tokens, k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        render = ChatRendering(request_id, model, self._decode, k, body.return_token_ids)
+        render = ChatRendering(request_id, model, self._decode, k, body.return_token_ids, body.prompt_logprobs)
         outputs = self._outputs(request_id, prompt, params, body.priority, "messages")
         return await self._respond(raw, [outputs], body.stream, [render], _include_usage(body))
 
@@ -382,6 +393,20 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]], on_cancel) -> Asy
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _echoed(outputs: AsyncIterator[RequestOutput], render: CompletionRendering,
+                  echo_only: bool) -> AsyncIterator[RequestOutput]:
+    """A completion's outputs with echo, each noted by its render (the prompt's logprobs come with the first);
+    echo_only (max_tokens 0): without the token generated, as vLLM's (which makes one too)."""
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            render.note(out)
+            if echo_only:
+                out = dataclasses.replace(out, outputs=[
+                    dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=0.0,
+                                        logprobs=None if c.logprobs is None else []) for c in out.outputs])
+            yield out
 
 
 async def _firsts(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[tuple[int, RequestOutput]]:

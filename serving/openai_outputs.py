@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from jaxpage.outputs import CompletionOutput, RequestOutput
+from jaxpage.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from serving import openai_protocol as oai
 
 Decode = Callable[[int], str]  # one token's text
@@ -23,17 +23,35 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
 
-def completion_logprobs(c: CompletionOutput, k: int, offset: int, decode: Decode) -> oai.CompletionLogprobs:
-    """The legacy completions logprobs of c's tokens; text offsets count from ``offset``."""
-    lp = oai.CompletionLogprobs()
-    for token, entry in zip(c.token_ids, c.logprobs or []):
+def token_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], k: int, offset: int,
+                   decode: Decode, into: oai.CompletionLogprobs | None = None) -> oai.CompletionLogprobs:
+    """The legacy completions logprobs of these tokens (appended to ``into``, if given), each with its entry (None:
+    a prompt's first token, which has no log-probability); text offsets count from ``offset``."""
+    lp = into if into is not None else oai.CompletionLogprobs()
+    for token, entry in zip(token_ids, entries):
         text = decode(token)
         lp.tokens.append(text)
-        lp.token_logprobs.append(entry[token])
+        lp.token_logprobs.append(None if entry is None else entry[token])
         lp.text_offset.append(offset)
-        lp.top_logprobs.append({decode(t): v for t, v in _top(entry, k)})
+        lp.top_logprobs.append(None if entry is None else {decode(t): v for t, v in _top(entry, k)})
         offset += len(text)
     return lp
+
+
+def vllm_prompt_logprobs(token_ids: list[int], entries: PromptLogprobs, k: int,
+                         decode: Decode) -> list[dict[int, oai.Logprob] | None]:
+    """vLLM's prompt_logprobs field: per prompt token None (the first) or token id -> Logprob, the prompt token
+    first, then the top k ranked 1..k (the prompt token outside them: rank None, which jaxpage does not compute)."""
+    out: list[dict[int, oai.Logprob] | None] = []
+    for token, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        top = _top(entry, k)
+        ranks = {t: rank for rank, (t, _) in enumerate(top, 1)}
+        out.append({t: oai.Logprob(logprob=v, rank=ranks.get(t), decoded_token=decode(t))
+                    for t, v in {token: entry[token], **dict(top)}.items()})
+    return out
 
 
 def chat_logprobs(c: CompletionOutput, k: int, decode: Decode) -> oai.ChatLogprobs:
@@ -48,14 +66,22 @@ def chat_logprobs(c: CompletionOutput, k: int, decode: Decode) -> oai.ChatLogpro
 
 
 class Rendering:
-    """What one request's responses carry (its id, model name, logprobs, token ids); a subclass per endpoint
-    renders the final output (``final``), a stream chunk of (choice, finish reason) pairs and the usage chunk."""
+    """What one request's responses carry (its id, model name, logprobs, token ids, vLLM's prompt_logprobs); a
+    subclass per endpoint renders the final output (``final``), a stream chunk of (choice, finish reason) pairs
+    and the usage chunk."""
 
-    def __init__(self, request_id: str, model: str, decode: Decode, logprobs: int | None, token_ids: bool):
+    def __init__(self, request_id: str, model: str, decode: Decode, logprobs: int | None, token_ids: bool,
+                 prompt_logprobs: int | None = None):
         self.request_id, self.model, self.decode = request_id, model, decode
-        self.logprobs, self.token_ids = logprobs, token_ids
+        self.logprobs, self.token_ids, self.prompt_logprobs = logprobs, token_ids, prompt_logprobs
         self.offsets: dict[int, int] = {}  # per choice: the length of the text sent so far
         self.created = int(time.time())  # one time for every chunk, as OpenAI's
+        self.prompt: tuple[list[int], PromptLogprobs] | None = None  # the prompt's ids and logprobs (``note``)
+
+    def note(self, out: RequestOutput) -> None:
+        """Keeps the prompt's token ids and logprobs of an output that has them (the first, in delta mode)."""
+        if out.prompt_logprobs is not None:
+            self.prompt = (out.prompt_token_ids, out.prompt_logprobs)
 
     def _head(self) -> dict:
         return dict(id=self.request_id, created=self.created, model=self.model)
@@ -66,22 +92,34 @@ class Rendering:
     def _prompt_ids(self, out: RequestOutput) -> list[int] | None:
         return list(out.prompt_token_ids) if self.token_ids else None
 
+    def _vllm_prompt_logprobs(self) -> list[dict[int, oai.Logprob] | None] | None:
+        if self.prompt_logprobs is None or self.prompt is None:
+            return None
+        return vllm_prompt_logprobs(*self.prompt, self.prompt_logprobs, self.decode)
+
 
 class CompletionRendering(Rendering):
-    def __init__(self, *args, echo: str | None = None):
-        super().__init__(*args)
-        self.echo = echo  # the prompt's text, sent before the first token's
+    def __init__(self, *args, echo: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.echo = echo  # the prompt's text, sent before the first token's (with logprobs: the prompt's too)
 
     def choice(self, c: CompletionOutput, finish_reason: str | None) -> oai.CompletionChoice:
         first = c.index not in self.offsets
         text = (self.echo if first and self.echo else "") + c.text
         offset = self.offsets.get(c.index, len(self.echo or ""))
-        logprobs = None if self.logprobs is None else completion_logprobs(c, self.logprobs, offset, self.decode)
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = oai.CompletionLogprobs()
+            if first and self.echo is not None and self.prompt is not None:  # the prompt's tokens come first
+                token_logprobs(*self.prompt, self.logprobs, 0, self.decode, into=logprobs)
+            token_logprobs(c.token_ids, c.logprobs or [], self.logprobs, offset, self.decode, into=logprobs)
         self.offsets[c.index] = self.offsets.get(c.index, 0) + len(text)
         return oai.CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
-                                    stop_reason=c.stop_reason if finish_reason else None, token_ids=self._ids(c))
+                                    stop_reason=c.stop_reason if finish_reason else None, token_ids=self._ids(c),
+                                    prompt_logprobs=self._vllm_prompt_logprobs() if first else None)
 
     def final(self, out: RequestOutput) -> oai.CompletionResponse:
+        self.note(out)
         return oai.CompletionResponse(**self._head(),
                                       choices=[self.choice(c, c.finish_reason) for c in out.outputs],
                                       usage=final_usage(out), prompt_token_ids=self._prompt_ids(out))
@@ -99,11 +137,13 @@ class ChatRendering(Rendering):
         return None if self.logprobs is None else chat_logprobs(c, self.logprobs, self.decode)
 
     def final(self, out: RequestOutput) -> oai.ChatCompletionResponse:
+        self.note(out)
         choices = [oai.ChatChoice(index=c.index, message=oai.AssistantMessage(content=c.text),
                                   logprobs=self._chat_logprobs(c), finish_reason=c.finish_reason,
                                   stop_reason=c.stop_reason, token_ids=self._ids(c)) for c in out.outputs]
-        return oai.ChatCompletionResponse(**self._head(), choices=choices,
-                                          usage=final_usage(out), prompt_token_ids=self._prompt_ids(out))
+        return oai.ChatCompletionResponse(**self._head(), choices=choices, usage=final_usage(out),
+                                          prompt_token_ids=self._prompt_ids(out),
+                                          prompt_logprobs=self._vllm_prompt_logprobs())
 
     def chunk(self, choices: list[tuple[CompletionOutput, str | None]]) -> oai.ChatCompletionChunk:
         items = []

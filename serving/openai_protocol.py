@@ -49,6 +49,7 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM: each choice carries its token ids, the response the prompt's
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the top N at each prompt position
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
     # OpenAI fields jaxpage does not implement: a request that sets one gets a 400 naming it
     suffix: str | None = None
@@ -66,7 +67,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]  # a list of strings or of id lists: a batch
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -117,6 +118,13 @@ class Choice(BaseModel):
     token_ids: list[int] | None = None
 
 
+class Logprob(BaseModel):
+    """vLLM's Logprob, in its prompt_logprobs field."""
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
     token_logprobs: list[float | None] = []
@@ -127,6 +135,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's (asked with prompt_logprobs)
     prompt_token_ids: list[int] | None = None  # a batch's (return_token_ids): the choice's prompt's, as vLLM's
 
 
@@ -164,6 +173,7 @@ class ChatCompletionResponse(Head):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's (asked with prompt_logprobs)
 
 
 class Delta(BaseModel):

@@ -3,7 +3,8 @@ with the official `openai` package (sync and async clients, streaming and not) a
 
 - completions and chat completions give the offline engine's greedy text, token ids and token counts;
   n=3 with a seed gives the offline engine's samples; logprobs agree with the text and with the offline engine;
-  stop strings and echo; 32 concurrent streams;
+  stop strings and echo; echo with logprobs (the prompt's, as transformers'), max_tokens 0; 32 concurrent
+  streams;
 - a batch of prompts (strings, token ids; n=2; streamed) gives each prompt's own completions, indexed as OpenAI's,
   and a cancelled batch frees every block; logit_bias bans and forces tokens as the unbiased distribution says;
   /tokenize and /detokenize agree with the tokenizer;
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -214,6 +216,80 @@ def test_stop_strings_and_echo(server, smollm2):
     assert echo.choices[0].text == PROMPTS[1] + text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(server, smollm2, hf_smollm2):
+    """An evaluation harness's loglikelihood call: echo and logprobs over a token-id prompt longer than a step's
+    64 tokens, max_tokens 0 (the prompt alone) or 1, unary and streamed: the prompt tokens' log-probabilities are
+    transformers' float32 log-softmax within 1e-4 (the first None), the top one its argmax; vLLM's
+    prompt_logprobs field the same; every block back."""
+    import torch
+
+    ids = smollm2.get_tokenizer()(" ".join(PROMPTS) * 8)["input_ids"][:90]
+    assert len(ids) > 64  # two steps' chunks
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2[0](torch.tensor([ids])).logits[0].float(), -1).numpy()
+    top3 = np.sort(ref, axis=-1)[:, -3:]
+    clear = (top3[:, 2] - top3[:, 1] > 1e-3) & (top3[:, 1] - top3[:, 0] > 1e-3)  # no near-tie in the top 2
+    decode = smollm2.get_tokenizer().decode
+
+    def check(lp, n: int) -> None:
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        assert lp.tokens[:len(ids)] == [decode([t]) for t in ids]
+        got = np.array(lp.token_logprobs[1:len(ids)])
+        np.testing.assert_allclose(got, ref[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+        for i, top in enumerate(lp.top_logprobs[1:len(ids)]):
+            [(token, value)] = top.items()
+            assert abs(value - ref[i].max()) <= 1e-4
+            assert token == decode([int(ref[i].argmax())]) or not clear[i]
+        assert lp.text_offset == sorted(lp.text_offset)
+
+    kw = dict(model=NAMES[0], prompt=ids, echo=True, logprobs=1, temperature=0)
+    alone = server.client().completions.create(**kw, max_tokens=0)
+    [c] = alone.choices
+    assert c.text == decode(ids) and alone.usage.completion_tokens == 0
+    check(c.logprobs, len(ids))
+    one = server.client().completions.create(**kw, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    [c] = one.choices
+    assert one.usage.completion_tokens == 1
+    check(c.logprobs, len(ids) + 1)
+    field = c.model_extra["prompt_logprobs"]
+    assert len(field) == len(ids) and field[0] is None
+    for i, entry in enumerate(field[1:]):
+        assert abs(entry[str(ids[i + 1])]["logprob"] - ref[i, ids[i + 1]]) <= 1e-4
+        ranked = {int(t): e for t, e in entry.items() if e["rank"] is not None}
+        assert sorted(ranked, key=lambda t: ranked[t]["rank"]) == np.argsort(-ref[i])[:2].tolist() or not clear[i]
+
+    async def streamed():
+        chunks = [chunk async for chunk in await server.async_client().completions.create(**kw, max_tokens=3,
+                                                                                          stream=True)]
+        return [chunk.choices[0] for chunk in chunks if chunk.choices]
+    first, *rest = asyncio.run(streamed())
+    assert first.text.startswith(decode(ids)) and sum(len(c.logprobs.tokens) for c in [first, *rest]) == len(ids) + 3
+    check(first.logprobs, len(first.logprobs.tokens))
+    assert server.all_blocks_free()
+
+
+def test_grpc_prompt_logprobs_as_transformers(server, smollm2, hf_smollm2):
+    """sampling.prompt_logprobs over gRPC: GenerateResponse.prompt_logprobs (unary; streaming: the first response
+    only) holds each prompt token's log-probability, transformers' within 1e-4, the first position empty."""
+    import torch
+
+    ids = smollm2.get_tokenizer()("Scoring a prompt over gRPC, one position at a time.")["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2[0](torch.tensor([ids])).logits[0].float(), -1).numpy()
+    request = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(temperature=0, max_tokens=3,
+                                                                                  prompt_logprobs=1))
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        unary, streamed = stub.Generate(request, timeout=60), list(stub.GenerateStream(request, timeout=60))
+    for positions in (unary.prompt_logprobs, streamed[0].prompt_logprobs):
+        assert len(positions) == len(ids) and not positions[0].top
+        for i, position in enumerate(positions[1:]):
+            own = {t.token_id: t.logprob for t in position.top}
+            assert len(own) in (1, 2) and abs(own[ids[i + 1]] - ref[i, ids[i + 1]]) <= 1e-4
+    assert len(streamed) > 1 and not any(r.prompt_logprobs for r in streamed[1:])
+
+
 def test_32_concurrent_streams_complete_correctly(server, smollm2):
     prompts = [f"Fact {i}: the most interesting thing about the number {i * 7} is" for i in range(32)]
     want = smollm2.generate(prompts, greedy(12))
@@ -252,7 +328,8 @@ BAD = [
     ("completions", {"prompt": ["hi", ""]}, 400, "prompt"),  # one bad prompt of a batch: all refused
     ("completions", {"prompt": [[1, 2], [10**6]]}, 400, "prompt"),
     ("completions", {}, 400, "prompt"),
-    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+    ("completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("completions", {"prompt": "hi", "logit_bias": {"x": 1.0}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"1": 100.5}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1.0}}, 400, "logit_bias"),
