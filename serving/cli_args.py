@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpage.engine.arg_utils import CliArgs
+from serving.chat_options import read_chat_template
+from serving.reasoning import REASONING_PARSERS
+from serving.tool_parsers import TOOL_PARSERS
 
 
 def _flag(default, help_text: str | None = None, **flag):
@@ -14,7 +17,8 @@ def _flag(default, help_text: str | None = None, **flag):
 
 @dataclasses.dataclass
 class ServerArgs(CliArgs):
-    """The server's own options: its ports, limits, TLS and token. A bad value raises ValueError naming the flag."""
+    """The server's own options: its ports, limits, TLS and token, the chat API's template and parsers. A bad value
+    raises ValueError naming the flag."""
 
     host: str = _flag("127.0.0.1", "address to listen on (0.0.0.0 for all)")
     port: int = _flag(50051)
@@ -40,6 +44,15 @@ class ServerArgs(CliArgs):
         None, "bearer token required on every call (gRPC metadata or HTTP header 'authorization: Bearer KEY') and "
               "on /metrics; default $JAXPAGE_API_KEY; health checks stay open")
     reflection: bool = _flag(True, "gRPC server reflection (--no-reflection turns it off)")
+    chat_template: str | None = _flag(
+        None, "the chat API's Jinja chat template: a file, or the template itself (default: the model's)")
+    enable_auto_tool_choice: bool = _flag(
+        False, "tool_choice 'auto' in the chat API: the model may call the request's tools, read out of its text "
+               "by --tool-call-parser")
+    tool_call_parser: str | None = _flag(None, "the format of the model's tool calls", choices=sorted(TOOL_PARSERS))
+    reasoning_parser: str | None = _flag(
+        None, "reasoning_content apart from content in the chat API (the model's <think> blocks)",
+        choices=sorted(REASONING_PARSERS))
 
     def __post_init__(self):
         if self.max_queue is not None and self.max_queue < 1:
@@ -51,6 +64,15 @@ class ServerArgs(CliArgs):
         for flag in ("max_message_bytes", "max_prompt_bytes", "max_engine_restarts"):
             if getattr(self, flag) < (0 if flag == "max_engine_restarts" else 1):
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(self, flag)} is out of range")
+        self._check_chat()
+
+    def _check_chat(self):
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        for flag, names in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, flag) not in (None, *names):
+                raise ValueError(f"--{flag.replace('_', '-')}={getattr(self, flag)} is not one of {sorted(names)}")
+        read_chat_template(self.chat_template)
 
     @property
     def tls_files(self) -> tuple[str | None, str | None, str | None]:

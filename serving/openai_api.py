@@ -36,12 +36,15 @@ import jaxpage
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from serving import openai_protocol as oai
+from serving.chat_options import ChatOptions, FieldError
+from serving.chat_template import chat_prompt, chat_texts
 from serving.http_guard import HttpGuard
 from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
 from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
                               NotServingError, QueueFullError, RequestError, RequestLifecycle)
 from serving.structured import from_openai
+from serving.tool_choice import plan_tools
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -126,9 +129,11 @@ def completion_prompts(prompt) -> list[str | dict]:
 
 
 class OpenAIServing:
-    def __init__(self, requests: RequestLifecycle, served_model_names: list[str] | None = None):
+    def __init__(self, requests: RequestLifecycle, served_model_names: list[str] | None = None,
+                 chat: ChatOptions | None = None):
         self.requests = requests
         self.served_model_names = served_model_names
+        self.chat = chat or ChatOptions()
 
     # --- state ----------------------------------------------------------------------------------------
     def _engine(self):
@@ -253,16 +258,18 @@ class OpenAIServing:
     async def chat_completions(self, body: oai.ChatCompletionRequest, raw: Request) -> Response:
         model = self._check(body)
         engine = self._engine().engine
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self._check_prompt_bytes([text for m in messages for text in m.values()], "messages")
+        self._check_prompt_bytes(chat_texts(body.messages), "messages")
         try:
-            prompt = engine.apply_chat_template(messages)
-        except ValueError as e:
-            raise OpenAIError(400, f"messages: {e}", "messages") from None
+            tools = plan_tools(body, self.chat)
+            prompt = chat_prompt(engine.tokenizer, body, self.chat.chat_template, tools.tools, tools.mode != "none")
+        except FieldError as e:
+            raise OpenAIError(400, str(e), e.param) from None
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, body.max_completion_tokens or body.max_tokens, k)
+        params = tools.sampling_params(sampling_params(body, body.max_completion_tokens or body.max_tokens, k))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        render = ChatRendering(request_id, model, self._decode, k, body.return_token_ids, body.prompt_logprobs)
+        render = ChatRendering(request_id, model, self._decode, k, body.return_token_ids, body.prompt_logprobs,
+                               parser=tools.message_parser(self.chat.reasoning_parser, prompt),
+                               calls_finish=tools.calls_finish)
         outputs = self._outputs(request_id, prompt, params, body.priority, "messages")
         return await self._respond(raw, [outputs], body.stream, [render], _include_usage(body))
 
@@ -482,10 +489,11 @@ async def _disconnect(raw: Request) -> None:
 
 
 def build_app(requests: RequestLifecycle, served_model_names: list[str] | None = None, api_key: str | None = None,
-              max_body_bytes: int | None = None) -> FastAPI:
-    """The API; with api_key every path but /health needs ``Authorization: Bearer <api_key>``."""
+              max_body_bytes: int | None = None, chat: ChatOptions | None = None) -> FastAPI:
+    """The API; with api_key every path but /health needs ``Authorization: Bearer <api_key>``; chat: the chat
+    endpoint's template, tool-call and reasoning parsers."""
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
-    api = OpenAIServing(requests, served_model_names)
+    api = OpenAIServing(requests, served_model_names, chat)
     app.add_middleware(HttpGuard, key=api_key, max_body_bytes=max_body_bytes,
                        reject=lambda status, message, code: api.error_response(OpenAIError(status, message,
                                                                                            code=code)))

@@ -6,6 +6,7 @@ from typing import Callable
 
 from jaxpage.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from serving import openai_protocol as oai
+from serving.chat_output import MessageParser, MessageStream, assistant_message
 
 Decode = Callable[[int], str]  # one token's text
 
@@ -133,27 +134,54 @@ class CompletionRendering(Rendering):
 
 
 class ChatRendering(Rendering):
+    """parser: how a choice's text is read into reasoning, content and tool calls (serving/chat_output.py; None:
+    all content); calls_finish: a choice that stopped after calling tools finishes with "tool_calls"."""
+
+    def __init__(self, *args, parser: MessageParser | None = None, calls_finish: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parser, self.calls_finish = parser, calls_finish
+        self.streams: dict[int, MessageStream] = {}  # per choice, when streamed with a parser
+
     def _chat_logprobs(self, c: CompletionOutput) -> oai.ChatLogprobs | None:
         return None if self.logprobs is None else chat_logprobs(c, self.logprobs, self.decode)
 
+    def _finish(self, reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" and self.calls_finish else reason
+
+    def _message(self, c: CompletionOutput) -> tuple[oai.AssistantMessage, str | None]:
+        if self.parser is None:
+            return oai.AssistantMessage(content=c.text), c.finish_reason
+        m = self.parser.parse(c.text, final=True)
+        return assistant_message(m), self._finish(c.finish_reason, bool(m.calls))
+
     def final(self, out: RequestOutput) -> oai.ChatCompletionResponse:
         self.note(out)
-        choices = [oai.ChatChoice(index=c.index, message=oai.AssistantMessage(content=c.text),
-                                  logprobs=self._chat_logprobs(c), finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason, token_ids=self._ids(c)) for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, reason = self._message(c)
+            choices.append(oai.ChatChoice(index=c.index, message=message, logprobs=self._chat_logprobs(c),
+                                          finish_reason=reason, stop_reason=c.stop_reason, token_ids=self._ids(c)))
         return oai.ChatCompletionResponse(**self._head(), choices=choices, usage=final_usage(out),
                                           prompt_token_ids=self._prompt_ids(out),
                                           prompt_logprobs=self._vllm_prompt_logprobs())
+
+    def _delta(self, c: CompletionOutput, reason: str | None) -> tuple[oai.Delta, str | None]:
+        if self.parser is None:
+            return oai.Delta(content=c.text), reason
+        stream = self.streams.setdefault(c.index, MessageStream(self.parser))
+        delta = stream.push(c.text, final=reason is not None)
+        return delta, self._finish(reason, stream.called)
 
     def chunk(self, choices: list[tuple[CompletionOutput, str | None]]) -> oai.ChatCompletionChunk:
         items = []
         for c, reason in choices:
             first = c.index not in self.offsets
             self.offsets[c.index] = self.offsets.get(c.index, 0) + len(c.text)
+            delta, finish = self._delta(c, reason)
+            delta.role = "assistant" if first else None
             items.append(oai.ChatChunkChoice(
-                index=c.index, delta=oai.Delta(role="assistant" if first else None, content=c.text),
-                logprobs=self._chat_logprobs(c), finish_reason=reason, stop_reason=c.stop_reason if reason else None,
-                token_ids=self._ids(c)))
+                index=c.index, delta=delta, logprobs=self._chat_logprobs(c), finish_reason=finish,
+                stop_reason=c.stop_reason if reason else None, token_ids=self._ids(c)))
         return oai.ChatCompletionChunk(**self._head(), choices=items)
 
     def usage_chunk(self, used: oai.Usage) -> oai.ChatCompletionChunk:

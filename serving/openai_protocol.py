@@ -53,13 +53,12 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
     # OpenAI fields jaxpage does not implement: a request that sets one gets a 400 naming it
     suffix: str | None = None
-    tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None  # "text", "json_object", "json_schema" (serving/structured.py)
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, json_object, regex, choice or grammar
 
     def unsupported(self) -> str | None:
         """The first field set that jaxpage cannot honour, or None."""
-        for name in ("suffix", "tools"):
+        for name in ("suffix",):
             if getattr(self, name):
                 return name
         return None
@@ -77,10 +76,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str | None = None  # OpenAI's clients always send the id they got; the template decides what it needs
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str = Field(min_length=1)
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's, earlier in the chat
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -88,11 +100,36 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the chat template's own variables
 
 
 # --- responses -------------------------------------------------------------------------------------------
@@ -161,7 +198,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None beside tool calls, or reasoning without an answer
+    reasoning_content: str | None = None  # with --reasoning-parser (vLLM's)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Choice):
@@ -176,9 +215,23 @@ class ChatCompletionResponse(Head):
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's (asked with prompt_logprobs)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # a fragment
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None  # in a call's first delta, with its type and name
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Choice):

@@ -150,11 +150,13 @@ class Server:
         await self.server.start()
 
     async def start_http(self, key: str | None) -> None:
+        from serving.chat_options import ChatOptions
         from serving.http_server import HttpServer
         from serving.openai_api import build_app
 
         args = self.args
-        app = build_app(self.requests, args.served_model_name, key, args.max_message_bytes)
+        app = build_app(self.requests, args.served_model_name, key, args.max_message_bytes,
+                        ChatOptions.from_server_args(args))
         self.http = HttpServer(app, args.host, args.http_port, args.grace_seconds,
                                security.uvicorn_tls(*args.tls_files))
         await self.http.start()

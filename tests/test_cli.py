@@ -59,7 +59,8 @@ def test_defaults_are_the_engine_args_defaults():
 
 
 @pytest.mark.parametrize("flag", [["--attention-backend", "cuda"], ["--preemption-mode", "drop"],
-                                  ["--swap-space", "lots"], ["--dtype", "int8"]])
+                                  ["--swap-space", "lots"], ["--dtype", "int8"], ["--tool-call-parser", "xml"],
+                                  ["--reasoning-parser", "o1"]])
 def test_bad_values_are_refused_by_the_parser(flag, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *flag])
@@ -81,12 +82,14 @@ SERVER_FLAGS = [
     "--host", "0.0.0.0", "--port", "1", "--http-port", "2", "--served-model-name", "a", "b", "--metrics-port", "3",
     "--metrics-host", "h", "--max-queue", "4", "--grace-seconds", "5.5", "--max-engine-restarts", "0",
     "--max-message-bytes", "6", "--max-prompt-bytes", "7", "--tls-cert", "c.pem", "--tls-key", "k.pem",
-    "--tls-client-ca", "ca.pem", "--api-key", "s", "--no-reflection",
+    "--tls-client-ca", "ca.pem", "--api-key", "s", "--no-reflection", "--chat-template", "{{ messages }}",
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
 ]
 SERVER_EXPECTED = ServerArgs(host="0.0.0.0", port=1, http_port=2, served_model_name=["a", "b"], metrics_port=3,
                              metrics_host="h", max_queue=4, grace_seconds=5.5, max_engine_restarts=0,
                              max_message_bytes=6, max_prompt_bytes=7, tls_cert="c.pem", tls_key="k.pem",
-                             tls_client_ca="ca.pem", api_key="s", reflection=False)
+                             tls_client_ca="ca.pem", api_key="s", reflection=False, chat_template="{{ messages }}",
+                             enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
 
 
 def test_every_server_flag_reaches_server_args_and_the_defaults_are_its_defaults():
@@ -103,6 +106,9 @@ def test_every_server_flag_reaches_server_args_and_the_defaults_are_its_defaults
     (["--max-message-bytes", "0"], "--max-message-bytes=0 is out of range"),
     (["--max-prompt-bytes", "0"], "--max-prompt-bytes=0 is out of range"),
     (["--max-engine-restarts", "-1"], "--max-engine-restarts=-1 is out of range"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--chat-template", "no-such.jinja"],
+     "--chat-template=no-such.jinja: no such file (give a Jinja template's path, or the template)"),
 ])
 def test_serve_refuses_bad_server_values_before_loading(flags, message, capsys):
     assert main(["serve", *flags]) == 2

@@ -23,9 +23,11 @@ import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -37,6 +39,10 @@ from serving import generation_pb2_grpc as pb_grpc
 from tests.servers import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, Server
 
 NAMES = ["smollm2-test", "another-name"]  # --served-model-name
+# SmolLM2's own template has no tools: served with a copy that has (and renders chats without tools as SmolLM2's)
+TEMPLATE = Path(__file__).parent / "data" / "tool_chat_template_hermes.jinja"
+CHAT_FLAGS = ["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+              "--reasoning-parser", "qwen3"]
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]
 LONG = [100 + i for i in range(200)]  # 13 blocks of 16 tokens
 
@@ -66,7 +72,7 @@ def start(argv: list[str], log) -> HttpServer:
 @pytest.fixture(scope="module")
 def server_started(tmp_path_factory):
     server = start(["-m", "serving.cli", "serve", *ENGINE_FLAGS, "--num-kv-blocks", "160", "--grace-seconds", "60",
-                    "--served-model-name", *NAMES], tmp_path_factory.mktemp("http") / "server.log")
+                    "--served-model-name", *NAMES, *CHAT_FLAGS], tmp_path_factory.mktemp("http") / "server.log")
     yield server
     server.stop()
 
@@ -480,6 +486,156 @@ def test_logit_bias_bans_and_forces_tokens(server, smollm2):
     [offline] = smollm2.generate(PROMPTS[1], SamplingParams(temperature=0.9, seed=5, max_tokens=3,
                                                             logit_bias={forced: 100}))
     assert offline.outputs[0].token_ids == [forced] * 3
+    assert server.all_blocks_free()
+
+
+# --- tools and reasoning (the server's --chat-template, --tool-call-parser hermes, --reasoning-parser qwen3) ------
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "set_alarm", "description": "Sets an alarm", "parameters": {
+        "type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                         "label": {"type": "string", "maxLength": 12}, "loud": {"type": "boolean"}},
+        "required": ["hour", "label"], "additionalProperties": False}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris? And wake me up at 7."}]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+def _message(choice) -> dict:
+    """A chat choice as _stream_chat puts a streamed one back together."""
+    m = choice.message
+    return {"reasoning": getattr(m, "reasoning_content", None) or "", "content": m.content or "",
+            "calls": [[c.function.name, c.function.arguments] for c in m.tool_calls or []],
+            "finish": choice.finish_reason}
+
+
+async def _stream_chat(server, kw: dict) -> dict[int, dict]:
+    """A streamed chat completion put back together per choice: a tool call's first delta has its id, type and
+    name, the later ones fragments of its arguments."""
+    got: dict[int, dict] = {}
+    async for chunk in await server.async_client().chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            g = got.setdefault(c.index, {"reasoning": "", "content": "", "calls": [], "finish": None})
+            g["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            g["content"] += c.delta.content or ""
+            for call in c.delta.tool_calls or []:
+                if call.index == len(g["calls"]):
+                    assert call.id and call.type == "function" and call.function.name
+                    g["calls"].append([call.function.name, call.function.arguments or ""])
+                else:
+                    assert call.id is None and call.function.name is None
+                    g["calls"][call.index][1] += call.function.arguments or ""
+            if c.finish_reason:
+                g["finish"] = c.finish_reason
+    return got
+
+
+async def _unary_and_streamed(server, kw: dict, *variants: dict):
+    """The chat completion of kw unary and streamed (put back together), and of kw with each variant's changes,
+    all at once (one batch in the engine)."""
+    client = server.async_client()
+    return await asyncio.gather(client.chat.completions.create(**kw), _stream_chat(server, kw),
+                                *(client.chat.completions.create(**{**kw, **v}) for v in variants))
+
+
+@pytest.mark.parametrize("tool_choice, finish", [
+    ("required", "tool_calls"), ({"type": "function", "function": {"name": "set_alarm"}}, "stop")],
+    ids=["required", "named"])
+def test_forced_tool_calls_are_valid_for_the_schema_on_every_sample(server, tool_choice, finish):
+    """tool_choice required (one call: parallel_tool_calls off) and a named function, four samples at temperature
+    1: every call is one of the tools (the named one) with arguments valid for its schema; streamed, the same
+    seed's deltas put back together are the same calls."""
+    kw = dict(model=NAMES[0], messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+              temperature=1.0, seed=11, n=4, max_tokens=120)
+    r, streamed = asyncio.run(_unary_and_streamed(server, kw))
+    assert len(r.choices) == 4
+    for c in r.choices:
+        assert c.finish_reason == finish and c.message.content is None and len(c.message.tool_calls) == 1, c
+        [call] = c.message.tool_calls
+        assert call.type == "function" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert isinstance(tool_choice, str) or call.function.name == "set_alarm"
+    assert len({c.message.tool_calls[0].function.arguments for c in r.choices}) > 1, "four samples, not copies"
+    assert streamed == {c.index: _message(c) for c in r.choices}
+
+
+FIXED = ('Ok.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7}}\n</tool_call>')
+
+
+def test_auto_tool_choice_reads_the_hermes_calls_of_the_output(server):
+    """The model's output fixed (a structured-output choice of one string): with tool_choice auto the hermes
+    parser gives the text before the calls as content and both calls, finish "tool_calls", streamed alike;
+    without parallel tool calls only the first call; with tool_choice none it is all content."""
+    kw = dict(model=NAMES[0], messages=ASK, tools=TOOLS, temperature=0, max_tokens=80,
+              extra_body={"structured_outputs": {"choice": [FIXED]}})
+    r, streamed, one, none = asyncio.run(_unary_and_streamed(server, kw, {"parallel_tool_calls": False},
+                                                             {"tool_choice": "none"}))
+    want = {"reasoning": "", "content": "Ok.\n", "finish": "tool_calls",
+            "calls": [["get_weather", '{"city": "Paris"}'], ["set_alarm", '{"hour": 7}']]}
+    assert _message(r.choices[0]) == want and len({call.id for call in r.choices[0].message.tool_calls}) == 2
+    assert streamed == {0: want}
+    assert _message(one.choices[0]) == {**want, "calls": want["calls"][:1]}
+    assert _message(none.choices[0]) == {"reasoning": "", "content": FIXED, "calls": [], "finish": "stop"}
+
+
+def test_tool_calls_and_results_in_the_chat_go_through_the_template(server, smollm2):
+    """An assistant's tool call and the tool's result in the history, and the tools: the prompt is what
+    transformers' apply_chat_template makes of them with the server's template."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}, result]
+    as_transformers = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]}, result]
+    prompt = smollm2.get_tokenizer().apply_chat_template(as_transformers, tools=TOOLS, tokenize=False,
+                                                         chat_template=TEMPLATE.read_text(), add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n' in prompt
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt and '"name": "set_alarm"' in prompt
+    [w] = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=8))
+    r = server.client().chat.completions.create(model=NAMES[0], messages=history, tools=TOOLS, tool_choice="none",
+                                                temperature=0, max_tokens=8, extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == w.prompt_token_ids
+    assert r.choices[0].message.content == w.outputs[0].text
+
+
+def test_reasoning_content_apart_from_content_unary_and_streamed(server, smollm2):
+    """--reasoning-parser qwen3 on an output that thinks (forced by a regex): the text in <think>...</think> is
+    reasoning_content, the rest content, in the message and in the stream's deltas."""
+    kw = dict(model=NAMES[0], messages=[{"role": "user", "content": "Think, then say hello."}], temperature=0,
+              max_tokens=80, extra_body={"structured_outputs": {"regex": "<think>[a-z ]{3,20}</think>[A-Za-z ]{3,20}"},
+                                         "return_token_ids": True})
+    r, streamed = asyncio.run(_unary_and_streamed(server, kw))
+    [c] = r.choices
+    text = smollm2.get_tokenizer().decode(c.model_extra["token_ids"], skip_special_tokens=True)
+    assert text.startswith("<think>") and "</think>" in text
+    reasoning, _, content = text.removeprefix("<think>").partition("</think>")
+    assert _message(c) == {"reasoning": reasoning, "content": content, "calls": [], "finish": "stop"}
+    assert streamed == {0: _message(c)}
+
+
+TOOL_BAD = [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+]
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server):
+    with httpx.Client(base_url=server.base + "/v1", timeout=30) as http:
+        for body, param in TOOL_BAD:
+            r = http.post("/chat/completions", json={"model": NAMES[0], "messages": ASK, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert server.all_blocks_free()
 
 
