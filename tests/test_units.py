@@ -137,9 +137,11 @@ def test_every_engine_option_is_in_the_engine_config():
     from jaxpage.engine.config_builder import engine_config_from_args
 
     args, fields = dataclasses.fields(EngineArgs), {f.name for f in dataclasses.fields(EngineConfig)}
-    # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization: in those shapes)
+    # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization and the LoRA slots,
+    # max_loras and max_lora_rank, behind enable_lora: in those shapes)
     assert {f.name for f in args} - fields == {"cache_dir", "progress", "quantization", "kv_cache_memory",
-                                               "gpu_memory_utilization", "swap_space"}
+                                               "gpu_memory_utilization", "swap_space", "enable_lora",
+                                               "max_loras", "max_lora_rank"}
     model = _smollm2_shape()
     per_block = bytes_per_block(model, 16, "float32")
     options = dict(num_kv_blocks=600, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
