@@ -258,7 +258,7 @@ def _attend_groups(q_g: jax.Array, positions: jax.Array, pages: _FlatPages, plan
                         jnp.float32)
         offset = jnp.arange(width)
         tok = jnp.clip(plan.first[grp][:, None] + offset, 0, num_tokens - 1)  # [C, width]
-        scores = soft_cap_logits(jnp.einsum("cqkgd,ckbd->cqkgb", q_g[tok], kv[:, 0]), soft_cap)
+        scores = soft_cap_logits(_dot_keys(q_g, tok, kv[:, 0]), soft_cap)
         key_pos = (page[:, None] * block_size + jnp.arange(block_size))[:, None, :]
         pos = positions[tok][..., None]
         live = valid[:, None] & (offset < plan.length[grp][:, None])
@@ -271,7 +271,7 @@ def _attend_groups(q_g: jax.Array, positions: jax.Array, pages: _FlatPages, plan
         weight = jnp.exp(m_pair - m_new[grp])
         correction = jnp.exp(m - m_new)
         l = l * correction + jax.ops.segment_sum(p.sum(axis=-1) * weight, **segment)
-        pv = jnp.einsum("cqkgb,ckbd->cqkgd", p, kv[:, 1]) * weight[..., None]
+        pv = _dot_values(p, kv[:, 1]) * weight[..., None]
         acc = acc * correction[..., None] + jax.ops.segment_sum(pv, **segment)
         return m_new, l, acc
 
@@ -280,3 +280,18 @@ def _attend_groups(q_g: jax.Array, positions: jax.Array, pages: _FlatPages, plan
             jnp.zeros((*shape, head_dim), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, plan.num_chunks, body, init)
     return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _dot_keys(q_g: jax.Array, tok: jax.Array, keys: jax.Array) -> jax.Array:
+    """Scores [C, width, kvh, g, bs] of the pairs' query tokens ``tok`` [C, width] against their pages' keys; one
+    query a pair (decodes) without the unit axis in the dot, which XLA:CPU lays out worse."""
+    if tok.shape[1] == 1:
+        return jnp.einsum("ckgd,ckbd->ckgb", q_g[tok[:, 0]], keys)[:, None]
+    return jnp.einsum("cqkgd,ckbd->cqkgb", q_g[tok], keys)
+
+
+def _dot_values(p: jax.Array, values: jax.Array) -> jax.Array:
+    """The pairs' probabilities [C, width, kvh, g, bs] times their pages' values: [C, width, kvh, g, hd]."""
+    if p.shape[1] == 1:
+        return jnp.einsum("ckgb,ckbd->ckgd", p[:, 0], values)[:, None]
+    return jnp.einsum("cqkgb,ckbd->cqkgd", p, values)
