@@ -11,7 +11,6 @@ import transformers
 from hypothesis import strategies as st
 
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
-from jaxpage.core.prefill_limits import chunk_cap
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
@@ -202,7 +201,7 @@ def check_prefill_limits(cfg, scheduled) -> None:
     assert len(prefills) <= cfg.max_num_partial_prefills, f"{len(prefills)} prefills in one step: {prefills}"
     if threshold:
         decoding = any(n == 1 and s.seq.num_computed_tokens for s, n in left)  # a running sequence's next token
-        cap = chunk_cap(cfg, decoding)
+        cap = threshold if decoding else max(threshold, cfg.max_num_batched_tokens // cfg.max_num_partial_prefills)
         assert all(n <= cap for n, _ in prefills), f"a chunk over the cap {cap} (decodes: {decoding}): {prefills}"
         long = sum(left > threshold for _, left in prefills)
         assert long <= cfg.max_long_partial_prefills, f"{long} long prefills in one step: {prefills}"
