@@ -192,17 +192,14 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
 
 def check_prefill_limits(cfg, scheduled) -> None:
     """The step's prefill rows (more than one token left to compute) keep to the partial-prefill options: each
-    at most long_prefill_token_threshold tokens beside a decode row (without any: at most the budget's share
-    per partial prefill), at most max_num_partial_prefills of them, at most max_long_partial_prefills with more
-    than the threshold left."""
+    at most long_prefill_token_threshold tokens, at most max_num_partial_prefills of them, at most
+    max_long_partial_prefills with more than the threshold left."""
     threshold = cfg.long_prefill_token_threshold
-    left = [(s, s.seq.num_tokens - s.seq.num_computed_tokens) for s in scheduled if s.logits_of is None]
-    prefills = [(s.num_new_tokens, n) for s, n in left if n > 1]
+    prefills = [(s.num_new_tokens, s.seq.num_tokens - s.seq.num_computed_tokens) for s in scheduled
+                if s.logits_of is None and s.seq.num_tokens - s.seq.num_computed_tokens > 1]
     assert len(prefills) <= cfg.max_num_partial_prefills, f"{len(prefills)} prefills in one step: {prefills}"
     if threshold:
-        decoding = any(n == 1 and s.seq.num_computed_tokens for s, n in left)  # a running sequence's next token
-        cap = threshold if decoding else max(threshold, cfg.max_num_batched_tokens // cfg.max_num_partial_prefills)
-        assert all(n <= cap for n, _ in prefills), f"a chunk over the cap {cap} (decodes: {decoding}): {prefills}"
+        assert all(n <= threshold for n, _ in prefills), f"a chunk over the threshold {threshold}: {prefills}"
         long = sum(left > threshold for _, left in prefills)
         assert long <= cfg.max_long_partial_prefills, f"{long} long prefills in one step: {prefills}"
 

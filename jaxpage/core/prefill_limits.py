@@ -12,11 +12,8 @@ class PrefillLimits:
     """One step's prefill rows so far. A row is a prefill when its sequence has more than one token to compute
     (a prompt, its next chunk, or a preempted sequence recomputing its history); anything else is a decode.
 
-    - a prefill takes at most ``cap`` tokens a step: vLLM V1's long_prefill_token_threshold (``threshold``; 0:
-      no cap) in a step with running decodes, whose inter-token latency it bounds; in a step without any, an
-      equal share of the budget per partial prefill (at least the threshold), since no stream waits on that
-      step and fewer, larger chunks prefill a long prompt sooner. A prompt with more than ``threshold`` tokens
-      left to compute is *long* (vLLM V0's);
+    - a prefill takes at most ``threshold`` tokens a step (vLLM V1's long_prefill_token_threshold; 0: no cap),
+      and a prompt with more tokens than that left to compute is *long* (vLLM V0's);
     - at most ``max_prefills`` prefill rows a step (max_num_partial_prefills), at most ``max_long`` of them long
       (max_long_partial_prefills): a short prompt behind a long one waiting for its slot is admitted first;
     - a prefill never takes the tokens of the decode rows still to come in the step (``decodes_left``), so every
@@ -28,13 +25,11 @@ class PrefillLimits:
     decodes_left: int = 0
     prefills: int = 0
     long: int = 0
-    cap: int | None = None  # None: the threshold
 
     @classmethod
     def for_step(cls, config: EngineConfig, decodes: int) -> PrefillLimits:
         return cls(config.long_prefill_token_threshold, config.max_num_partial_prefills,
-                   config.max_long_partial_prefills, decodes_left=decodes,
-                   cap=chunk_cap(config, decodes > 0))
+                   config.max_long_partial_prefills, decodes_left=decodes)
 
     def is_long(self, num_left: int) -> bool:
         return 0 < self.threshold < num_left
@@ -53,21 +48,12 @@ class PrefillLimits:
             return min(num_left, budget)
         if not self.can_start(num_left):
             return 0
-        cap = self.threshold if self.cap is None else self.cap
-        num_new = min(num_left, cap or num_left, budget - self.decodes_left)
+        num_new = min(num_left, self.threshold or num_left, budget - self.decodes_left)
         if num_new <= 0:
             return 0
         self.prefills += 1
         self.long += self.is_long(num_left)
         return num_new
-
-
-def chunk_cap(config: EngineConfig, decoding: bool) -> int:
-    """The most tokens one prefill row may take in a step with (``decoding``) or without running decodes."""
-    threshold = config.long_prefill_token_threshold
-    if decoding or not threshold:
-        return threshold
-    return max(threshold, config.max_num_batched_tokens // config.max_num_partial_prefills)
 
 
 def num_decodes(groups) -> int:
