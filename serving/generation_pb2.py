@@ -24,35 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18serving/generation.proto\x12\njaxpage.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcc\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x11 \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x12 \x01(\x01H\r\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x1d.jaxpage.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x0f\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\n\n\x08_best_ofB\x11\n\x0f_length_penaltyB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"f\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.jaxpage.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.jaxpage.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"9\n\x10PositionLogprobs\x12%\n\x03top\x18\x01 \x03(\x0b\x32\x18.jaxpage.v1.TokenLogprob\"\xb4\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12.\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1c.jaxpage.v1.PositionLogprobs\x12\x1a\n\x12\x63umulative_logprob\x18\x07 \x01(\x01\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x16.jaxpage.v1.Completion\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.jaxpage.v1.Usage\x12\x35\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1c.jaxpage.v1.PositionLogprobs\"\x15\n\x13GetModelInfoRequest\"\xf3\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\x12\x14\n\x0cquantization\x18\n \x01(\t2\xf5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.jaxpage.v1.GenerateRequest\x1a\x1c.jaxpage.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.jaxpage.v1.GenerateRequest\x1a\x1c.jaxpage.v1.GenerateResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.jaxpage.v1.GetModelInfoRequest\x1a .jaxpage.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18serving/generation.proto\x12\njaxpage.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbd\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x11 \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x12 \x01(\x01H\r\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x1d.jaxpage.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x0f\x88\x01\x01\x12=\n\nlogit_bias\x18\x17 \x03(\x0b\x32).jaxpage.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\n\n\x08_best_ofB\x11\n\x0f_length_penaltyB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"f\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.jaxpage.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.jaxpage.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x11\n\tlora_name\x18( \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"9\n\x10PositionLogprobs\x12%\n\x03top\x18\x01 \x03(\x0b\x32\x18.jaxpage.v1.TokenLogprob\"\xb4\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12.\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1c.jaxpage.v1.PositionLogprobs\x12\x1a\n\x12\x63umulative_logprob\x18\x07 \x01(\x01\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x16.jaxpage.v1.Completion\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.jaxpage.v1.Usage\x12\x35\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1c.jaxpage.v1.PositionLogprobs\"\x15\n\x13GetModelInfoRequest\"B\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61se_model_name\x18\x03 \x01(\t\"\xa3\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\x12\x14\n\x0cquantization\x18\n \x01(\t\x12.\n\rlora_adapters\x18( \x03(\x0b\x32\x17.jaxpage.v1.LoRAAdapter2\xf5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.jaxpage.v1.GenerateRequest\x1a\x1c.jaxpage.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.jaxpage.v1.GenerateRequest\x1a\x1c.jaxpage.v1.GenerateResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.jaxpage.v1.GetModelInfoRequest\x1a .jaxpage.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_SAMPLINGPARAMS']._serialized_start=87
-  _globals['_SAMPLINGPARAMS']._serialized_end=931
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=933
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1035
-  _globals['_GENERATEREQUEST']._serialized_start=1038
-  _globals['_GENERATEREQUEST']._serialized_end=1224
-  _globals['_TOKENLOGPROB']._serialized_start=1226
-  _globals['_TOKENLOGPROB']._serialized_end=1275
-  _globals['_POSITIONLOGPROBS']._serialized_start=1277
-  _globals['_POSITIONLOGPROBS']._serialized_end=1334
-  _globals['_COMPLETION']._serialized_start=1337
-  _globals['_COMPLETION']._serialized_end=1517
-  _globals['_USAGE']._serialized_start=1519
-  _globals['_USAGE']._serialized_end=1576
-  _globals['_GENERATERESPONSE']._serialized_start=1579
-  _globals['_GENERATERESPONSE']._serialized_end=1751
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1753
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1774
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1777
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2020
-  _globals['_GENERATION']._serialized_start=2023
-  _globals['_GENERATION']._serialized_end=2268
+  _globals['_SAMPLINGPARAMS']._serialized_end=1044
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=751
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=799
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1046
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1148
+  _globals['_GENERATEREQUEST']._serialized_start=1151
+  _globals['_GENERATEREQUEST']._serialized_end=1356
+  _globals['_TOKENLOGPROB']._serialized_start=1358
+  _globals['_TOKENLOGPROB']._serialized_end=1407
+  _globals['_POSITIONLOGPROBS']._serialized_start=1409
+  _globals['_POSITIONLOGPROBS']._serialized_end=1466
+  _globals['_COMPLETION']._serialized_start=1469
+  _globals['_COMPLETION']._serialized_end=1649
+  _globals['_USAGE']._serialized_start=1651
+  _globals['_USAGE']._serialized_end=1708
+  _globals['_GENERATERESPONSE']._serialized_start=1711
+  _globals['_GENERATERESPONSE']._serialized_end=1883
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1885
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1906
+  _globals['_LORAADAPTER']._serialized_start=1908
+  _globals['_LORAADAPTER']._serialized_end=1974
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1977
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2268
+  _globals['_GENERATION']._serialized_start=2271
+  _globals['_GENERATION']._serialized_end=2516
 # @@protoc_insertion_point(module_scope)

@@ -15,7 +15,14 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "best_of", "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "prompt_logprobs")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "best_of", "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "prompt_logprobs", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +45,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -60,7 +68,8 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     structured_outputs: StructuredOutputs
     prompt_logprobs: int
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "json_object", "regex", "choice", "grammar")
@@ -77,20 +86,22 @@ class StructuredOutputs(_message.Message):
     def __init__(self, json: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "priority")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "priority", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -148,8 +159,18 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path", "base_model_name")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    base_model_name: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "dtype", "vocab_size", "kv_cache_dtype", "quantization")
+    __slots__ = ("model_name", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "dtype", "vocab_size", "kv_cache_dtype", "quantization", "lora_adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +181,7 @@ class GetModelInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -170,4 +192,5 @@ class GetModelInfoResponse(_message.Message):
     vocab_size: int
     kv_cache_dtype: str
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
