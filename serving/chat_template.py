@@ -68,8 +68,17 @@ def chosen_template(template: str | dict | None, with_tools: bool) -> str | None
 
 def chat_prompt(tokenizer, body: oai.ChatCompletionRequest, template: str | None, tools: list[dict] | None,
                 tools_needed: bool) -> str:
-    """The prompt of the chat: ``template`` (the server's --chat-template) or the tokenizer's own. ``tools`` go
-    into it if it reads them; if it does not and ``tools_needed``, a 400 naming tools."""
+    """The prompt of a chat request (see render_chat)."""
+    return render_chat(tokenizer, template_messages(body.messages), template, tools, tools_needed,
+                       body.chat_template_kwargs)
+
+
+def render_chat(tokenizer, messages: list[dict], template: str | None, tools: list[dict] | None = None,
+                tools_needed: bool = False, template_kwargs: dict | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The one place a chat prompt is made (the chat and Responses APIs, /tokenize, gRPC's messages): the
+    messages as templates read them through ``template`` (the server's --chat-template) or the tokenizer's own.
+    ``tools`` go into it if it reads them; if it does not and ``tools_needed``, a 400 naming tools."""
     template = chosen_template(template or getattr(tokenizer, "chat_template", None), bool(tools))
     if tokenizer is None or not template:
         raise FieldError("messages", "messages: this model has no chat template")
@@ -79,10 +88,9 @@ def chat_prompt(tokenizer, body: oai.ChatCompletionRequest, template: str | None
             raise FieldError("tools", "tools: this model's chat template does not support tools (it never reads "
                                       "`tools`); serve it with a --chat-template that does")
         tools = None
-    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k in variables and k not in _RESERVED}
-    messages = template_messages(body.messages)
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k in variables and k not in _RESERVED}
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True, **kwargs)
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise FieldError("messages", f"messages: {e}") from None

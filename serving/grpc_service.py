@@ -73,6 +73,7 @@ def sampling_params(msg: pb.SamplingParams, output_kind: str):
     kw.update({name: getattr(msg, name) for name in _PLAIN})
     kw["stop"] = list(msg.stop)
     kw["stop_token_ids"] = list(msg.stop_token_ids)
+    kw["logit_bias"] = dict(msg.logit_bias) or None  # checked by SamplingParams (and the vocabulary by the engine)
     if msg.HasField("structured_outputs"):
         kw["structured_outputs"] = from_proto(msg.structured_outputs)
     n, best_of = kw.get("n", 1), kw.get("best_of", kw.get("n", 1))
@@ -89,8 +90,11 @@ def check_prompt_size(request: pb.GenerateRequest, max_bytes: int | None) -> Non
     check_prompt_bytes(texts, max_bytes, "prompt")
 
 
-def engine_prompt(request: pb.GenerateRequest, engine) -> str | dict:
-    """The prompt as the engine takes it; exactly one of prompt, prompt_token_ids and messages."""
+def engine_prompt(request: pb.GenerateRequest, engine, chat_template: str | None = None) -> str | dict:
+    """The prompt as the engine takes it; exactly one of prompt, prompt_token_ids and messages (through
+    chat_template, the server's --chat-template, else the model's)."""
+    from serving.chat_template import render_chat
+
     given = [name for name, present in (("prompt", bool(request.prompt)),
                                         ("prompt_token_ids", len(request.prompt_token_ids) > 0),
                                         ("messages", len(request.messages) > 0)) if present]
@@ -104,10 +108,8 @@ def engine_prompt(request: pb.GenerateRequest, engine) -> str | dict:
     for i, m in enumerate(request.messages):
         if not m.role:
             raise ValueError(f"messages[{i}].role is empty")
-    try:
-        return engine.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
-    except ValueError as e:
-        raise ValueError(f"messages: {e}") from None
+    return render_chat(engine.tokenizer, [{"role": m.role, "content": m.content} for m in request.messages],
+                       chat_template)
 
 
 def _logprobs(entries) -> list[pb.PositionLogprobs]:
@@ -136,8 +138,8 @@ def _status(e: RequestError) -> tuple[grpc.StatusCode, str]:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, requests: RequestLifecycle):
-        self.requests = requests
+    def __init__(self, requests: RequestLifecycle, chat_template: str | None = None):
+        self.requests, self.chat_template = requests, chat_template  # chat_template: the server's, for messages
 
     # --- the RPCs ---------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -213,7 +215,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         def prepare(engine):
             params = sampling_params(request.sampling, output_kind)
             check_prompt_size(request, self.requests.max_prompt_bytes)
-            return engine_prompt(request, engine.engine), params
+            return engine_prompt(request, engine.engine, self.chat_template), params
 
         outputs = self.requests.generate(request_id, prepare, request.priority,
                                          lambda release: context.add_done_callback(lambda _: release()))

@@ -37,7 +37,7 @@ from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from serving import openai_protocol as oai
 from serving.chat_options import ChatOptions, FieldError
-from serving.chat_template import chat_prompt, chat_texts
+from serving.chat_template import chat_prompt, chat_texts, render_chat, template_messages
 from serving.http_guard import HttpGuard
 from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
@@ -281,19 +281,20 @@ class OpenAIServing:
                                    for name in self.model_names()])
 
     async def tokenize(self, body: oai.TokenizeRequest) -> oai.TokenizeResponse:
-        """vLLM's /tokenize: the token ids of a prompt, or of chat messages through the chat template."""
+        """vLLM's /tokenize: the token ids of a prompt, or of chat messages through the chat template (the
+        server's --chat-template, else the model's)."""
         self._check_model(body.model)
         engine = self._engine()
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give either prompt or messages", "prompt")
         special = body.add_special_tokens
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            self._check_prompt_bytes([text for m in messages for text in m.values()], "messages")
+            self._check_prompt_bytes(chat_texts(body.messages), "messages")
             try:
-                text = engine.engine.apply_chat_template(messages, body.add_generation_prompt)
-            except ValueError as e:
-                raise OpenAIError(400, f"messages: {e}", "messages") from None
+                text = render_chat(engine.engine.tokenizer, template_messages(body.messages),
+                                   self.chat.chat_template, add_generation_prompt=body.add_generation_prompt)
+            except FieldError as e:
+                raise OpenAIError(400, str(e), e.param) from None
             special = bool(special)
         else:
             self._check_prompt_bytes([body.prompt], "prompt")

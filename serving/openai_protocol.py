@@ -249,6 +249,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxpage"
+    root: str | None = None  # vLLM's: the model's path (an adapter's directory)
+    parent: str | None = None  # vLLM's: an adapter's base model; None for the base model
     max_model_len: int | None = None
     kv_cache_dtype: str | None = None  # jaxpage's own: "auto", "int8" or "fp8"
     quantization: str | None = None  # the weights' (jaxpage): None or "int8"
@@ -259,8 +261,20 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter (its lora_int_id is accepted and not needed: the name says which)."""
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages through the model's chat template."""
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template (the server's, else the model's)."""
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None

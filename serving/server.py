@@ -34,6 +34,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from serving import security
+from serving.chat_options import ChatOptions
 from serving.cli_args import ServerArgs
 from serving.grpc_service import SERVICE_NAME, GenerationService
 from serving.metrics import Metrics
@@ -92,7 +93,8 @@ class Server:
         metrics = Metrics(self._stats, self._model_name, data_parallel_size)
         self.requests = RequestLifecycle(metrics, args.max_queue, args.max_prompt_bytes)
         self.requests.will_restart = lambda: self.restarts < args.max_engine_restarts
-        self.service = GenerationService(self.requests)
+        self.chat = ChatOptions.from_server_args(args)  # the chat template serves gRPC's messages too
+        self.service = GenerationService(self.requests, self.chat.chat_template)
         self.health = health_aio.HealthServicer()
         self.stopping = asyncio.Event()
         self.signals = 0
@@ -150,13 +152,11 @@ class Server:
         await self.server.start()
 
     async def start_http(self, key: str | None) -> None:
-        from serving.chat_options import ChatOptions
         from serving.http_server import HttpServer
         from serving.openai_api import build_app
 
         args = self.args
-        app = build_app(self.requests, args.served_model_name, key, args.max_message_bytes,
-                        ChatOptions.from_server_args(args))
+        app = build_app(self.requests, args.served_model_name, key, args.max_message_bytes, self.chat)
         self.http = HttpServer(app, args.host, args.http_port, args.grace_seconds,
                                security.uvicorn_tls(*args.tls_files))
         await self.http.start()

@@ -489,6 +489,30 @@ def test_logit_bias_bans_and_forces_tokens(server, smollm2):
     assert server.all_blocks_free()
 
 
+
+def test_grpc_logit_bias_bans_and_forces_tokens(server):
+    """sampling.logit_bias over gRPC: -100 on the unbiased greedy first token gives the runner-up (by the unbiased
+    log-probabilities), +100 on a token forces it every step; bad ids and biases are INVALID_ARGUMENT naming it."""
+    def generate(stub, **sampling):
+        request = pb.GenerateRequest(prompt=PROMPTS[0], sampling=pb.SamplingParams(
+            temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, **sampling))
+        return stub.Generate(request, timeout=60).completions[0]
+
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        plain = generate(stub)
+        first = plain.token_ids[0]
+        runner_up = sorted(plain.logprobs[0].top, key=lambda t: -t.logprob)[1].token_id
+        banned = generate(stub, logit_bias={first: -100})
+        assert banned.token_ids[0] == runner_up and first not in banned.token_ids
+        forced = 1000 if first != 1000 else 1001
+        assert list(generate(stub, logit_bias={forced: 100}).token_ids) == [forced] * 3
+        for bias in ({-1: 1.0}, {1: 100.5}, {10**6: 1.0}):
+            with pytest.raises(grpc.RpcError) as e:
+                generate(stub, logit_bias=bias)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.logit_bias" in e.value.details()
+    assert server.all_blocks_free()
+
 # --- tools and reasoning (the server's --chat-template, --tool-call-parser hermes, --reasoning-parser qwen3) ------
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
@@ -601,6 +625,34 @@ def test_tool_calls_and_results_in_the_chat_go_through_the_template(server, smol
                                                 temperature=0, max_tokens=8, extra_body={"return_token_ids": True})
     assert r.model_extra["prompt_token_ids"] == w.prompt_token_ids
     assert r.choices[0].message.content == w.outputs[0].text
+
+
+def test_tokenize_and_grpc_chats_go_through_the_servers_chat_template(server, smollm2):
+    """/tokenize with messages and gRPC's messages use --chat-template (here it renders an assistant's tool call
+    and a tool's result, which SmolLM2's own template renders otherwise), as the chat endpoint does."""
+    tokenizer = smollm2.get_tokenizer()
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
+    as_transformers = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}, history[2]]
+
+    def tokens(messages, template=None) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    want = tokens(as_transformers, TEMPLATE.read_text())
+    assert want != tokens(as_transformers)
+    with httpx.Client(base_url=server.base, timeout=30) as http:
+        assert http.post("/tokenize", json={"messages": history}).json()["tokens"] == want
+    plain = [ASK[0], {"role": "tool", "content": "21"}]  # gRPC's messages: role and content
+    want = tokens(plain, TEMPLATE.read_text())
+    assert len(want) != len(tokens(plain))
+    with grpc.insecure_channel(server.target) as channel:
+        r = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in plain], sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
+    assert r.usage.prompt_tokens == len(want)
 
 
 def test_reasoning_content_apart_from_content_unary_and_streamed(server, smollm2):
