@@ -11,6 +11,8 @@ with the official `openai` package (sync and async clients, streaming and not) a
 - every bad request is OpenAI's error object with the right status (400 naming the field, 404 unknown model,
   unknown paths and 405 wrong methods), and the server keeps serving with every KV block back (read from
   /metrics on the same port);
+- the Responses API (POST /v1/responses) gives the chat completion of the same messages, streamed in the
+  documented events; text.format and forced function calls are valid for their schemas; bad fields are 400s;
 - a client that disconnects (streaming or not) gets its blocks freed within a second;
 - SIGTERM lets the HTTP and gRPC streams in flight finish, then the server exits 0.
 A stand-in engine (test_serving's, no model) shows 429 for a full queue, and 503 for the calls in flight when
@@ -689,6 +691,146 @@ def test_bad_tool_requests_are_400s_naming_the_field(server):
             r = http.post("/chat/completions", json={"model": NAMES[0], "messages": ASK, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert server.all_blocks_free()
+
+
+# --- the Responses API (POST /v1/responses: serving/responses_api.py, on the chat path) ----------------------------
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses shape
+EVENT_ORDER = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+               "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+               "response.output_item.done", "response.completed"]
+
+
+async def _stream_response(server, kw: dict) -> list:
+    return [event async for event in await server.async_client().responses.create(**kw, stream=True)]
+
+
+def test_responses_give_the_chat_completion_of_the_same_messages(server):
+    """client.responses.create, greedy: a text input, a list of message items (input_text and an assistant's
+    output_text parts) and instructions (a system message first) give the chat completion of the same messages,
+    with its token counts; streamed, the events come in the documented order, numbered, and put together are the
+    unstreamed text."""
+    colour = "Name a colour."
+    cases = [  # (Responses fields, the chat's messages)
+        ({"input": colour}, [{"role": "user", "content": colour}]),
+        ({"input": colour, "instructions": "You are terse."},
+         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": colour}]),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]},
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+                    {"role": "user", "content": colour}]},
+         [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."},
+          {"role": "user", "content": colour}]),
+    ]
+    kw = dict(model=NAMES[0], temperature=0)
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(
+            *(client.responses.create(**kw, **fields, max_output_tokens=12) for fields, _ in cases),
+            *(client.chat.completions.create(**kw, messages=messages, max_tokens=12) for _, messages in cases),
+            _stream_response(server, {**kw, **cases[1][0], "max_output_tokens": 12}))
+
+    *got, events = asyncio.run(run())
+    for r, chat in zip(got[:len(cases)], got[len(cases):]):
+        [c] = chat.choices
+        assert r.output_text == c.message.content and r.object == "response" and r.id.startswith("resp_")
+        assert [item.type for item in r.output] == ["message"] and r.model == NAMES[0]
+        assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+            chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens)
+        assert r.status == ("incomplete" if c.finish_reason == "length" else "completed")
+    types = [e.type for e in events]
+    assert [t for i, t in enumerate(types) if i == 0 or t != types[i - 1]] == EVENT_ORDER
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert text == done.text == got[1].output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == got[1].usage.output_tokens
+    assert events[0].response.status == "in_progress" and events[-1].response.status == got[1].status
+
+
+def test_responses_text_format_and_forced_function_calls_are_valid(server):
+    """text.format json_schema (and json_object) through the structured-output path: the text is JSON valid for
+    the schema; function tools with tool_choice required and a named function: one function_call item whose
+    arguments are valid for its tool's parameters, at temperature 1; streamed with the same seed, the argument
+    deltas put together are the same call."""
+    schema = SCHEMAS["get_weather"]
+    ask = "What is the weather in Paris? And wake me up at 7."
+    kw = dict(model=NAMES[0], input=ask, temperature=1.0, max_output_tokens=100, extra_body={"seed": 11})
+    forced = dict(kw, tools=RESPONSES_TOOLS, parallel_tool_calls=False)
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(
+            client.responses.create(**kw, text={"format": {"type": "json_schema", "name": "weather", "schema": schema,
+                                                           "strict": True}}),
+            client.responses.create(**kw, text={"format": {"type": "json_object"}}),
+            client.responses.create(**forced, tool_choice="required"),
+            client.responses.create(**forced, tool_choice={"type": "function", "name": "set_alarm"}),
+            _stream_response(server, {**forced, "tool_choice": "required"}))
+
+    structured, as_object, required, named, events = asyncio.run(run())
+    jsonschema.validate(json.loads(structured.output_text), schema)
+    assert isinstance(json.loads(as_object.output_text), dict)
+    for r, names in ((required, set(SCHEMAS)), (named, {"set_alarm"})):
+        [call] = r.output
+        assert call.type == "function_call" and call.call_id and call.name in names, r.output
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert arguments == done.arguments == required.output[0].arguments
+    assert [item.name for item in events[-1].response.output] == [required.output[0].name]
+    assert server.all_blocks_free()
+
+
+def test_responses_function_calls_and_outputs_in_the_input_go_through_the_template(server, smollm2):
+    """An earlier function_call item and its function_call_output, with the tools: the prompt is what
+    transformers' apply_chat_template makes of the tool call and its result with the server's template."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris", "unit": "celsius"}'}
+    items = [*ASK, call, {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 21}'}]
+    as_transformers = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    tokenizer = smollm2.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(as_transformers, tools=TOOLS, tokenize=False,
+                                           chat_template=TEMPLATE.read_text(), add_generation_prompt=True)
+    assert "<tool_response>" in prompt and "<tool_call>" in prompt
+    [w] = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=6))
+    r = server.client().responses.create(model=NAMES[0], input=items, tools=RESPONSES_TOOLS, tool_choice="none",
+                                         temperature=0, max_output_tokens=6)
+    assert r.usage.input_tokens == len(w.prompt_token_ids) and r.output_text == w.outputs[0].text
+
+
+RESPONSES_BAD = [  # (body, the error's param)
+    ({"input": "hi", "temperature": -1}, "temperature"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": []}, "input"),
+    ({"input": "word " * 800}, "input"),  # over --max-model-len: the engine's refusal, named as the client's field
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.message.content.0.type"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_bad_responses_requests_are_400s_naming_the_field(server, stream):
+    with httpx.Client(base_url=server.base + "/v1", timeout=30) as http:
+        for body, param in RESPONSES_BAD:
+            r = http.post("/responses", json={"model": NAMES[0], **body, "stream": stream})
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
+        r = http.post("/responses", json={"model": "gpt-4", "input": "hi", "stream": stream})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        server.client().responses.create(model=NAMES[0], input="hi", previous_response_id="resp_1")
+    assert server.all_blocks_free() and server.metrics()["jaxpage:num_requests_in_flight"] == 0
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
