@@ -24,6 +24,7 @@ LAYERS = (
     ("models", ("jaxpage.models",)),
     ("structured", ("jaxpage.structured",)),
     ("lora", ("jaxpage.lora",)),
+    ("spec_decode", ("jaxpage.spec_decode",)),
     ("core", ("jaxpage.core",)),
     ("worker", ("jaxpage.worker",)),
     ("engine", ("jaxpage.engine",)),

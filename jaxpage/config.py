@@ -62,6 +62,50 @@ class ModelConfig:
         return bool(self.layer_windows().min() > 0)
 
 
+SPECULATIVE_METHODS = ("ngram",)  # vLLM's method names that jaxpage implements (jaxpage/spec_decode/)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config and its names): each step a sequence's next tokens are
+    proposed by ``method`` and verified by the target model in the same step (jaxpage/spec_decode/).
+
+    ngram: prompt lookup over the sequence's own prompt and output; the longest n-gram of prompt_lookup_max down
+    to prompt_lookup_min tokens that ends the sequence and occurred before proposes the tokens that followed it."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5  # vLLM's defaults when neither is given
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def from_dict(cls, options: dict) -> "SpeculativeConfig":
+        """The config of vLLM's dict (``{"method": "ngram", "num_speculative_tokens": 4, ...}``), each field
+        checked (a ValueError naming it). As vLLM: num_speculative_tokens must be given, and one of
+        prompt_lookup_max/min given alone sets the other."""
+        require(isinstance(options, dict), "speculative_config", options, "must be a dict (JSON object)")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - fields)
+        require(not unknown, "speculative_config", unknown, f"has unknown keys; known: {', '.join(sorted(fields))}")
+        method = options.get("method", "ngram")
+        require(method in SPECULATIVE_METHODS, "speculative_config.method", method,
+                f"must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} (suffix, draft_model and EAGLE "
+                "heads are not built yet)")
+        require("num_speculative_tokens" in options, "speculative_config.num_speculative_tokens", None,
+                "must be given")
+        k = options["num_speculative_tokens"]
+        require(type(k) is int and 1 <= k <= 16, "speculative_config.num_speculative_tokens", k,
+                "must be an integer in [1, 16]")
+        lo, hi = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, value in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+            require(type(value) is int and value >= 1, f"speculative_config.{name}", value, "must be an integer >= 1")
+        require(lo <= hi, "speculative_config.prompt_lookup_min", lo, f"must be <= prompt_lookup_max={hi}")
+        return cls(method, k, hi, lo)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine was asked for, resolved to concrete values once."""
@@ -91,6 +135,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 2
     max_long_partial_prefills: int = 1
     max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def seqs_per_request(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import typing
 
@@ -21,6 +22,17 @@ def parse_bytes(text: str) -> int:
     if unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 268435456, 256MiB, 4GiB)")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_json_object(text: str) -> dict:
+    """A flag's JSON object (--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def _option(help_text: str, **flag) -> dict:
@@ -108,6 +120,10 @@ class EngineArgs(CliArgs):
         "highest LoRA rank the slots hold (smaller ranks are zero-padded)"))
     max_cpu_loras: int | None = dataclasses.field(default=None, metadata=_option(
         "LoRA adapters kept loaded in host memory, least recently used dropped first (default: max-loras)"))
+    speculative_config: dict | None = dataclasses.field(default=None, metadata=_option(
+        "speculative decoding, vLLM's: a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (ngram: prompt lookup over the sequence itself); "
+        "turns async scheduling off", type=parse_json_object))
     cache_dir: str | None = dataclasses.field(default=None, metadata=_option(
         "converted weights and compiled steps (default ~/.cache/jaxpage)"))
     progress: bool = dataclasses.field(default=True, metadata=_option("progress bars while loading and compiling"))

@@ -3,6 +3,7 @@ the KV pool from a memory budget. The one place an EngineConfig is made."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -12,6 +13,7 @@ from jaxpage.config import (
     KV_CACHE_DTYPES,
     EngineConfig,
     ModelConfig,
+    SpeculativeConfig,
     check_quantization,
     kv_storage_dtype,
     require,
@@ -22,6 +24,8 @@ from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.utils import cdiv
 from pallas_kernels.kv_write_tpu import tile_rows
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -40,7 +44,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
                         async_scheduling: bool = EngineArgs.async_scheduling, enable_lora: bool = False,
                         max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
-                        max_cpu_loras: int | None = None) -> EngineConfig:
+                        max_cpu_loras: int | None = None,
+                        speculative_config: dict | SpeculativeConfig | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
@@ -70,6 +75,12 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
         long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills, max_model_len)
     per_block = kv_cache.bytes_per_block(model, block_size, kv_dtype)
     num_host_blocks = swap_space // per_block if preemption_mode == "swap" else 0
+    if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+        speculative_config = SpeculativeConfig.from_dict(speculative_config)
+    if speculative_config is not None and async_scheduling:
+        log.info("speculative decoding (%s): async scheduling is off (a step's drafts are proposed from the "
+                 "tokens the step before sampled, read on the host)", speculative_config.method)
+        async_scheduling = False
     config = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
@@ -81,7 +92,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_num_partial_prefills=max_num_partial_prefills,
                           max_long_partial_prefills=max_long_partial_prefills, async_scheduling=async_scheduling,
-                          max_cpu_loras=max_cpu_loras or 0)
+                          max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config)
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
 
@@ -103,7 +114,7 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras)
+        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config)
 
 
 def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
