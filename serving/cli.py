@@ -71,6 +71,9 @@ def generate(ns: argparse.Namespace) -> int:
 
 def serve(ns: argparse.Namespace) -> int:
     ServerArgs.from_cli_args(ns)  # its bad values raise here, before anything loads
+    for flag in ("lora_modules", "allow_runtime_lora_updating"):
+        if getattr(ns, flag) and not ns.enable_lora:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora")
     if ns.max_seqs_per_request is None:  # a server has many clients: none may take every slot
         ns.max_seqs_per_request = max(1, ns.max_num_seqs // 2)
     from jaxpage.worker import multihost

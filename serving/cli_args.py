@@ -7,6 +7,7 @@ import dataclasses
 from jaxpage.engine.arg_utils import CliArgs
 from serving.chat_options import read_chat_template
 from serving.reasoning import REASONING_PARSERS
+from serving.serving_models import LoRAModulePath, parse_lora_module
 from serving.tool_parsers import TOOL_PARSERS
 
 
@@ -53,6 +54,12 @@ class ServerArgs(CliArgs):
     reasoning_parser: str | None = _flag(
         None, "reasoning_content apart from content in the chat API (the model's <think> blocks)",
         choices=sorted(REASONING_PARSERS))
+    lora_modules: list[LoRAModulePath] | None = _flag(
+        None, "LoRA adapters served by name (with --enable-lora): name=path, or JSON {\"name\": ..., \"path\": "
+              "..., \"base_model_name\": ...}; a request's model names one", type=parse_lora_module, nargs="+")
+    allow_runtime_lora_updating: bool = _flag(
+        False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which "
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING turns on); behind --api-key when one is set")
 
     def __post_init__(self):
         if self.max_queue is not None and self.max_queue < 1:

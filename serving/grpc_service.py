@@ -22,13 +22,15 @@ from serving import generation_pb2_grpc as pb_grpc
 from serving.limits import check_prompt_bytes
 from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
                               NotServingError, QueueFullError, RequestError, RequestLifecycle, RequestTooLargeError)
+from serving.serving_models import ServingModels, UnknownModelError
 
 log = logging.getLogger("jaxpage.serve")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxpage.v1.Generation"
 
 # the lifecycle's errors as status codes (the first class of an error's MRO found here)
-STATUS_CODES = {NotServingError: grpc.StatusCode.UNAVAILABLE, QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+STATUS_CODES = {UnknownModelError: grpc.StatusCode.NOT_FOUND, NotServingError: grpc.StatusCode.UNAVAILABLE,
+                QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
                 DuplicateRequestError: grpc.StatusCode.ALREADY_EXISTS,
                 RequestTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
                 InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT, EngineDiedError: grpc.StatusCode.UNAVAILABLE,
@@ -138,8 +140,10 @@ def _status(e: RequestError) -> tuple[grpc.StatusCode, str]:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, requests: RequestLifecycle, chat_template: str | None = None):
+    def __init__(self, requests: RequestLifecycle, chat_template: str | None = None,
+                 models: ServingModels | None = None):
         self.requests, self.chat_template = requests, chat_template  # chat_template: the server's, for messages
+        self.serving_models = models or ServingModels(requests)  # the adapters a request's lora_name may name
 
     # --- the RPCs ---------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -194,7 +198,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             num_kv_blocks=cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, dtype=str(cfg.dtype),
             vocab_size=cfg.model.vocab_size, kv_cache_dtype=cfg.kv_cache_dtype,
-            quantization=cfg.model.quantization or "")
+            quantization=cfg.model.quantization or "", lora_adapters=[
+                pb.LoRAAdapter(name=name, path=adapter.lora_request.lora_path,
+                               base_model_name=self.serving_models.parent(adapter))
+                for name, adapter in list(self.serving_models.adapters.items())])
 
     def count_error(self, code: grpc.StatusCode) -> None:
         self.requests.count_error(code.name)
@@ -211,6 +218,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         if isinstance(request, UndecodableRequest):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            lora_request = self.serving_models.resolve(request.lora_name, "lora_name").lora_request
+        except RequestError as e:
+            await self._reject(context, *_status(e))
 
         def prepare(engine):
             params = sampling_params(request.sampling, output_kind)
@@ -218,7 +229,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             return engine_prompt(request, engine.engine, self.chat_template), params
 
         outputs = self.requests.generate(request_id, prepare, request.priority,
-                                         lambda release: context.add_done_callback(lambda _: release()))
+                                         lambda release: context.add_done_callback(lambda _: release()),
+                                         lora_request)
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:

@@ -28,7 +28,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -43,6 +43,7 @@ from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
 from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
                               NotServingError, QueueFullError, RequestError, RequestLifecycle)
+from serving.serving_models import ServedModel, ServingModels, UnknownModelError
 from serving.structured import from_openai
 from serving.tool_choice import plan_tools
 
@@ -130,9 +131,9 @@ def completion_prompts(prompt) -> list[str | dict]:
 
 class OpenAIServing:
     def __init__(self, requests: RequestLifecycle, served_model_names: list[str] | None = None,
-                 chat: ChatOptions | None = None):
+                 chat: ChatOptions | None = None, models: ServingModels | None = None):
         self.requests = requests
-        self.served_model_names = served_model_names
+        self.serving_models = models or ServingModels(requests, served_model_names)  # the base model, the adapters
         self.chat = chat or ChatOptions()
 
     # --- state ----------------------------------------------------------------------------------------
@@ -143,21 +144,24 @@ class OpenAIServing:
             raise _openai_error(e, "") from None
 
     def model_names(self) -> list[str]:
-        return self.served_model_names or [self._engine().engine.model_name]
+        """The base model's names."""
+        self._engine()
+        return self.serving_models.base_names()
 
     def _decode(self, token: int) -> str:
         return self._engine().engine.tokenizer.decode([token])
 
-    def _check_model(self, model: str | None) -> str:
-        """The model name the response carries; 404 for another model."""
-        names = self.model_names()
-        if model is not None and model not in names:
-            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                                   f"{', '.join(map(repr, names))}", "model", "model_not_found")
-        return model or names[0]
+    def _check_model(self, model: str | None) -> ServedModel:
+        """What the request's model names (the base model, or a LoRA adapter); 404 for another model."""
+        self._engine()
+        try:
+            return self.serving_models.resolve(model)
+        except UnknownModelError as e:
+            raise OpenAIError(404, e.message, "model", "model_not_found") from None
 
-    def _check(self, body: oai.SamplingRequest) -> str:
-        """The model name the response carries; 404 for another model, 400 for a field jaxpage cannot honour."""
+    def _check(self, body: oai.SamplingRequest) -> ServedModel:
+        """What the request runs on (its name the response carries); 404 for another model, 400 for a field
+        jaxpage cannot honour."""
         model = self._check_model(body.model)
         field = body.unsupported()
         if field is not None:
@@ -172,9 +176,10 @@ class OpenAIServing:
 
     # --- one request's life ---------------------------------------------------------------------------
     async def _outputs(self, request_id: str, prompt, params: SamplingParams, priority: int,
-                       prompt_field: str) -> AsyncIterator[RequestOutput]:
-        """The request's outputs from the lifecycle; its failures as OpenAIErrors."""
-        outputs = self.requests.generate(request_id, lambda engine: (prompt, params), priority)
+                       prompt_field: str, model: ServedModel | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs from the lifecycle (on model's adapter, if any); its failures as OpenAIErrors."""
+        outputs = self.requests.generate(request_id, lambda engine: (prompt, params), priority,
+                                         lora_request=model.lora_request if model is not None else None)
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
@@ -235,12 +240,12 @@ class OpenAIServing:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
         params = sampling_params(body, 1 if echo_only else body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        renders = [self._completion_rendering(request_id, model, body, prompt) for prompt in prompts]
+        renders = [self._completion_rendering(request_id, model.name, body, prompt) for prompt in prompts]
         for render in renders[1:]:
             render.created = renders[0].created
         # a batch: one engine request per prompt, "<id>-<prompt index>" (vLLM's)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [self._outputs(i, prompt, params, body.priority, "prompt") for i, prompt in zip(ids, prompts)]
+        streams = [self._outputs(i, prompt, params, body.priority, "prompt", model) for i, prompt in zip(ids, prompts)]
         if body.echo:
             streams = [_echoed(stream, render, echo_only) for stream, render in zip(streams, renders)]
         return await self._respond(raw, streams, body.stream, renders, _include_usage(body), body.n)
@@ -267,18 +272,41 @@ class OpenAIServing:
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = tools.sampling_params(sampling_params(body, body.max_completion_tokens or body.max_tokens, k))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        render = ChatRendering(request_id, model, self._decode, k, body.return_token_ids, body.prompt_logprobs,
+        render = ChatRendering(request_id, model.name, self._decode, k, body.return_token_ids, body.prompt_logprobs,
                                parser=tools.message_parser(self.chat.reasoning_parser, prompt),
                                calls_finish=tools.calls_finish)
-        outputs = self._outputs(request_id, prompt, params, body.priority, "messages")
+        outputs = self._outputs(request_id, prompt, params, body.priority, "messages", model)
         return await self._respond(raw, [outputs], body.stream, [render], _include_usage(body))
 
     async def models(self) -> oai.ModelList:
+        """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""
         cfg = self._engine().engine.config
-        return oai.ModelList(data=[oai.ModelCard(id=name, max_model_len=cfg.max_model_len,
-                                                 kv_cache_dtype=cfg.kv_cache_dtype,
-                                                 quantization=cfg.model.quantization)
-                                   for name in self.model_names()])
+        common = {"max_model_len": cfg.max_model_len, "kv_cache_dtype": cfg.kv_cache_dtype,
+                  "quantization": cfg.model.quantization}
+        base = [oai.ModelCard(id=name, **common) for name in self.model_names()]
+        models = self.serving_models
+        return oai.ModelList(data=base + [
+            oai.ModelCard(id=name, root=adapter.lora_request.lora_path, parent=models.parent(adapter), **common)
+            for name, adapter in list(models.adapters.items())])
+
+    async def load_lora_adapter(self, body: oai.LoadLoRAAdapterRequest) -> Response:
+        """vLLM's: serves the adapter at lora_path as lora_name (checked first: a bad one is a 400 naming the
+        file and field)."""
+        self._engine()
+        try:
+            await self.serving_models.load(body.lora_name, body.lora_path)
+        except InvalidRequestError as e:
+            field = "lora_path" if e.message.startswith("lora_path") else "lora_name"
+            raise OpenAIError(400, e.message, field) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: oai.UnloadLoRAAdapterRequest) -> Response:
+        """vLLM's: lora_name is served no more (requests running with it finish with it); 404 if not loaded."""
+        try:
+            await self.serving_models.unload(body.lora_name)
+        except UnknownModelError as e:
+            raise OpenAIError(404, e.message, "lora_name", "model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def tokenize(self, body: oai.TokenizeRequest) -> oai.TokenizeResponse:
         """vLLM's /tokenize: the token ids of a prompt, or of chat messages through the chat template (the
@@ -490,11 +518,14 @@ async def _disconnect(raw: Request) -> None:
 
 
 def build_app(requests: RequestLifecycle, served_model_names: list[str] | None = None, api_key: str | None = None,
-              max_body_bytes: int | None = None, chat: ChatOptions | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, chat: ChatOptions | None = None, models: ServingModels | None = None,
+              runtime_lora_updating: bool = False) -> FastAPI:
     """The API; with api_key every path but /health needs ``Authorization: Bearer <api_key>``; chat: the chat
-    endpoint's template, tool-call and reasoning parsers."""
+    endpoint's template, tool-call and reasoning parsers; models: the base model's names and the LoRA adapters
+    (default: served_model_names alone); runtime_lora_updating: vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (unknown paths otherwise, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
-    api = OpenAIServing(requests, served_model_names, chat)
+    api = OpenAIServing(requests, served_model_names, chat, models)
     app.add_middleware(HttpGuard, key=api_key, max_body_bytes=max_body_bytes,
                        reject=lambda status, message, code: api.error_response(OpenAIError(status, message,
                                                                                            code=code)))
@@ -507,6 +538,9 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     app.get("/v1/models")(api.models)
+    if runtime_lora_updating:
+        app.post("/v1/load_lora_adapter")(api.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(api.unload_lora_adapter)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
     app.get("/version")(lambda: {"version": jaxpage.__version__})

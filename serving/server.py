@@ -39,6 +39,7 @@ from serving.cli_args import ServerArgs
 from serving.grpc_service import SERVICE_NAME, GenerationService
 from serving.metrics import Metrics
 from serving.requests import RequestLifecycle
+from serving.serving_models import ServingModels
 
 log = logging.getLogger("jaxpage.serve")
 
@@ -94,7 +95,8 @@ class Server:
         self.requests = RequestLifecycle(metrics, args.max_queue, args.max_prompt_bytes)
         self.requests.will_restart = lambda: self.restarts < args.max_engine_restarts
         self.chat = ChatOptions.from_server_args(args)  # the chat template serves gRPC's messages too
-        self.service = GenerationService(self.requests, self.chat.chat_template)
+        self.models = ServingModels(self.requests, args.served_model_name, args.lora_modules)
+        self.service = GenerationService(self.requests, self.chat.chat_template, self.models)
         self.health = health_aio.HealthServicer()
         self.stopping = asyncio.Event()
         self.signals = 0
@@ -156,7 +158,8 @@ class Server:
         from serving.openai_api import build_app
 
         args = self.args
-        app = build_app(self.requests, args.served_model_name, key, args.max_message_bytes, self.chat)
+        app = build_app(self.requests, args.served_model_name, key, args.max_message_bytes, self.chat, self.models,
+                        args.allow_runtime_lora_updating)
         self.http = HttpServer(app, args.host, args.http_port, args.grace_seconds,
                                security.uvicorn_tls(*args.tls_files))
         await self.http.start()
@@ -183,6 +186,7 @@ class Server:
         stop.cancel()
         engine = loading.result()  # a failed load raises here
         await _warm_up(engine)
+        await self.models.check_all(engine)  # --lora-modules (and adapters loaded since, after a restart)
         self.requests.engine = engine
         if self.stopping.is_set():
             return False

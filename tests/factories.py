@@ -52,6 +52,20 @@ def tiny_llm(tmp_path_factory, **options):
                **engine_options(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, **options))
 
 
+def save_word_tokenizer(path, vocab_size: int) -> None:
+    """A tokenizer of words ``t0`` ... ``t<vocab_size - 1>`` (word i is token i) and a chat template that writes
+    the messages' contents one after another, saved beside a tiny model: text prompts and chats that a random
+    model's vocabulary can take."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(path)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One architecture's small random model: transformers' config class and its arguments."""

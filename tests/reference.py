@@ -126,3 +126,20 @@ def save_random_model(hf_config, path, seed: int) -> torch.nn.Module:
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def peft_adapter(base: torch.nn.Module, path, rank: int, alpha: int, targets: list[str], rslora: bool = False,
+                 seed: int = 0) -> torch.nn.Module:
+    """A PEFT LoRA adapter of random A and B (``init_lora_weights=False``: B is not zero) on a copy of ``base``,
+    saved to ``path``; returns the PEFT model (eval mode)."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                             init_lora_weights=False, use_rslora=rslora)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    model.eval()
+    model.save_pretrained(path)
+    return model

@@ -14,6 +14,7 @@ import pytest
 from jaxpage.engine.arg_utils import EngineArgs, parse_bytes
 from serving.cli import build_parser, main
 from serving.cli_args import ServerArgs
+from serving.serving_models import LoRAModulePath
 from tests.factories import WITHOUT_TORCH
 
 EVERY_FLAG = [
@@ -84,12 +85,16 @@ SERVER_FLAGS = [
     "--max-message-bytes", "6", "--max-prompt-bytes", "7", "--tls-cert", "c.pem", "--tls-key", "k.pem",
     "--tls-client-ca", "ca.pem", "--api-key", "s", "--no-reflection", "--chat-template", "{{ messages }}",
     "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+    "--lora-modules", "x=/a/x", '{"name": "y", "path": "/a/y", "base_model_name": "base"}',
+    "--allow-runtime-lora-updating",
 ]
 SERVER_EXPECTED = ServerArgs(host="0.0.0.0", port=1, http_port=2, served_model_name=["a", "b"], metrics_port=3,
                              metrics_host="h", max_queue=4, grace_seconds=5.5, max_engine_restarts=0,
                              max_message_bytes=6, max_prompt_bytes=7, tls_cert="c.pem", tls_key="k.pem",
                              tls_client_ca="ca.pem", api_key="s", reflection=False, chat_template="{{ messages }}",
-                             enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
+                             enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3",
+                             lora_modules=[LoRAModulePath("x", "/a/x"), LoRAModulePath("y", "/a/y", "base")],
+                             allow_runtime_lora_updating=True)
 
 
 def test_every_server_flag_reaches_server_args_and_the_defaults_are_its_defaults():
@@ -109,10 +114,20 @@ def test_every_server_flag_reaches_server_args_and_the_defaults_are_its_defaults
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["--chat-template", "no-such.jinja"],
      "--chat-template=no-such.jinja: no such file (give a Jinja template's path, or the template)"),
+    (["--lora-modules", "x=/a/x"], "--lora-modules needs --enable-lora"),
+    (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --enable-lora"),
 ])
 def test_serve_refuses_bad_server_values_before_loading(flags, message, capsys):
     assert main(["serve", *flags]) == 2
     assert capsys.readouterr().err == f"jaxpage: error: {message}\n"
+
+
+@pytest.mark.parametrize("text", ["x", "=/a", "x=", '{"name": "x"}', '{"name": "x", "path": "/a", "rank": 8}',
+                                  '{"name": "x", "path": "/a"'])
+def test_a_malformed_lora_module_is_refused_by_the_parser(text, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", text])
+    assert "--lora-modules" in capsys.readouterr().err
 
 
 TORCH_ADVICE = "PyTorch was not found"

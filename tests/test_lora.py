@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import copy
 import json
 import random
 
@@ -31,6 +30,7 @@ from tests.reference import (
     hf_greedy,
     hf_logits,
     paged_logits,
+    peft_adapter,
     save_random_model,
 )
 
@@ -47,17 +47,6 @@ ADAPTERS = {
 torch.set_num_threads(1)
 
 
-def make_adapter(base, path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int):
-    """A PEFT LoRA adapter of random A and B on a copy of ``base``, saved to ``path``; returns the PEFT model."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
-                             init_lora_weights=False, use_rslora=rslora)
-    model = peft.get_peft_model(copy.deepcopy(base), config)
-    model.eval()
-    model.save_pretrained(path)
-    return model
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """The base model, its PEFT adapters (id -> (LoRARequest, PEFT model)) and one engine over them."""
@@ -66,7 +55,7 @@ def setup(tmp_path_factory):
     adapters = {}
     for lora_id, (rank, alpha, targets, rslora) in ADAPTERS.items():
         adapter_dir = tmp_path_factory.mktemp(f"adapter{lora_id}")
-        model = make_adapter(base, adapter_dir, rank, alpha, targets, rslora, SEED + lora_id)
+        model = peft_adapter(base, adapter_dir, rank, alpha, targets, rslora, SEED + lora_id)
         adapters[lora_id] = (LoRARequest(f"adapter{lora_id}", lora_id, str(adapter_dir)), model)
     llm = LLM(str(path), cache_dir=str(tmp_path_factory.mktemp("cache")), enable_lora=True, max_loras=2,
               max_lora_rank=16, max_cpu_loras=2,
@@ -187,7 +176,7 @@ def test_bad_adapters_are_refused_by_file_and_field_and_the_engine_keeps_serving
     refused(_copy_adapter(src, tmp_path / "unknown", target_modules=["q_proj", "c_attn"]), 104, "target_modules",
             "c_attn")
     other = tmp_path / "other-model"  # an adapter of a wider model: its tensors do not fit this one's
-    make_adapter(save_random_model(tiny_llama(hidden_size=96), tmp_path / "other-base", SEED), other, 8, 16,
+    peft_adapter(save_random_model(tiny_llama(hidden_size=96), tmp_path / "other-base", SEED), other, 8, 16,
                  ["q_proj"], False, SEED)
     refused(other, 105, "adapter_model.safetensors", "q_proj.lora_A", "shape")
     with pytest.raises(ValueError, match="lora_int_id"):
@@ -249,7 +238,7 @@ def test_other_architectures_match_peft(config_class, tmp_path_factory):
     base = save_random_model(getattr(transformers, config_class)(**OTHER_ARCHITECTURES[config_class]), path, SEED)
     adapter_dir = tmp_path_factory.mktemp(f"{config_class}-adapter")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = make_adapter(base, adapter_dir, 8, 16, targets, False, SEED + 40)
+    model = peft_adapter(base, adapter_dir, 8, 16, targets, False, SEED + 40)
     request = LoRARequest("every-projection", 1, str(adapter_dir))
     llm = LLM(str(path), cache_dir=str(tmp_path_factory.mktemp("cache")), enable_lora=True, max_loras=1,
               max_lora_rank=8, **engine_options(num_kv_blocks=16, max_num_seqs=2))

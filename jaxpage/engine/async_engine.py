@@ -87,6 +87,18 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self.engine.tokenize, text,
                                                                 add_special_tokens)
 
+    async def add_lora(self, lora_request) -> None:
+        """LLMEngine.add_lora between two steps, off the event loop (a bad adapter: its ValueError)."""
+        await asyncio.to_thread(self._call_locked, self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """LLMEngine.remove_lora between two steps, off the event loop."""
+        return await asyncio.to_thread(self._call_locked, self.engine.remove_lora, lora_int_id)
+
+    def _call_locked(self, fn, *args):
+        with self._locked():
+            return fn(*args)
+
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:

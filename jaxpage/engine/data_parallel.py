@@ -9,6 +9,7 @@ runs while every replica does.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator
 
@@ -75,6 +76,14 @@ class DataParallelEngine:
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.replicas[0].tokenize(text, add_special_tokens)
+
+    async def add_lora(self, lora_request) -> None:
+        """The adapter onto every replica's host (each may serve it)."""
+        await asyncio.gather(*(r.add_lora(lora_request) for r in self.replicas))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """True when no replica still runs a request with it."""
+        return all(await asyncio.gather(*(r.remove_lora(lora_int_id) for r in self.replicas)))
 
     async def _stream(self, request_id: str, stream) -> AsyncIterator[RequestOutput]:
         try:

@@ -191,6 +191,19 @@ class LLMEngine:
             return prompt.get("prompt"), ids
         raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
+    def add_lora(self, lora_request) -> None:
+        """Reads and checks a LoRARequest's adapter onto the host (vLLM's add_lora), as a request's would be: a
+        ValueError naming the file and field for a missing or malformed adapter."""
+        self.runner.load_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter on the host and in its slot (vLLM's remove_lora), unless an unfinished request runs
+        with it: then it stays until they finish (the host LRU drops it in time) and this returns False."""
+        if any(r.group.lora_int_id == lora_int_id for r in self.requests.values()):
+            return False
+        self.runner.remove_lora(lora_int_id)
+        return True
+
     def abort_request(self, request_id: str) -> None:
         """Ends the request now and returns its blocks to the pool."""
         self.wait_for_step()

@@ -204,6 +204,11 @@ class ModelRunner:
             raise ValueError("a lora_request needs an engine started with enable_lora=True")
         self.lora.get(request)
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forgets an adapter on the host and in its slot (no request may run with it)."""
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
+
     def fetch(self, launched: LaunchedStep) -> SamplerOutput:
         """A launched step's output (numpy) for each of its rows, waiting for it if need be."""
         return jax.tree.map(np.asarray, launched.out).rows(slice(len(launched.scheduled)))
