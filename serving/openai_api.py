@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the server's RequestLifecycle (serving/requests.py).
 
-    POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with ``stream``),
-    GET /v1/models, /health, /version, /metrics; vLLM's POST /tokenize and /detokenize
+    POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (streamed as server-sent events with
+    ``stream``), GET /v1/models, /health, /version, /metrics; vLLM's POST /tokenize and /detokenize
+
+The Responses API runs on the chat path (serving/responses_api.py: the chat request a Responses request means).
 
 A completion of a batch of prompts (``prompt`` a list of strings or of token-id lists) is one engine request
 per prompt, run together: prompt i's choices are indexed i * n + their own index, as OpenAI's.
@@ -36,6 +38,7 @@ import jaxpage
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from serving import openai_protocol as oai
+from serving import responses_protocol as rp
 from serving.chat_options import ChatOptions, FieldError
 from serving.chat_template import chat_prompt, chat_texts, render_chat, template_messages
 from serving.http_guard import HttpGuard
@@ -43,9 +46,10 @@ from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
 from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
                               NotServingError, QueueFullError, RequestError, RequestLifecycle)
+from serving.responses_api import ResponseRendering, chat_request, responses_param
 from serving.serving_models import ServedModel, ServingModels, UnknownModelError
 from serving.structured import from_openai
-from serving.tool_choice import plan_tools
+from serving.tool_choice import ToolPlan, plan_tools
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -188,13 +192,17 @@ class OpenAIServing:
             raise _openai_error(e, prompt_field) from None
 
     async def _respond(self, raw: Request, streams: list[AsyncIterator[RequestOutput]], stream: bool,
-                       renders: list[Rendering], include_usage: bool, n: int = 1) -> Response:
-        """The response to one prompt's outputs, or a batch's (prompt i's choices indexed i * n + their own)."""
+                       renders: list, include_usage: bool, n: int = 1, events=None) -> Response:
+        """The response to one prompt's outputs, or a batch's (prompt i's choices indexed i * n + their own);
+        events: how a stream's outputs become its events (default: the chat and completion chunks)."""
         outputs = _merged(streams, lambda: self._count_error(499))  # 499: the client left
         if stream:  # each prompt's first output before the headers: admission errors are still an HTTP status
             read = await _unless_disconnected(raw, _firsts(outputs, len(streams)))
-            return Response(status_code=499) if read is None else StreamingResponse(
-                self._events(_replay(read, outputs), renders, include_usage, n), media_type="text/event-stream")
+            if read is None:
+                return Response(status_code=499)
+            replayed = _replay(read, outputs)
+            sse = self._events(replayed, renders, include_usage, n) if events is None else events(replayed, *renders)
+            return StreamingResponse(sse, media_type="text/event-stream")
         finals = await _unless_disconnected(raw, _finals(outputs, len(streams)))
         return Response(status_code=499) if finals is None else JSONResponse(
             _merged_response([r.final(out) for r, out in zip(renders, finals)], n).model_dump())
@@ -260,7 +268,8 @@ class OpenAIServing:
         return CompletionRendering(request_id, model, self._decode, body.logprobs, body.return_token_ids,
                                    body.prompt_logprobs, echo=echo)
 
-    async def chat_completions(self, body: oai.ChatCompletionRequest, raw: Request) -> Response:
+    def _chat(self, body: oai.ChatCompletionRequest) -> tuple[ServedModel, ToolPlan, str]:
+        """A chat request's model, tools and prompt."""
         model = self._check(body)
         engine = self._engine().engine
         self._check_prompt_bytes(chat_texts(body.messages), "messages")
@@ -269,6 +278,10 @@ class OpenAIServing:
             prompt = chat_prompt(engine.tokenizer, body, self.chat.chat_template, tools.tools, tools.mode != "none")
         except FieldError as e:
             raise OpenAIError(400, str(e), e.param) from None
+        return model, tools, prompt
+
+    async def chat_completions(self, body: oai.ChatCompletionRequest, raw: Request) -> Response:
+        model, tools, prompt = self._chat(body)
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = tools.sampling_params(sampling_params(body, body.max_completion_tokens or body.max_tokens, k))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -277,6 +290,40 @@ class OpenAIServing:
                                calls_finish=tools.calls_finish)
         outputs = self._outputs(request_id, prompt, params, body.priority, "messages", model)
         return await self._respond(raw, [outputs], body.stream, [render], _include_usage(body))
+
+    async def responses(self, body: rp.ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API: the chat request it means (serving/responses_api.py), its errors naming the
+        Responses fields."""
+        try:
+            try:
+                chat = chat_request(body)
+            except FieldError as e:
+                raise OpenAIError(400, str(e), e.param) from None
+            model, tools, prompt = self._chat(chat)
+            params = tools.sampling_params(sampling_params(chat, chat.max_completion_tokens, None))
+            request_id = f"resp_{uuid.uuid4().hex}"
+            render = ResponseRendering(request_id, model.name, body,
+                                       tools.message_parser(self.chat.reasoning_parser, prompt))
+            outputs = self._outputs(request_id, prompt, params, chat.priority, "input", model)
+            return await self._respond(raw, [outputs], body.stream, [render], False, events=self._response_events)
+        except OpenAIError as e:
+            raise _renamed(e) from None
+
+    async def _response_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                               render: ResponseRendering) -> AsyncIterator[str]:
+        """The Responses stream's events; a failure ends it with an error event."""
+        for event in render.start():
+            yield event
+        try:
+            async with contextlib.aclosing(outputs):
+                async for _, out in outputs:
+                    for event in render.push(out):
+                        yield event
+            for event in render.done():
+                yield event
+        except OpenAIError as e:
+            self._count_error(e.status)
+            yield render.error(e.message, e.param, e.code)
 
     async def models(self) -> oai.ModelList:
         """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""
@@ -383,6 +430,14 @@ class OpenAIServing:
             return await self.openai_error(request, OpenAIError(400, f"the body is not JSON: {first['msg']}"))
         param = ".".join(str(part) for part in first["loc"][1:]) or None  # loc[0] is "body"
         return await self.openai_error(request, OpenAIError(400, f"{param}: {first['msg']}", param))
+
+
+def _renamed(e: OpenAIError) -> OpenAIError:
+    """A chat request's error as the Responses request's: the field as the client named it."""
+    param = responses_param(e.param)
+    if param != e.param:
+        e.message, e.param = e.message.replace(e.param, param, 1), param
+    return e
 
 
 def _include_usage(body: oai.SamplingRequest) -> bool:
@@ -535,6 +590,7 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
     app.add_exception_handler(Exception, api.unexpected_error)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/v1/responses")(api.responses)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     app.get("/v1/models")(api.models)
