@@ -44,6 +44,7 @@ from serving.chat_template import chat_prompt, chat_texts, render_chat, template
 from serving.http_guard import HttpGuard
 from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
+from serving.openapi_document import install as install_openapi_document
 from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
                               NotServingError, QueueFullError, RequestError, RequestLifecycle)
 from serving.responses_api import ResponseRendering, chat_request, responses_param
@@ -600,4 +601,5 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
     app.get("/version")(lambda: {"version": jaxpage.__version__})
+    install_openapi_document(app)
     return app
