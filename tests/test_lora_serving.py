@@ -114,8 +114,8 @@ def _prompt(rng: random.Random, n: int = 20) -> list[int]:
 
 
 async def _completion(client, model: str, prompt: list[int], stream: bool, n: int = NEW_TOKENS) -> list[int]:
-    kw = dict(model=model, prompt=prompt, max_tokens=n, temperature=0,
-              extra_body={"ignore_eos": True, "return_token_ids": True})
+    kw = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+          "extra_body": {"ignore_eos": True, "return_token_ids": True}}
     if not stream:
         return (await client.completions.create(**kw)).choices[0].model_extra["token_ids"]
     tokens = []
@@ -235,8 +235,8 @@ def test_unloading_an_adapter_while_it_streams(served):
     names = [BASE, "a1", "a3", "a4"]
 
     async def stream(client, name, first: asyncio.Event | None):
-        kw = dict(model=name, prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        kw = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+              "extra_body": {"ignore_eos": True, "return_token_ids": True}}
         tokens = []
         async for chunk in await client.completions.create(**kw):
             for c in chunk.choices:
