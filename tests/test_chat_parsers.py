@@ -2,7 +2,8 @@
 models document, each read whole and as a stream (serving/chat_output.py): cut at every point and in random
 chunks, the stream's deltas put back together give the message of the whole text, and a tool call's first delta
 carries its index, id, type and name, the later ones only fragments of its arguments. The schemas that
-``tool_choice: "required"`` and a named function force compile (llguidance) and take what their parsers read."""
+``tool_choice: "required"`` and a named function force compile (llguidance) and take what their parsers read.
+The Responses API's items of a parse (serving/responses_api.py), streamed at every cut, are the whole output's."""
 from __future__ import annotations
 
 import json
@@ -12,11 +13,14 @@ import jsonschema
 import pytest
 
 from jaxpage import StructuredOutputsParams
+from jaxpage.outputs import CompletionOutput, RequestOutput
 from serving import openai_protocol as oai
+from serving import responses_protocol as rp
 from serving.chat_options import ChatOptions, FieldError
 from serving.chat_output import MessageParser, MessageStream
 from serving.chat_template import chat_prompt
 from serving.reasoning import REASONING_PARSERS
+from serving.responses_api import ResponseRendering
 from serving.tool_choice import plan_tools
 from serving.tool_parsers import TOOL_PARSERS
 from serving.tool_parsers.forced import NamedCall, RequiredCalls, required_schema
@@ -156,6 +160,55 @@ def test_reasoning_then_tool_calls():
     assert _message(parser, text) == ("The user wants the weather.", "\n", [("get_weather", '{"city": "Paris"}')])
     for chunks in _chunkings(text):
         assert _streamed(parser, chunks) == _message(parser, text), chunks
+
+
+def _items(response) -> list[tuple]:
+    """A Response's output items, without their ids."""
+    def text(item):
+        return "".join(part.text for part in item.content) if item.type != "function_call" else item.arguments
+    return [(item.type, getattr(item, "name", None), text(item)) for item in response.output]
+
+
+def test_a_response_streams_the_items_of_its_whole_output():
+    """The Responses API's rendering (serving/responses_api.py) of reasoning, content and two calls, cut at every
+    point: the stream's items (each added, its deltas, done, before the next is added; numbered events) are the
+    unstreamed response's, each item's deltas put together its text."""
+    text = ('<think>Two lookups.</think>Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    body = rp.ResponsesRequest(input="hi", stream=True)
+
+    def rendering():
+        return ResponseRendering("resp_1", "m", body, MessageParser(REASONING_PARSERS["qwen3"](""),
+                                                                    TOOL_PARSERS["hermes"]()))
+
+    whole = CompletionOutput(0, text, [7] * 9, finish_reason="stop")
+    final = rendering().final(RequestOutput("r", None, [1, 2], [whole], True))
+    want = [("reasoning", None, "Two lookups."), ("message", None, "Sure.\n"), ("function_call", "get_weather",
+            '{"city": "Paris"}'), ("function_call", "get_time", "{}")]
+    assert _items(final) == want and final.status == "completed" and final.usage.total_tokens == 11
+    for chunks in _chunkings(text):
+        render = rendering()
+        events = render.start()
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            events += render.push(RequestOutput("r", None, [1, 2], [CompletionOutput(
+                0, chunk, [7], finish_reason="stop" if last else None)], last))
+        events = [json.loads(e.split("data: ", 1)[1]) for e in events + render.done()]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        completed = rp.Response.model_validate(events[-1]["response"])
+        assert events[-1]["type"] == "response.completed" and _items(completed) == want, chunks
+        opened, texts = None, {}
+        for e in events[2:-1]:
+            if e["type"] == "response.output_item.added":
+                assert opened is None and e["output_index"] == len(texts), chunks
+                opened, texts[e["output_index"]] = e["output_index"], ""
+            elif e["type"] == "response.output_item.done":
+                assert e["output_index"] == opened, chunks
+                opened = None
+            elif e["type"].endswith(".delta"):
+                assert e["output_index"] == opened, chunks
+                texts[opened] += e["delta"]
+        assert [texts[i] for i in range(len(want))] == [w[2] for w in want], chunks
 
 
 FUNCTIONS = [
