@@ -3,8 +3,9 @@
 FastAPI documents what a route's signature says: the endpoints that stream return a plain Response, so their
 success had no schema, and every route with a body listed a 422 that never comes (a request FastAPI cannot
 validate is a 400, as every error, in OpenAI's error object). Here the document gives each streaming endpoint its
-JSON success and its event stream, health its 200 and 503 without a body, /metrics Prometheus' text, and every
-operation OpenAI's error object as its default response (400, 401, 404, 405, 413, 429, 500, 503).
+JSON success and its event stream, health its 200 and 503 without a body, /metrics Prometheus' text, the LoRA
+endpoints vLLM's line of text, and every operation OpenAI's error object as its default response (400, 401, 404,
+405, 413, 429, 500, 503).
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ STREAMED = {"/v1/completions": oai.CompletionResponse, "/v1/chat/completions": o
             "/v1/responses": rp.Response}
 EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
 NO_BODY = {"/health": {"200": {"description": "serving"}, "503": {"description": "starting, stopping or restarting"}}}
-TEXT = {"/metrics": {"200": {"description": "Prometheus' text format", "content": {"text/plain": {"schema":
-                                                                                              {"type": "string"}}}}}}
+PLAIN = {"text/plain": {"schema": {"type": "string"}}}
+TEXT = {"/metrics": {"200": {"description": "Prometheus' text format", "content": PLAIN}},
+        "/v1/load_lora_adapter": {"200": {"description": "vLLM's success line", "content": PLAIN}},
+        "/v1/unload_lora_adapter": {"200": {"description": "vLLM's success line", "content": PLAIN}}}
 
 
 def install(app: FastAPI) -> None:

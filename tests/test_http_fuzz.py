@@ -4,8 +4,8 @@ invalid ones), answers no 5xx and only responses that conform to the document (t
 engine's failure, and the engine here does not fail); afterwards every KV block is free.
 
 The server runs a tiny random Llama (a byte-level tokenizer of 256 bytes and the chat template's special tokens;
-the tool-calling template, tool-call and reasoning parsers on) through the real runner, with one step bucket of
-8 tokens beside the single-token one, so it compiles in seconds.
+the tool-calling template, tool-call and reasoning parsers on; LoRA with runtime loading, for its endpoints)
+through the real runner, with one step bucket of 8 tokens beside the single-token one: it compiles in seconds.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from tests.test_openai_api import TEMPLATE, start
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--num-kv-blocks", "160",
          "--dtype", "float32", "--grace-seconds", "5", "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
-         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+         "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8", "--allow-runtime-lora-updating"]
 EXAMPLES = 25  # per operation and mode (valid, invalid input)
 
 
@@ -86,8 +87,8 @@ def fuzz(operation, mode: GenerationMode, statuses: Counter) -> None:
 
 def test_every_operation_answers_as_its_schema_says(api_schema):
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"} <= {
-        op.path for op in operations}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize", "/v1/models",
+            "/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= {op.path for op in operations}
     failures, statuses = [], {}
     for operation in operations:
         for mode in GenerationMode:
