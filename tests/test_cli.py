@@ -25,7 +25,7 @@ EVERY_FLAG = [
     "--data-parallel-size", "3", "--preemption-mode", "swap", "--swap-space", "1GiB", "--max-seqs-per-request", "2",
     "--cache-dir", "/tmp/c", "--no-progress", "--long-prefill-token-threshold", "32", "--max-num-partial-prefills", "3",
     "--max-long-partial-prefills", "2", "--no-async-scheduling", "--enable-lora", "--max-loras", "3",
-    "--max-lora-rank", "32", "--max-cpu-loras", "5",
+    "--max-lora-rank", "32", "--max-cpu-loras", "5", "--speculative-config", '{"num_speculative_tokens": 2}',
 ]
 EXPECTED = EngineArgs(model="m.gguf", block_size=32, kv_cache_memory=512 << 20, num_kv_blocks=100, max_num_seqs=4,
                       max_num_batched_tokens=128, max_model_len=256, dtype="bfloat16", kv_cache_dtype="int8",
@@ -34,6 +34,7 @@ EXPECTED = EngineArgs(model="m.gguf", block_size=32, kv_cache_memory=512 << 20, 
                       preemption_mode="swap", swap_space=1 << 30, max_seqs_per_request=2, cache_dir="/tmp/c",
                       long_prefill_token_threshold=32, max_num_partial_prefills=3, max_long_partial_prefills=2,
                       async_scheduling=False, enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5,
+                      speculative_config={"num_speculative_tokens": 2},
                       progress=False)
 
 
