@@ -65,6 +65,25 @@ class EngineStatsCollector:
                       lambda s: s["prefix_cache_queries"])
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       lambda s: s["prefix_cache_hits"])
+        if "spec_decode_num_drafts" in stats:  # speculative decoding on
+            yield from spec_decode_families(rows, labels)
+
+
+def spec_decode_families(rows: list, labels: list[str]):
+    """vLLM's speculative-decoding counters: drafts, draft tokens, accepted tokens, and accepted tokens by draft
+    position (label ``position``)."""
+    for name, doc in (("num_drafts", "Draft proposals verified."), ("num_draft_tokens", "Draft tokens verified."),
+                      ("num_accepted_tokens", "Draft tokens accepted.")):
+        f = CounterMetricFamily(PREFIX + "spec_decode_" + name, doc, labels=labels)
+        for values, s in rows:
+            f.add_metric(values, s["spec_decode_" + name])
+        yield f
+    f = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                            labels=labels + ["position"])
+    for values, s in rows:
+        for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+            f.add_metric(values + [str(pos)], n)
+    yield f
 
 
 class Metrics:

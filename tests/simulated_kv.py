@@ -109,6 +109,8 @@ class FakeRunner:
         n = len(scheduled)
         self.max_rows = max(self.max_rows, n)
         assert n <= cfg.max_num_seqs, f"{n} sequences in one step, max_num_seqs={cfg.max_num_seqs}"
+        drafts = [(s, j) for s in scheduled for j in range(len(s.spec_token_ids))]  # a sampled row each, after
+        assert n + len(drafts) <= cfg.max_num_seqs, f"{n} rows and {len(drafts)} draft rows in one step"
         assert n > 0
         assert len({id(s.seq) for s in scheduled}) == n, "a sequence scheduled twice in one step"
         total = sum(s.num_new_tokens for s in scheduled)
@@ -124,11 +126,13 @@ class FakeRunner:
                 assert s.num_new_tokens == 0 and s.logits_of.seq_id != seq.seq_id
                 continue
             first, count = seq.num_computed_tokens, s.num_new_tokens
-            assert 0 < count <= seq.num_tokens - first, (first, count, seq.num_tokens)
-            assert s.samples == (first + count == seq.num_tokens)
+            ids = seq.token_ids + list(s.spec_token_ids)  # speculative decoding: the drafts follow its last token
+            assert not s.spec_token_ids or first == seq.num_tokens - 1, "drafts after a prompt chunk"
+            assert 0 < count <= len(ids) - first, (first, count, len(ids))
+            assert s.samples == (first + count == len(ids))
             assert len(seq.block_table) * bs >= first + count, "block table too short for the chunk"
             assert seq.lora_int_id == s.group.lora_int_id, "a sequence computed with another adapter"
-            h = hashes[seq.seq_id] = prefix_hashes(seq.token_ids, seq.lora_int_id)
+            h = hashes[seq.seq_id] = prefix_hashes(ids, seq.lora_int_id)
             for p in range(first, first + count):
                 block = seq.block_table[p // bs]
                 assert 0 < block < cfg.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
@@ -143,22 +147,48 @@ class FakeRunner:
             bad = [p for p in seen if got[p] != h[p]]
             assert not bad, (f"seq {seq.seq_id} reads wrong K/V at positions {bad[:10]} (blocks "
                              f"{[seq.block_table[p // bs] for p in bad[:10]]}, table {seq.block_table})")
-        tokens = np.zeros(n, np.int64)
-        logprobs = np.zeros(n, np.float64)
-        top_ids = np.zeros((n, MAX_LOGPROBS), np.int64)
-        top_lps = np.zeros((n, MAX_LOGPROBS), np.float64)
+        rows = n + len(drafts)
+        tokens = np.zeros(rows, np.int64)
+        logprobs = np.zeros(rows, np.float64)
+        top_ids = np.zeros((rows, MAX_LOGPROBS), np.int64)
+        top_lps = np.zeros((rows, MAX_LOGPROBS), np.float64)
         fork_parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}
-        for row, s in enumerate(scheduled):
-            src = s.logits_of or s.seq
-            rng = np.random.default_rng([prefix_hashes(src.token_ids)[-1], s.seq.seed % 5])
-            ids = rng.permutation(VOCAB)[:MAX_LOGPROBS]
-            lps = np.sort(rng.uniform(-9.0, -0.05, MAX_LOGPROBS))[::-1]
-            pick = 0 if s.group.params.temperature == 0 else int(rng.integers(0, 3))
-            if AVOID_KNOWN_FORK_BUG and id(s.seq) in fork_parents and ids[pick] == EOS:
+        # each row samples after its tokens (a speculating row: after its drafts; a draft row: after drafts[:j])
+        contexts = [((s.logits_of or s.seq).token_ids + list(s.spec_token_ids), s) for s in scheduled]
+        contexts += [(s.seq.token_ids + list(s.spec_token_ids[:j]), s) for s, j in drafts]
+        for row, (context, s) in enumerate(contexts):
+            ids, lps, pick = fake_draw(context, s.seq.seed, s.group.params.temperature)
+            if AVOID_KNOWN_FORK_BUG and row < n and id(s.seq) in fork_parents and ids[pick] == EOS:
                 pick += 1
             top_ids[row], top_lps[row] = ids, lps
             tokens[row], logprobs[row] = ids[pick], lps[pick]
         return SamplerOutput(tokens, logprobs, top_ids, top_lps)
+
+
+def fake_draw(context: list[int], seed: int, temperature: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """The fake runner's draw after ``context``: (top ids, their log-probabilities, the index picked), a function
+    of the tokens (of the base model's K/V) and the seed only, so speculation and async scheduling change none."""
+    rng = np.random.default_rng([prefix_hashes(context)[-1], seed % 5])
+    ids = rng.permutation(VOCAB)[:MAX_LOGPROBS]
+    lps = np.sort(rng.uniform(-9.0, -0.05, MAX_LOGPROBS))[::-1]
+    return ids, lps, 0 if temperature == 0 else int(rng.integers(0, 3))
+
+
+class FakeDraftProposer:
+    """Speculative decoding over the fake runner: drafts that its greedy draws confirm for a first few tokens
+    (how many: a function of the tokens, 0 to num_tokens), then a token they reject; so accepted runs of every
+    length, stops inside them and rollbacks all happen (an n-gram proposal over VOCAB random tokens would be
+    rejected nearly always)."""
+
+    def propose(self, seq, num_tokens: int) -> list[int]:
+        context, draft = list(seq.token_ids), []
+        right = prefix_hashes(context)[-1] % (num_tokens + 2)
+        for j in range(num_tokens):
+            ids, _, _ = fake_draw(context, seq.seed, 0.0)
+            token = int(ids[0]) if j < right else int(ids[1])
+            draft.append(token)
+            context.append(token)
+        return draft
 
 
 def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
@@ -167,7 +197,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                 max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                async_scheduling: bool = True, max_loras: int = 0) -> LLMEngine:
+                async_scheduling: bool = True, max_loras: int = 0, speculative: int = 0) -> LLMEngine:
+    """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off."""
     model = config_from_hf(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
@@ -181,10 +212,14 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  max_num_partial_prefills=max_num_partial_prefills,
                                  max_long_partial_prefills=max_long_partial_prefills,
                                  async_scheduling=async_scheduling, enable_lora=max_loras > 0,
-                                 max_loras=max(max_loras, 1))
+                                 max_loras=max(max_loras, 1),
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": speculative}
+                                 if speculative else None)
     config = dataclasses.replace(config, num_host_blocks=num_host_blocks)  # a swap space in blocks, not bytes
     runner = FakeRunner(config, num_host_blocks)
     engine = LLMEngine(config, runner, eos_token_ids=(EOS,))
+    if speculative:
+        engine.scheduler.proposer = FakeDraftProposer()
     runner.block_pool = engine.block_pool
     engine.refuse_unfittable = False  # these tests drive the scheduler's own safety net for groups that never fit
     return engine

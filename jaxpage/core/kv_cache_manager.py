@@ -170,6 +170,15 @@ class KVCacheManager:
             if seq.block_table[i] != NULL_BLOCK:
                 self.pool.cache(seq.block_table[i], block_hash)
 
+    def trim(self, seq: Sequence) -> None:
+        """Speculative decoding's rollback: the blocks past the sequence's computed tokens (they held only
+        rejected drafts' K/V) go back to the pool; the K/V left past num_computed_tokens in its last block is
+        never read (keys are masked by position) and is overwritten by the next step."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.free(_live(seq.block_table[keep:])[::-1])
+            del seq.block_table[keep:]
+
     # --- sharing and release --------------------------------------------------------------------------
     def fork(self, seq: Sequence) -> None:
         """Counts a new holder of every block in ``seq``'s table (the table was copied by Sequence.fork)."""

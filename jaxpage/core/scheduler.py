@@ -17,8 +17,11 @@ from jaxpage.core.scheduler_output import (
     ScheduledSeq,
     SchedulerOutput,
 )
-from jaxpage.core.stop import check_stop
+from jaxpage.core.stop import check_stop, reached_min_tokens
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from jaxpage.spec_decode.metrics import SpecDecodingStats
+from jaxpage.spec_decode.proposer import make_proposer
+from jaxpage.spec_decode.rejection_sampler import emitted_tokens
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,10 @@ class Scheduler:
         # The last schedule, when it was a plain decode step of every running sequence (see _decode_again); None
         # once anything it depends on may have changed (a group preempted, finished, queued, or beams reordered)
         self._decode: list[ScheduledSeq] | None = None
+        # speculative decoding: the proposer of draft tokens and the acceptance counters (None: off)
+        spec = config.speculative_config
+        self.proposer = make_proposer(spec)
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
 
     def add(self, group: SequenceGroup) -> None:
         self._decode = None
@@ -95,11 +102,44 @@ class Scheduler:
         if self.waiting and budget > 0 and not self.swapped:
             self._admit_waiting(scheduled, budget, limits)
         scheduled.extend(self._forks(scheduled))
+        if self.proposer is not None:
+            self._add_drafts(scheduled)
         if not scheduled and not self.running and (self.waiting or self.swapped):
             self._fail_head()
-        elif not self.waiting and not self.swapped and not self._failed:
-            self._decode = self._decode_rows(scheduled)
+        elif not self.waiting and not self.swapped and not self._failed and self.proposer is None:
+            self._decode = self._decode_rows(scheduled)  # with speculation every step proposes afresh
         return SchedulerOutput(scheduled, self.kv.take_ops())
+
+    def _add_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+        """Speculative decoding: each decode row that may speculate (``_speculates``) gets the proposer's draft
+        tokens, as many as what is left of the step's token budget, of its rows (a draft token's position is a
+        sampled row: at most max_num_seqs rows a step) and of the free blocks allow; the row then computes its
+        last token and the drafts. No draft runs past the sequence's max_len, and none preempts anything."""
+        spec = self.config.speculative_config
+        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        rows = self.config.max_num_seqs - len(scheduled)
+        parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}  # forks sample their last token
+        for s in scheduled:
+            if min(budget, rows) <= 0:
+                return
+            seq = s.seq
+            k = min(spec.num_speculative_tokens, budget, rows, seq.max_len - seq.num_tokens - 1)
+            if k <= 0 or not self._speculates(s) or id(seq) in parents:
+                continue
+            draft = self.proposer.propose(seq, k)[:k]
+            if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
+                s.num_new_tokens, s.spec_token_ids = 1 + len(draft), tuple(draft)
+                budget -= len(draft)
+                rows -= len(draft)
+
+    @staticmethod
+    def _speculates(s: ScheduledSeq) -> bool:
+        """Whether a row may carry draft tokens: a decode row (its sequence's last token, sampled) of a request
+        without beams, penalties or structured outputs (their next token's inputs depend on the host's view of
+        the tokens before: not speculated for now), past min_tokens (the banned stop tokens end there)."""
+        p = s.group.params
+        return (s.num_new_tokens == 1 and s.samples and s.logits_of is None and not p.use_beam_search
+                and not p.has_penalties and p.structured_outputs is None and reached_min_tokens(s.seq, p))
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int, limits: PrefillLimits) -> None:
         """Admits waiting groups in order while the token budget, max_num_seqs, the step's prefill limits and the
@@ -322,10 +362,17 @@ class Scheduler:
         bs, finished = self.config.block_size, SequenceStatus.FINISHED
         got, beams = [], []
         at = 0  # the row's first token in the step's flat batch
+        spec_at = len(scheduled)  # the next draft position's row (speculative decoding)
         for row, s in enumerate(scheduled):
             first_token, at = at, at + s.num_new_tokens
             try:
                 seq, group = s.seq, s.group
+                if s.spec_token_ids:  # its drafts' rows follow the scheduled rows, in order
+                    verify, spec_at = spec_at, spec_at + len(s.spec_token_ids)
+                    if group.status is not finished:
+                        self._take_verified(s, list(range(verify, spec_at)) + [row], tokens, logprobs, sampled)
+                        got.append(s)
+                    continue
                 if group.prompt_logprobs is not None:  # before its tokens are counted as computed
                     take_prompt_logprobs(s, sampled.prompt, first_token)
                 if s.logits_of is None:
@@ -353,6 +400,31 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001
                     failed.setdefault(group.request_id, e)
         return got
+
+    def _take_verified(self, s: ScheduledSeq, rows: list[int], tokens: list[int], logprobs: list[float],
+                       sampled) -> None:
+        """A speculating row's output: the target's samples at its drafts' positions and after the last
+        (``rows``) verified (spec_decode/rejection_sampler.py); the accepted drafts and the target's next token
+        appended one by one, each checked by the one stop rule, a stop ending the run there. Then the K/V of the
+        rejected drafts is rolled back: the computed tokens are the accepted ones, a block holding no accepted
+        token goes back to the pool, and the prefix cache registers the blocks full of accepted tokens."""
+        seq, group, draft = s.seq, s.group, list(s.spec_token_ids)
+        new = emitted_tokens(draft, [tokens[r] for r in rows])
+        self.spec_stats.observe(len(draft), len(new) - 1)
+        want_top = group.params.logprobs is not None
+        appended = []
+        for token, r in zip(new, rows):
+            top = (sampled.top_ids[r], sampled.top_logprobs[r]) if want_top else None
+            appended.append(logprobs[r])
+            self._append_token(group, seq, token, logprobs[r], top)
+            if seq.is_finished:  # its blocks are freed
+                break
+        s.new_logprobs = tuple(appended)
+        if not seq.is_finished:
+            seq.num_computed_tokens = seq.num_tokens - 1  # the K/V of every token but the newest
+            self.kv.trim(seq)
+            if len(seq.block_hashes) < seq.num_computed_tokens // self.config.block_size:
+                self.kv.cache_full_blocks(seq)
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float, top) -> None:
         p = group.params

@@ -19,9 +19,18 @@ class ScheduledSeq:
     group: SequenceGroup
     samples: bool  # this chunk reaches the sequence's last token, so the step's sample is its next token
     logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
+    # speculative decoding: the draft tokens this decode row verifies (num_new_tokens counts them: its last token,
+    # then the drafts); each draft's position is sampled in a row of its own after the scheduled rows
+    spec_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[float, ...] = ()  # speculative rows: the log-probabilities of the tokens the step appended
 
 
 @dataclasses.dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     ops: DeviceOps
+
+
+def num_sampled_rows(scheduled: list[ScheduledSeq]) -> int:
+    """The rows a step samples: one per scheduled row, then one per draft token (speculative decoding)."""
+    return len(scheduled) + sum(len(s.spec_token_ids) for s in scheduled)

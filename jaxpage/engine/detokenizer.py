@@ -16,9 +16,11 @@ class IncrementalDetokenizer:
         self._searched = 0  # text before this offset holds no stop string
         self._hold = max((len(s) for s in stop or []), default=1) - 1  # chars that may begin a stop string
         self._end: int | None = None  # where the text ends once a stop string is found
+        self.num_tokens = 0  # output tokens added
 
     def add(self, token_id: int) -> str:
         """Appends one token; returns the newly completed text (possibly empty)."""
+        self.num_tokens += 1
         if self.tokenizer is None:
             return ""
         self.ids.append(token_id)

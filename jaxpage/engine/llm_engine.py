@@ -315,6 +315,7 @@ class LLMEngine:
         stored, allocated = self._kv_occupancy()
         peak = self.peak_kv
         requests = list(self.finished_metrics)
+        spec = self.scheduler.spec_stats.as_stats() if self.scheduler.spec_stats is not None else {}
         return {
             "num_blocks": self.config.num_kv_blocks - 1,  # the null block is never handed out
             "num_free_blocks": self.block_pool.num_free,
@@ -334,4 +335,5 @@ class LLMEngine:
             "requests": [{"ttft": m.ttft, "time_per_output_token": m.time_per_output_token,
                           "e2e_latency": m.e2e_latency, "num_output_tokens": m.num_output_tokens}
                          for m in requests],
+            **spec,  # speculative decoding's acceptance counters (jaxpage/spec_decode/metrics.py), when it is on
         }

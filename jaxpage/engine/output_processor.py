@@ -58,7 +58,7 @@ class OutputProcessor:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if not p.use_beam_search:  # beams decode their whole text once output
-                    self._detokenize(request, seq)
+                    self._detokenize(request, seq, s.new_logprobs)
                 if group.width == 1 and not p.use_beam_search:  # its only row: its output is made now
                     output = self._request_output(request, now)
                     if output is not None:
@@ -81,22 +81,29 @@ class OutputProcessor:
             outputs = [o for o in outputs if isinstance(o, RequestOutput) and o.request_id not in failed]
         return outputs + [self.error(request_id, e, states.get(request_id)) for request_id, e in failed.items()]
 
-    def _detokenize(self, request: RequestState, seq: Sequence) -> None:
-        """Adds the sequence's new token to its text; a stop string in it ends the sequence (check_stop)."""
+    def _detokenize(self, request: RequestState, seq: Sequence, new_logprobs: tuple[float, ...] = ()) -> None:
+        """Adds the sequence's new tokens to its text (one a step; several with speculative decoding, whose
+        log-probabilities are ``new_logprobs``), token by token; a stop string ends the sequence at the token
+        that completes it (check_stop), and the tokens after it in the same step are taken back out."""
         p = request.group.params
         detok = request.detokenizers.get(seq.seq_id)
         if detok is None:
             detok = request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens, p.stop)
-        detok.add(seq.token_ids[-1])
-        if p.stop and seq.finish_reason != FinishReason.STOP and reached_min_tokens(seq, p):  # not a stop token
-            stop = detok.find_stop(p.stop, p.include_stop_str_in_output)
-            if stop is not None:
-                reason = check_stop(seq, p, stop_string=stop)
-                if seq.finish_reason is None:
-                    self.scheduler.finish_seq(request.group, seq, reason)
-                else:  # it reached its length with this token: the stop string comes first, as in vLLM
-                    seq.finish_reason = reason
+        new = seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:]
+        for i, token in enumerate(new):
+            detok.add(token)
+            last = i == len(new) - 1  # only the newest token can be a stop token (the scheduler ends runs there)
+            if p.stop and (not last or seq.finish_reason != FinishReason.STOP) and reached_min_tokens(seq, p):
+                stop = detok.find_stop(p.stop, p.include_stop_str_in_output)
+                if stop is not None:
+                    _drop_last(seq, len(new) - 1 - i, new_logprobs)
+                    reason = check_stop(seq, p, stop_string=stop)
+                    if seq.finish_reason is None:
+                        self.scheduler.finish_seq(request.group, seq, reason)
+                    else:  # it reached its length with this token: the stop string comes first, as in vLLM
+                        seq.finish_reason = reason
+                    return
 
     def _request_output(self, request: RequestState, now: float) -> RequestOutput | None:
         """The request's output after a step (None while a final_only request runs); a request whose sequences
@@ -175,3 +182,12 @@ class OutputProcessor:
                        for i in range(group.params.n)]
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions, True,
                              request.metrics, error=message)
+
+
+def _drop_last(seq: Sequence, n: int, logprobs: tuple[float, ...]) -> None:
+    """Takes the last n tokens of a speculative run back out of a sequence that a stop string ended before
+    them (they are never output), with their log-probabilities."""
+    if n:
+        del seq.token_ids[-n:]
+        seq.cumulative_logprob -= sum(logprobs[-n:])
+        del seq.output_logprobs[-n:]  # (empty when the request asked for no logprobs)

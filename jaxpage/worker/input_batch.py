@@ -124,6 +124,9 @@ def build_token_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
         (token_ids, positions), token_seq, logits_indices, forks = decode_tokens, None, None, []
     else:
         token_ids, positions, token_seq, logits_indices, forks = _flat_tokens(scheduled)
+        if len(logits_indices) > num_rows:  # speculative decoding: each draft position's row, state row its own
+            rows = rows + [rows[r] for r, s in enumerate(scheduled) for _ in s.spec_token_ids]
+            num_rows = len(rows)
     count = len(token_ids)
     num_tokens = pick_bucket(config.token_buckets(), max(count, num_rows, 1))  # forks add rows
     num_seqs = config.num_seqs_for(num_tokens)
@@ -153,9 +156,12 @@ def _decode_tokens(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int]]
 
 def _flat_tokens(scheduled: list[ScheduledSeq]):
     """Every row's scheduled tokens, flat: (token ids, positions, each token's row, each row's logits index,
-    the fork rows: those that compute no token, sampling their parent's logits)."""
+    the fork rows: those that compute no token, sampling their parent's logits). A speculating row's tokens are
+    its last token and its drafts; a row per draft position follows the scheduled rows (sampling there, no
+    tokens of its own, as forks), in order."""
     token_ids, positions, token_seq, logits_indices, forks = [], [], [], [], []
     last_index: dict[int, int] = {}
+    verify: list[int] = []  # speculative decoding: the draft positions' logits indices
     for row, s in enumerate(scheduled):
         seq, n = s.seq, s.num_new_tokens
         if n:
@@ -165,13 +171,19 @@ def _flat_tokens(scheduled: list[ScheduledSeq]):
                 positions.append(first)
                 token_seq.append(row)
             else:
-                token_ids.extend(seq.token_ids[first:first + n])
+                token_ids.extend(seq.token_ids[first:first + n] if not s.spec_token_ids
+                                 else (seq.token_ids[first], *s.spec_token_ids))
                 positions.extend(range(first, first + n))
                 token_seq.extend([row] * n)
+                if s.spec_token_ids:
+                    verify.extend(range(len(token_ids) - n, len(token_ids) - 1))
             last_index[seq.seq_id] = len(token_ids) - 1
         else:
             forks.append(row)
         logits_indices.append(last_index[(s.logits_of or seq).seq_id])
+    if verify:
+        forks.extend(range(len(logits_indices), len(logits_indices) + len(verify)))
+        logits_indices.extend(verify)
     return token_ids, positions, token_seq, logits_indices, forks
 
 
@@ -206,13 +218,20 @@ def _slots(tables: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, bl
 
 def _steps(scheduled: list[ScheduledSeq], state: InputBatch, index: np.ndarray, positions: np.ndarray,
            decode: bool) -> np.ndarray:
-    """Each row's tokens generated so far (len(token_ids) - num_prompt_tokens), padded."""
+    """Each row's tokens generated so far (len(token_ids) - num_prompt_tokens), padded: the output index of the
+    token it samples (its seed's key). A speculating row samples after its drafts; the draft positions' rows
+    follow the scheduled rows."""
     num_rows = len(scheduled)
     steps = np.zeros(len(index), np.int32)
     if decode:  # the token computed is the sequence's last
         steps[:num_rows] = positions[:num_rows].astype(np.int64) + 1 - state.num_prompt[index[:num_rows]]
-    else:
+    elif state.config.speculative_config is None:
         steps[:num_rows] = [len(s.seq.token_ids) - s.seq.num_prompt_tokens for s in scheduled]
+    else:
+        outputs = [len(s.seq.token_ids) - s.seq.num_prompt_tokens for s in scheduled]
+        steps[:num_rows] = [n + len(s.spec_token_ids) for n, s in zip(outputs, scheduled)]
+        drafts = [n + j for n, s in zip(outputs, scheduled) for j in range(len(s.spec_token_ids))]
+        steps[num_rows:num_rows + len(drafts)] = drafts
     return steps
 
 

@@ -16,7 +16,7 @@ from jaxpage.attention.block_moves import BlockMoves
 from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, host_kv_pool
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
-from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.core.scheduler_output import ScheduledSeq, num_sampled_rows
 from jaxpage.distributed.parallel import placement, put
 from jaxpage.lora.worker_manager import SlotWriter, WorkerLoRAManager, token_slots, with_empty_slots
 from jaxpage.models import TokenBatch, unstack_layers
@@ -210,8 +210,11 @@ class ModelRunner:
             self.lora.remove(lora_int_id)
 
     def fetch(self, launched: LaunchedStep) -> SamplerOutput:
-        """A launched step's output (numpy) for each of its rows, waiting for it if need be."""
-        return jax.tree.map(np.asarray, launched.out).rows(slice(len(launched.scheduled)))
+        """A launched step's output (numpy) for each of its rows (with speculative decoding, then each draft
+        position's), waiting for it if need be."""
+        scheduled = launched.scheduled
+        rows = len(scheduled) if self.config.speculative_config is None else num_sampled_rows(scheduled)
+        return jax.tree.map(np.asarray, launched.out).rows(slice(rows))
 
     def run(self, batch: TokenBatch, sampling: SamplingBatch) -> SamplerOutput:
         """The compiled step of the batch's bucket on it (the pool updated in place)."""
