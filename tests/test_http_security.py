@@ -136,7 +136,8 @@ def test_tls_without_client_certificates_and_the_key_from_the_environment(tmp_pa
     ("/v1/completions", {"prompt": ["é" * (MAX_PROMPT_BYTES // 2 + 1)]}, "prompt"),  # UTF-8 bytes, not chars
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (MAX_PROMPT_BYTES // 2)}] * 2},
      "messages"),
-], ids=["text", "utf-8-in-a-list", "chat-messages-summed"])
+    ("/v1/responses", {"instructions": "x" * (MAX_PROMPT_BYTES // 2), "input": "x" * (MAX_PROMPT_BYTES // 2)}, "input"),
+], ids=["text", "utf-8-in-a-list", "chat-messages-summed", "responses-instructions-and-input-summed"])
 def test_a_prompt_over_max_prompt_bytes_is_400_naming_the_field(http, path, body, param):
     r = http.post(path, headers=AUTH, json={**body, "max_tokens": 2})
     error = r.json()["error"]
