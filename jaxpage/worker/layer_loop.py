@@ -5,10 +5,15 @@ In a ``lax.scan`` over stacked weights XLA:CPU copies each layer's weights out o
 each layer keeps its own weight buffers (the unrolled layout) and one executable per token bucket runs any of
 them, so the compile time stays a scan's. The pool is donated to every layer call (updated in place), and the
 calls are dispatched asynchronously: the host runs ahead of the device.
+
+The tail is split the same way: the sampler's executable depends on the sequence bucket only, so the token buckets
+of one sequence bucket share it (it is most of a small model's compile time), and the prompt logprobs' executable
+runs only in steps with a prompt target.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -19,19 +24,23 @@ from jaxpage.config import EngineConfig
 from jaxpage.distributed.parallel import put
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
+from jaxpage.worker.step_tail import prompt_logprobs_of, sample_rows
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerLoop:
-    """The step as three functions, called like the fused step: (params, pool, batch, sampling) -> (sampler
-    output, pool), params with the layers unrolled. ``make`` gives them jitted; ``compile``, one bucket's
+    """The step as functions called from the host like the fused step: (params, pool, batch, sampling) ->
+    (sampler output, pool), params with the layers unrolled. ``make`` gives them jitted; ``compile``, one bucket's
     executables."""
 
     begin: object  # (top weights, batch) -> (x, page plans)
     layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
-    end: object  # (top weights, x, batch, sampling) -> sampler output
+    end: object  # (top weights, x, batch) -> (final-normed x, its rows at the batch's logits indices)
+    sampler: object  # (top weights, rows, sampling) -> sampler output (step_tail.sample_rows)
+    prompt: object  # (top weights, final-normed x, prompt targets) -> prompt logprobs (step_tail.prompt_logprobs_of)
     consts: tuple  # each layer's LayerConstants, on the device(s)
     inputs: object  # the batch's sharding, placed once for all layers
+    samplers: dict  # compiled samplers by their inputs' shapes, shared by the buckets of a sequence bucket
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
@@ -40,13 +49,17 @@ class LayerLoop:
         x, plans = self.begin(top, batch)
         for i, consts in enumerate(self.consts):
             x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
-        return self.end(top, x, batch, sampling), pool
+        x, rows = self.end(top, x, batch)
+        targets = sampling.prompt_targets
+        out = self.sampler(top, rows, dataclasses.replace(sampling, prompt_targets=None))
+        if targets is not None and (isinstance(targets, jax.Array) or np.any(np.asarray(targets) >= 0)):
+            out = dataclasses.replace(out, prompt=self.prompt(top, x, targets))
+        return out, pool
 
     @classmethod
-    def make(cls, config: EngineConfig, sample_tokens, weights: dict, where=None) -> "LayerLoop":
-        """sample_tokens(config, top, hidden, batch, sampling): the step's tail; weights: the unrolled weights'
-        shardings; where: the device (one device only: a mesh's layer call is a launch on each of its devices, see
-        ``model_runner.HOST_LAYER_LOOP_PLATFORMS``)."""
+    def make(cls, config: EngineConfig, weights: dict, where=None) -> "LayerLoop":
+        """weights: the unrolled weights' shardings; where: the device (one device only: a mesh's layer call is a
+        launch on each of its devices, see ``model_runner.HOST_LAYER_LOOP_PLATFORMS``)."""
         cfg, backend = config.model, config.attention_backend
 
         def begin(top, batch):
@@ -55,24 +68,33 @@ class LayerLoop:
         def one_layer(layer, consts, x, pool, batch, plans):
             return run_layer(cfg, layer, consts, x, pool, batch, plans, backend)
 
-        def end(top, x, batch, sampling):
-            return sample_tokens(config, top, final_norm(cfg, top, x), batch, sampling)
+        def end(top, x, batch):
+            x = final_norm(cfg, top, x)
+            return x, x[batch.logits_indices]
 
         inputs = SingleDeviceSharding(where or jax.devices()[0])
         consts = layer_constants(cfg)
         consts = tuple(jax.tree.map(lambda a, i=i: put(a[i], inputs), consts) for i in range(cfg.num_layers))
         layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: weights["layers"][0]}, config.kv_dtype)
-        return cls(jax.jit(begin), layer_step, jax.jit(end), consts, inputs)
+        return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(functools.partial(sample_rows, config)),
+                   jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {})
 
     def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
         """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled."""
         top, layer = top_weights(params), params["layers"][0]
         x, plans = jax.eval_shape(self.begin, top, batch)
-        return dataclasses.replace(self, begin=self.begin.lower(top, batch).compile(),
-                                   layer=self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
-                                   end=self.end.lower(top, x, batch, sampling).compile())
+        _, rows = jax.eval_shape(self.end, top, x, batch)
+        targets, sampling = sampling.prompt_targets, dataclasses.replace(sampling, prompt_targets=None)
+        key = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((rows, sampling)))
+        if key not in self.samplers:
+            self.samplers[key] = self.sampler.lower(top, rows, sampling).compile()
+        return dataclasses.replace(
+            self, begin=self.begin.lower(top, batch).compile(),
+            layer=self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
+            end=self.end.lower(top, x, batch).compile(), sampler=self.samplers[key],
+            prompt=self.prompt.lower(top, x, targets).compile() if targets is not None else None)
 
     def as_text(self) -> str:
-        """The three compiled executables' HLO, as a compiled step's ``as_text``."""
-        return "\n".join(f.as_text() for f in (self.begin, self.layer, self.end))
-
+        """The compiled executables' HLO, as a compiled step's ``as_text``."""
+        return "\n".join(f.as_text() for f in (self.begin, self.layer, self.end, self.sampler, self.prompt)
+                         if f is not None)

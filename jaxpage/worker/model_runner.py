@@ -29,7 +29,6 @@ from jaxpage.worker.step import (
     compile_step,
     jit_step,
     replicated,
-    sample_tokens,
     substitute_placeholders,
     weight_shardings,
 )
@@ -92,7 +91,7 @@ class ModelRunner:
         self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where)
         self.host_pool = (host_kv_pool(config.model, config.num_host_blocks, config.block_size, kv_dtype)
                           if config.num_host_blocks else None)
-        self._step = (LayerLoop.make(config, sample_tokens, shardings, where) if host_loop
+        self._step = (LayerLoop.make(config, shardings, where) if host_loop
                       else jit_step(config, where))
         self._executables: dict[int, object] = {}  # token bucket -> compiled step
         self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)

@@ -3,9 +3,7 @@ with the pool donated; where its inputs live (weights, pool, the rest); and its 
 which warm-up and the compile lanes compile it for."""
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -16,21 +14,12 @@ from jaxpage.attention.kv_cache import jit_on_pool
 from jaxpage.config import EngineConfig
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.distributed.parallel import placement, put, spec_shardings
-from jaxpage.models import TokenBatch, abstract_params, compute_logits, forward_hidden, partition_specs
+from jaxpage.models import TokenBatch, abstract_params, forward_hidden, partition_specs
 from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.layer_loop import LayerLoop
-from jaxpage.worker.sampler import (
-    MAX_BANNED,
-    PromptLogprobsOutput,
-    SamplerOutput,
-    SamplingBatch,
-    prompt_logprobs,
-    sample,
-)
-
-# prompt logprobs: tokens whose logits one pass of prompt_logprobs_of holds ([chunk, vocab] float32)
-PROMPT_LOGPROB_CHUNK = 64
+from jaxpage.worker.sampler import MAX_BANNED, SamplerOutput, SamplingBatch
+from jaxpage.worker.step_tail import sample_tokens
 
 
 def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
@@ -38,33 +27,6 @@ def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
     """One engine iteration: write K/V, attend through the block tables, sample one token per sequence."""
     hidden, pool = forward_hidden(config.model, params, pool, batch, config.attention_backend)
     return sample_tokens(config, params, hidden, batch, sampling), pool
-
-
-def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: TokenBatch,
-                  sampling: SamplingBatch) -> SamplerOutput:
-    """The step's tail: logits at each sequence's last scheduled token (final-normed ``hidden``), sampled; and
-    the prompt logprobs of the tokens with a prompt target (``prompt_logprobs_of``)."""
-    out = sample(compute_logits(config.model, params, hidden[batch.logits_indices]), sampling)
-    if sampling.prompt_targets is None:  # a batch made without targets (the benchmarks' own)
-        return out
-    return dataclasses.replace(out, prompt=prompt_logprobs_of(config, params, hidden, sampling.prompt_targets))
-
-
-def prompt_logprobs_of(config: EngineConfig, params: dict, hidden: jax.Array,
-                       targets: jax.Array) -> PromptLogprobsOutput:
-    """The prompt logprobs (sampler.prompt_logprobs) of the tokens with a target (targets [T], -1: none), from
-    the logits at their positions (final-normed ``hidden`` [T, D]). The tokens go in chunks of up to
-    PROMPT_LOGPROB_CHUNK, so no more than [chunk, vocab] logits exist at once, and a chunk without a target
-    skips its LM head under a ``lax.cond``: a step where no row asks pays only the skipped branches."""
-    num_tokens = hidden.shape[0]
-    chunk = math.gcd(num_tokens, PROMPT_LOGPROB_CHUNK)
-
-    def one_chunk(args):
-        h, t = args
-        return jax.lax.cond(jnp.any(t >= 0), lambda: prompt_logprobs(compute_logits(config.model, params, h), t),
-                            lambda: PromptLogprobsOutput.zeros(chunk))
-    out = jax.lax.map(one_chunk, (hidden.reshape(-1, chunk, hidden.shape[1]), targets.reshape(-1, chunk)))
-    return jax.tree.map(lambda a: a.reshape(num_tokens, *a.shape[2:]), out)
 
 
 def substitute_placeholders(token_ids: jax.Array, sampled: jax.Array, rows: jax.Array) -> jax.Array:

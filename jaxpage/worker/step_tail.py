@@ -1,0 +1,55 @@
+"""The step's tail: from the final-normed hidden states to the sampler's output. The LM head and the sampler at
+each row's token (``sample_rows``: its shapes depend on the sequence bucket only) and the prompt logprobs at the
+tokens that ask for them (``prompt_logprobs_of``: per token of the flat batch)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.config import EngineConfig
+from jaxpage.models import TokenBatch, compute_logits
+from jaxpage.worker.sampler import (
+    PromptLogprobsOutput,
+    SamplerOutput,
+    SamplingBatch,
+    prompt_logprobs,
+    sample,
+)
+
+# prompt logprobs: tokens whose logits one pass of prompt_logprobs_of holds ([chunk, vocab] float32)
+PROMPT_LOGPROB_CHUNK = 64
+
+
+def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: TokenBatch,
+                  sampling: SamplingBatch) -> SamplerOutput:
+    """The whole tail in one function (the fused step's): ``sample_rows`` at each sequence's last scheduled
+    token of final-normed ``hidden`` [T, D], and ``prompt_logprobs_of`` where the batch has prompt targets."""
+    out = sample_rows(config, params, hidden[batch.logits_indices], sampling)
+    if sampling.prompt_targets is None:  # a batch made without targets (the benchmarks' own)
+        return out
+    return dataclasses.replace(out, prompt=prompt_logprobs_of(config, params, hidden, sampling.prompt_targets))
+
+
+def sample_rows(config: EngineConfig, params: dict, rows: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
+    """The sampler's per-row output from the rows' final-normed hidden states [S, D] (prompt targets unread)."""
+    return sample(compute_logits(config.model, params, rows), sampling)
+
+
+def prompt_logprobs_of(config: EngineConfig, params: dict, hidden: jax.Array,
+                       targets: jax.Array) -> PromptLogprobsOutput:
+    """The prompt logprobs (sampler.prompt_logprobs) of the tokens with a target (targets [T], -1: none), from
+    the logits at their positions (final-normed ``hidden`` [T, D]). The tokens go in chunks of up to
+    PROMPT_LOGPROB_CHUNK, so no more than [chunk, vocab] logits exist at once, and a chunk without a target
+    skips its LM head under a ``lax.cond``: a step where no row asks pays only the skipped branches."""
+    num_tokens = hidden.shape[0]
+    chunk = math.gcd(num_tokens, PROMPT_LOGPROB_CHUNK)
+
+    def one_chunk(args):
+        h, t = args
+        return jax.lax.cond(jnp.any(t >= 0), lambda: prompt_logprobs(compute_logits(config.model, params, h), t),
+                            lambda: PromptLogprobsOutput.zeros(chunk))
+    out = jax.lax.map(one_chunk, (hidden.reshape(-1, chunk, hidden.shape[1]), targets.reshape(-1, chunk)))
+    return jax.tree.map(lambda a: a.reshape(num_tokens, *a.shape[2:]), out)
