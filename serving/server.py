@@ -186,7 +186,7 @@ class Server:
         stop.cancel()
         engine = loading.result()  # a failed load raises here
         await _warm_up(engine)
-        await self.models.check_all(engine)  # --lora-modules (and adapters loaded since, after a restart)
+        await self.models.check_all(engine, restart=self.restarts > 0)  # --lora-modules, and those loaded since
         self.requests.engine = engine
         if self.stopping.is_set():
             return False

@@ -12,9 +12,12 @@ import argparse
 import dataclasses
 import itertools
 import json
+import logging
 
 from jaxpage.lora.request import LoRARequest
 from serving.requests import InvalidRequestError, RequestLifecycle
+
+log = logging.getLogger("jaxpage.serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +96,20 @@ class ServingModels:
     def parent(self, adapter: Adapter) -> str:
         return adapter.base_model_name or self.base_names()[0]
 
-    async def check_all(self, engine) -> None:
-        """Reads every registered adapter into a fresh engine (start-up, restart): a bad one raises ValueError."""
+    async def check_all(self, engine, restart: bool = False) -> None:
+        """Reads every registered adapter into a fresh engine. At start-up a bad one raises ValueError; after a
+        restart (its files changed meanwhile) it is served no more, so that the server still comes back."""
         clash = sorted(set(self.adapters) & set(self.base_names(engine)))
         if clash:
             raise ValueError(f"--lora-modules: {clash} is the base model's name too")
-        for adapter in self.adapters.values():
-            await engine.add_lora(adapter.lora_request)
+        for name, adapter in list(self.adapters.items()):
+            try:
+                await engine.add_lora(adapter.lora_request)
+            except ValueError as e:
+                if not restart:
+                    raise ValueError(f"--lora-modules {name}: {e}") from None
+                log.error("LoRA adapter %r is served no more: %s", name, e)
+                self.adapters.pop(name, None)
 
     async def load(self, name: str, path: str) -> None:
         """/v1/load_lora_adapter: the adapter read and checked by the engine, then served under ``name``; a name

@@ -231,11 +231,12 @@ def test_every_request_gets_its_own_adapter_over_two_slots(served):
 
 def test_unloading_an_adapter_while_it_streams(served):
     rng = random.Random(SEED + 200)
-    prompt, n = _prompt(rng), 24
+    prompt, n, long = _prompt(rng), 24, 100  # a3's stream is long: it still runs when its unload returns
     names = [BASE, "a1", "a3", "a4"]
+    done = set()
 
     async def stream(client, name, first: asyncio.Event | None):
-        kw = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+        kw = {"model": name, "prompt": prompt, "max_tokens": long if first else n, "temperature": 0, "stream": True,
               "extra_body": {"ignore_eos": True, "return_token_ids": True}}
         tokens = []
         async for chunk in await client.completions.create(**kw):
@@ -243,6 +244,7 @@ def test_unloading_an_adapter_while_it_streams(served):
                 tokens += c.model_extra.get("token_ids") or []
             if first is not None and tokens:
                 first.set()
+        done.add(name)
         return tokens
 
     async def run():
@@ -252,10 +254,12 @@ def test_unloading_an_adapter_while_it_streams(served):
         await asyncio.wait_for(streaming.wait(), 60)
         r = await asyncio.to_thread(served.post, "/v1/unload_lora_adapter", {"lora_name": "a3"})
         assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a3' removed successfully.", r.text
+        assert "a3" not in done, "a3's stream ended before its unload: nothing was unloaded under a stream"
         with pytest.raises(openai.NotFoundError):
             await _completion(client, "a3", prompt, stream=False)
         for name, ours in zip(names, await asyncio.gather(*tasks)):
-            assert_greedy_matches(ours, *served.ref(name, prompt, n), f"seed {SEED}, {name} (a3 unloaded)")
+            assert_greedy_matches(ours, *served.ref(name, prompt, long if name == "a3" else n),
+                                  f"seed {SEED}, {name} (a3 unloaded)")
         assert await served.all_blocks_free(), "KV blocks leaked"
 
     asyncio.run(run())
@@ -265,3 +269,28 @@ def test_unloading_an_adapter_while_it_streams(served):
     assert r.status_code == 200, r.text
     ours = asyncio.run(_completion(served.client(), "a3", prompt, stream=True))
     assert_greedy_matches(ours, *served.ref("a3", prompt), f"seed {SEED}, a3 loaded again")
+
+
+def test_a_bad_lora_module_stops_the_start_and_is_served_no_more_after_a_restart():
+    """ServingModels.check_all over a stand-in engine whose add_lora refuses one adapter as the engine does (a
+    ValueError naming the file): at start-up the server does not start, naming the module; after an engine
+    restart (its files changed meanwhile) the others are still served."""
+    from types import SimpleNamespace
+
+    from serving.serving_models import LoRAModulePath, ServingModels
+
+    class Engine:
+        engine = SimpleNamespace(model_name="base")
+
+        async def add_lora(self, request):
+            if request.lora_name == "bad":
+                raise ValueError(f"{request.lora_path}/adapter_config.json: no such file")
+
+    modules = [LoRAModulePath("good", "/a/good"), LoRAModulePath("bad", "/a/bad")]
+    with pytest.raises(ValueError, match="--lora-modules bad: /a/bad/adapter_config.json: no such file"):
+        asyncio.run(ServingModels(None, None, modules).check_all(Engine()))
+    models = ServingModels(None, None, modules)
+    asyncio.run(models.check_all(Engine(), restart=True))
+    assert list(models.adapters) == ["good"]
+    with pytest.raises(ValueError, match="the base model's name too"):
+        asyncio.run(ServingModels(None, None, [LoRAModulePath("base", "/a/x")]).check_all(Engine()))
