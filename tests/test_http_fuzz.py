@@ -98,7 +98,6 @@ def test_every_operation_answers_as_its_schema_says(api_schema):
             except (Failure, FailureGroup, ExceptionGroup) as e:  # every operation's failures together
                 failures.append(f"{operation.label} ({mode.value}): {e}")
     assert not failures, "\n\n".join(failures)
-    print(statuses)
     # the valid requests reached the engine: some of each endpoint's were served
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         assert statuses[f"POST {path}", "positive"][200] > 0, statuses
