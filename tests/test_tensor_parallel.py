@@ -87,7 +87,7 @@ if IN_CHILD:
     def engine(name: str, tp: int, backend: str) -> LLM:
         if name == "smollm2":
             return LLM(tensor_parallel_size=tp, attention_backend=backend,
-                       **{**SMOLLM2_OPTIONS, "max_num_batched_tokens": 16, "max_num_seqs": 4, "max_model_len": 128})
+                       **{**SMOLLM2_OPTIONS, "max_num_batched_tokens": 16, "max_num_seqs": 8, "max_model_len": 128})
         return LLM(model=model_dir(name), tensor_parallel_size=tp, attention_backend=backend,
                    **{**OPTIONS, **CONFIGS[name][1]})
 
@@ -132,27 +132,43 @@ if IN_CHILD:
             assert s.data.shape == (*pool.shape[:3], kv_slots // tp, *pool.shape[4:])
         assert sum(s.data.nbytes for s in shards) == pool.nbytes
 
+    GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    SAMPLED_PROMPTS = ["A phone number:", "The review was great. Sentiment:", "Once upon a time"]
+
+    @functools.cache
+    def smollm2_outputs(tp: int) -> list:
+        """SmolLM2's outputs at TP ``tp`` of every request the SmolLM2 tests below check, in one generate call
+        (a step costs about the same for one row as for eight here): greedy prompts; seeded sampling under a
+        regex, a choice and top-k/top-p, with top log-probabilities; a 40-token prompt with prompt logprobs, in
+        three chunks of the 16-token budget."""
+        from jaxpage.structured_outputs import StructuredOutputsParams
+
+        llm = engine("smollm2", tp, "xla")
+        sampled = dict(max_tokens=14, temperature=0.9, seed=11, logprobs=3)
+        params = [GREEDY] * len(GREEDY_PROMPTS) + [
+            SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")),
+            SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(choice=["positive", "negative",
+                                                                                         "neutral"])),
+            SamplingParams(**sampled, top_k=20, top_p=0.9, repetition_penalty=1.2),
+            SamplingParams(prompt_logprobs=3, max_tokens=1, temperature=0)]
+        ids = llm.get_tokenizer()("The printing press spread across Europe. " * 8)["input_ids"][:40]
+        return llm.generate(GREEDY_PROMPTS + SAMPLED_PROMPTS + [{"prompt_token_ids": ids}], params)
+
     def test_smollm2_tp3_greedy_tokens_equal_tp1():
         llm = engine("smollm2", 3, "xla")
         model = llm.engine.config.model
         assert (model.num_heads, model.num_kv_heads) == (9, 3)
-        batch = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-        assert tokens(llm, batch, GREEDY) == tokens(engine("smollm2", 1, "xla"), batch, GREEDY)
+        n = len(GREEDY_PROMPTS)
+        ours, ref = ([o.outputs[0].token_ids for o in smollm2_outputs(tp)[:n]] for tp in (3, 1))
+        assert ours == ref and all(len(t) == GREEDY.max_tokens for t in ours)
         assert llm.engine.runner.kv_pool.addressable_shards[0].data.shape[3] == 1  # 3 KV heads over 3 devices
 
     def test_smollm2_tp3_structured_sampled_outputs_and_logprobs_equal_tp1():
         """Seeded sampling under a regex, a choice and top-k/top-p, with top log-probabilities, at TP 3 (each
         device samples from its third of the vocabulary and of each row's token bitmask): TP 1's tokens and
         top-token ids, log-probabilities within float32 rounding."""
-        from jaxpage.structured_outputs import StructuredOutputsParams
-
-        sampled = dict(max_tokens=14, temperature=0.9, seed=11, logprobs=3)
-        params = [SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")),
-                  SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(
-                      choice=["positive", "negative", "neutral"])),
-                  SamplingParams(**sampled, top_k=20, top_p=0.9, repetition_penalty=1.2)]
-        prompts = ["A phone number:", "The review was great. Sentiment:", "Once upon a time"]
-        ours, ref = (engine("smollm2", tp, "xla").generate(prompts, params) for tp in (3, 1))
+        n = len(GREEDY_PROMPTS)
+        ours, ref = (smollm2_outputs(tp)[n:n + len(SAMPLED_PROMPTS)] for tp in (3, 1))
         for a, b in zip(ours, ref):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -164,9 +180,7 @@ if IN_CHILD:
         """Prompt logprobs at TP 3 (each device's top ids of its third of the vocabulary, gathered; the prompt
         token's log-probability from the device holding it), a 40-token prompt in three chunks of the 16-token
         budget: TP 1's top ids, log-probabilities within float32 rounding."""
-        ids = engine("smollm2", 1, "xla").get_tokenizer()("The printing press spread across Europe. " * 8)["input_ids"]
-        params = SamplingParams(prompt_logprobs=3, max_tokens=1, temperature=0)
-        ours, ref = (engine("smollm2", tp, "xla").generate({"prompt_token_ids": ids[:40]}, params)[0] for tp in (3, 1))
+        ours, ref = (smollm2_outputs(tp)[-1] for tp in (3, 1))
         assert len(ours.prompt_logprobs) == 40 and ours.prompt_logprobs[0] is None
         for mine, theirs in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
             assert mine.keys() == theirs.keys()
