@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +61,24 @@ def load_model(model: str | os.PathLike | None, cache_dir: Path, quantization: s
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a directory with config.json")
     entry = cache_dir / "models" / _source_key(path, quantization)
     if not (entry / "complete").exists():
-        _convert_into(path, is_gguf, entry, quantization)
+        _convert_once(path, is_gguf, entry, quantization)
     return _restore(entry, name=path.stem if is_gguf else path.name)
+
+
+def _convert_once(path: Path, is_gguf: bool, entry: Path, quantization: str | None) -> None:
+    """Converts into a directory of this process's own, then renames it into place: processes converting the same
+    model at once (test workers, replicas) each see a whole entry or none."""
+    own = entry.with_name(f"{entry.name}.partial-{os.getpid()}")
+    shutil.rmtree(own, ignore_errors=True)
+    _convert_into(path, is_gguf, own, quantization)
+    if entry.exists() and not (entry / "complete").exists():  # left by a conversion that died
+        shutil.rmtree(entry, ignore_errors=True)
+    try:
+        os.rename(own, entry)
+    except OSError:  # another process's entry got there first
+        if not (entry / "complete").exists():
+            raise
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _source_key(path: Path, quantization: str | None) -> str:
