@@ -801,6 +801,37 @@ def test_responses_function_calls_and_outputs_in_the_input_go_through_the_templa
     assert r.usage.input_tokens == len(w.prompt_token_ids) and r.output_text == w.outputs[0].text
 
 
+def test_a_responses_stream_that_fails_ends_with_an_error_event():
+    """An engine failure under a streamed response (OpenAIServing._response_events, no server): the events so far,
+    then OpenAI's error event (its code, message and the Responses field), counted as the other endpoints'."""
+    from jaxpage.outputs import CompletionOutput, RequestOutput
+    from serving.openai_api import OpenAIError, OpenAIServing
+    from serving.responses_api import ResponseRendering
+    from serving.responses_protocol import ResponsesRequest
+
+    class Lifecycle:
+        codes: list = []
+
+        def count_error(self, code):
+            self.codes.append(code)
+
+    async def outputs():
+        yield 0, RequestOutput("r", None, [1], [CompletionOutput(0, "Hel", [5])], False)
+        raise OpenAIError(500, "the engine failed: boom", "messages", "engine_error")
+
+    async def events():
+        render = ResponseRendering("resp_1", "m", ResponsesRequest(input="hi", stream=True), None)
+        return [json.loads(e.split("data: ", 1)[1]) async for e in OpenAIServing(Lifecycle())._response_events(
+            outputs(), render)]
+
+    got = asyncio.run(events())
+    assert [e["type"] for e in got] == EVENT_ORDER[:5] + ["error"]
+    assert got[4]["delta"] == "Hel" and [e["sequence_number"] for e in got] == list(range(6))
+    assert {k: got[-1][k] for k in ("code", "message", "param")} == {"code": "engine_error", "param": "input",
+                                                                     "message": "the engine failed: boom"}
+    assert Lifecycle.codes == ["INTERNAL"]
+
+
 RESPONSES_BAD = [  # (body, the error's param)
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
