@@ -11,6 +11,7 @@ from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.core.prompt_logprobs import no_targets, prompt_targets
 from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.core.stop import reached_min_tokens
+from jaxpage.distributed.parallel import put
 from jaxpage.models import TokenBatch
 from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.sequence import Sequence
@@ -245,37 +246,35 @@ def build_sampling_batch(config: EngineConfig, scheduled: list[ScheduledSeq], st
     num_rows, num_seqs = len(scheduled), len(index)
     special_rows = np.flatnonzero(steps[:num_rows] < state.special_below[index[:num_rows]]).tolist()
     presence, frequency, repetition, history_rows, num_prompt, banned = _special_inputs(
-        scheduled, state, special_rows, num_seqs, eos_token_ids)
+        scheduled, state, special_rows, num_seqs, eos_token_ids, replicated(config))
     return SamplingBatch(
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
         steps, presence, frequency, repetition, state.penalty_history.table, history_rows, num_prompt, banned,
         np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config),
-        *_logit_bias_rows(state, index, num_rows), targets)
+        *_logit_bias_rows(state, index, num_rows, replicated(config)), targets)
 
 
-def _logit_bias_rows(state: InputBatch, index: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _logit_bias_rows(state: InputBatch, index: np.ndarray, num_rows: int, sharding) -> tuple:
     """(token ids, biases) [num_seqs, MAX_LOGIT_BIAS] of the rows' logit_bias: gathered when a row has one, else
-    the shared unbiased arrays."""
+    the shared unbiased arrays, on the device(s) once per shape (a step without a bias transfers nothing for it)."""
     if (state.logit_bias_ids[index[:num_rows], 0] >= 0).any():
         return state.logit_bias_ids[index], state.logit_bias[index]
-    return _no_logit_bias(len(index))
+    return _no_logit_bias(len(index), sharding)
 
 
 @functools.lru_cache(maxsize=64)
-def _no_logit_bias(num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
-    arrays = (np.full((num_seqs, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32))
-    for a in arrays:
-        a.flags.writeable = False
-    return arrays
+def _no_logit_bias(num_seqs: int, sharding) -> tuple:
+    return (put(np.full((num_seqs, MAX_LOGIT_BIAS), -1, np.int32), sharding),
+            put(np.zeros((num_seqs, MAX_LOGIT_BIAS), np.float32), sharding))
 
 
 def _special_inputs(scheduled: list[ScheduledSeq], state: InputBatch, special_rows: list[int], num_seqs: int,
-                    eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+                    eos_token_ids: tuple[int, ...], sharding) -> tuple:
     """(presence, frequency, repetition, history rows, prompt lengths, banned tokens): the plain rows' shared
     arrays, or copies with the special rows (penalties, or banned tokens under min_tokens) filled one by one."""
-    arrays = _plain_rows(num_seqs)
     if not special_rows:
-        return arrays
+        return _plain_rows_on_device(num_seqs, sharding)
+    arrays = _plain_rows(num_seqs)
     presence, frequency, repetition, history_rows, num_prompt, banned = (a.copy() for a in arrays)
     penalized = []
     for row in special_rows:
@@ -302,6 +301,12 @@ def _plain_rows(num_seqs: int) -> tuple[np.ndarray, ...]:
     for a in arrays:
         a.flags.writeable = False
     return arrays
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_rows_on_device(num_seqs: int, sharding) -> tuple:
+    """``_plain_rows`` on the device(s), once per shape: a step without penalties or bans transfers none."""
+    return tuple(put(a, sharding) for a in _plain_rows(num_seqs))
 
 
 def _bitmask_rows(bitmask: np.ndarray | None, num_seqs: int, config: EngineConfig):
