@@ -148,6 +148,30 @@ def test_prefix_cache_blocks_are_keyed_by_the_adapter(setup):
     assert hits() == first + 32
 
 
+def test_add_and_remove_lora_between_requests(setup):
+    """LLMEngine.add_lora reads and checks an adapter before any request (the server's load); remove_lora forgets
+    it on the host and in its slot unless an unfinished request runs with it (the server's unload)."""
+    _, adapters, llm = setup
+    engine, manager = llm.engine, llm.engine.runner.lora
+    request = adapters[3][0]
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        engine.add_lora(LoRARequest("missing", 90, "/no/such/adapter"))
+    engine.add_lora(request)
+    loads = manager.num_loads
+    prompt = _prompt(random.Random(SEED + 60), 9)
+    ours = _greedy(llm, [prompt], request)[0]
+    assert manager.num_loads == loads and request.lora_int_id in manager.resident()  # read once, by add_lora
+    engine.add_request("running", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2),
+                       lora_request=request)
+    assert engine.remove_lora(request.lora_int_id) is False  # a request runs with it: it stays
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.remove_lora(request.lora_int_id) is True
+    assert request.lora_int_id not in manager.resident()
+    assert _greedy(llm, [prompt], request)[0] == ours and manager.num_loads == loads + 1  # read from disk again
+    _assert_all_blocks_free(llm)
+
+
 def _copy_adapter(src, dst, **changes):
     dst.mkdir()
     (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())

@@ -269,6 +269,10 @@ def test_unloading_an_adapter_while_it_streams(served):
     assert r.status_code == 200, r.text
     ours = asyncio.run(_completion(served.client(), "a3", prompt, stream=True))
     assert_greedy_matches(ours, *served.ref("a3", prompt), f"seed {SEED}, a3 loaded again")
+    assert served.post("/v1/unload_lora_adapter", {"lora_name": "a4"}).status_code == 200  # idle: forgotten
+    assert served.post("/v1/completions", {"model": "a4", "prompt": prompt}).status_code == 404
+    ours = asyncio.run(_completion(served.client(), "a1", prompt, stream=False))
+    assert_greedy_matches(ours, *served.ref("a1", prompt), f"seed {SEED}, a1 after a4's unload")
 
 
 def test_a_bad_lora_module_stops_the_start_and_is_served_no_more_after_a_restart():
