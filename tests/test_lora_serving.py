@@ -10,7 +10,8 @@
   (streamed and not), chat and gRPC: every request gets its own adapter's PEFT greedy tokens (the references of
   the five models differ, so a wrong adapter cannot pass), and every KV block comes back;
 - unloading an adapter while it streams: its stream ends with its own tokens, new requests naming it get a 404,
-  and loading it again serves it again.
+  and loading it again serves it again;
+- /v1/responses on an adapter: its chat completion.
 """
 from __future__ import annotations
 
@@ -298,3 +299,25 @@ def test_a_bad_lora_module_stops_the_start_and_is_served_no_more_after_a_restart
     assert list(models.adapters) == ["good"]
     with pytest.raises(ValueError, match="the base model's name too"):
         asyncio.run(ServingModels(None, None, [LoRAModulePath("base", "/a/x")]).check_all(Engine()))
+
+
+def test_responses_run_on_the_adapter_their_model_names(served):
+    """/v1/responses resolves model as chat does: an adapter's response is its chat completion, whose tokens are
+    the adapter's PEFT greedy tokens up to the first end-of-sequence token."""
+    words = [random.Random(SEED + 300).randrange(1, 256) for _ in range(10)]
+    text = " ".join(f"t{w}" for w in words)
+    eos = served.models[BASE].config.eos_token_id
+
+    async def run():
+        client = served.client()
+        return await asyncio.gather(
+            client.responses.create(model="a2", input=text, max_output_tokens=NEW_TOKENS, temperature=0),
+            client.chat.completions.create(model="a2", messages=[{"role": "user", "content": text}],
+                                           max_tokens=NEW_TOKENS, temperature=0,
+                                           extra_body={"return_token_ids": True}))
+
+    response, chat = asyncio.run(run())
+    ref, ref_logits = served.ref("a2", words)
+    ref = ref[:ref.index(eos) + 1] if eos in ref else ref
+    assert_greedy_matches(chat.choices[0].model_extra["token_ids"], ref, ref_logits[:len(ref)], f"seed {SEED}")
+    assert response.model == "a2" and response.output_text == chat.choices[0].message.content
