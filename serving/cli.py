@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     cli.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     cli.add_argument("--info", action="store_true", help="print the served model's info instead")
+    cli.add_argument("--lora-name", default="", help="a LoRA adapter the server serves (--info lists them; "
+                     "default: the base model)")
     cli.add_argument("--verbose", "-v", action="store_true", help="finish reason and token counts to stderr")
     cli.add_argument("--api-key", default=None, help="bearer token (default $JAXPAGE_API_KEY)")
     cli.add_argument("--tls-ca", default=None, help="PEM CA certificates to trust: connect over TLS")

@@ -21,7 +21,7 @@ def build_request(ns: argparse.Namespace) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)
     if ns.seed is not None:
         sampling.seed = ns.seed
-    request = pb.GenerateRequest(sampling=sampling)
+    request = pb.GenerateRequest(sampling=sampling, lora_name=ns.lora_name)
     if ns.chat:
         request.messages.append(pb.ChatMessage(role="user", content=ns.prompt))
     else:

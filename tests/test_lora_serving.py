@@ -321,3 +321,19 @@ def test_responses_run_on_the_adapter_their_model_names(served):
     ref = ref[:ref.index(eos) + 1] if eos in ref else ref
     assert_greedy_matches(chat.choices[0].model_extra["token_ids"], ref, ref_logits[:len(ref)], f"seed {SEED}")
     assert response.model == "a2" and response.output_text == chat.choices[0].message.content
+
+
+def test_the_cli_client_takes_an_adapter_by_name(served, capsys):
+    """`jaxpage client --lora-name a1` gives the text of the HTTP completion naming a1; --info lists the adapters."""
+    from serving.cli import main
+
+    text = " ".join(f"t{w}" for w in _prompt(random.Random(SEED + 400), 10))
+    flags = ["client", "--target", served.target, "--api-key", KEY, "--max-tokens", str(NEW_TOKENS)]
+    assert main([*flags, "--lora-name", "a1", text]) == 0
+    ours = capsys.readouterr().out
+    want = served.post("/v1/completions", {"model": "a1", "prompt": text, "max_tokens": NEW_TOKENS,
+                                           "temperature": 0}).json()["choices"][0]["text"]
+    base = served.post("/v1/completions", {"prompt": text, "max_tokens": NEW_TOKENS, "temperature": 0}).json()
+    assert ours == want + "\n" and want != base["choices"][0]["text"]
+    assert main([*flags, "--info"]) == 0
+    assert 'name: "a1"' in capsys.readouterr().out
