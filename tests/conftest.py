@@ -13,6 +13,16 @@ os.environ.setdefault("JAXPAGE_CACHE_DIR", str(Path.home() / ".cache" / "jaxpage
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+# The longest files first (a few minutes each: child processes, servers, engines of their own), so that with
+# pytest-xdist's --dist loadfile no worker starts one of them while the other has nothing left to run.
+LONGEST_FIRST = ("test_tensor_parallel.py", "test_structured_outputs.py", "test_openai_api.py", "test_smollm2.py",
+                 "test_benchmarks_smoke.py", "test_compile_tpu.py", "test_data_parallel.py", "test_vs_vllm.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def smollm2():

@@ -1,6 +1,8 @@
 """Reference computations the tests compare against: transformers for the model, plain loops for the rest."""
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,15 @@ def save_random_model(hf_config, path, seed: int) -> torch.nn.Module:
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def copy_adapter(src, dst, **changes):
+    """A copy in ``dst`` of the PEFT adapter in ``src`` with ``changes`` to its adapter_config.json."""
+    dst.mkdir()
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    conf = json.loads((src / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**conf, **changes}))
+    return dst
 
 
 def peft_adapter(base: torch.nn.Module, path, rank: int, alpha: int, targets: list[str], rslora: bool = False,

@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import json
 import random
 
 import numpy as np
@@ -27,6 +26,7 @@ from tests.factories import SEED, engine_options, tiny_llama
 from tests.reference import (
     assert_greedy_matches,
     assert_logits_close_by_position,
+    copy_adapter,
     hf_greedy,
     hf_logits,
     paged_logits,
@@ -172,14 +172,6 @@ def test_add_and_remove_lora_between_requests(setup):
     _assert_all_blocks_free(llm)
 
 
-def _copy_adapter(src, dst, **changes):
-    dst.mkdir()
-    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
-    conf = json.loads((src / "adapter_config.json").read_text())
-    (dst / "adapter_config.json").write_text(json.dumps({**conf, **changes}))
-    return dst
-
-
 def test_bad_adapters_are_refused_by_file_and_field_and_the_engine_keeps_serving(setup, tmp_path):
     _, adapters, llm = setup
     good = adapters[1][0]
@@ -194,10 +186,10 @@ def test_bad_adapters_are_refused_by_file_and_field_and_the_engine_keeps_serving
             assert word in str(e.value), str(e.value)
 
     refused(tmp_path / "missing", 101, "adapter_config.json")
-    refused(_copy_adapter(src, tmp_path / "rank", r=32), 102, "adapter_config.json", "r=32", "max_lora_rank=16")
-    refused(_copy_adapter(src, tmp_path / "head", target_modules=["q_proj", "lm_head"]), 103, "target_modules",
+    refused(copy_adapter(src, tmp_path / "rank", r=32), 102, "adapter_config.json", "r=32", "max_lora_rank=16")
+    refused(copy_adapter(src, tmp_path / "head", target_modules=["q_proj", "lm_head"]), 103, "target_modules",
             "lm_head")
-    refused(_copy_adapter(src, tmp_path / "unknown", target_modules=["q_proj", "c_attn"]), 104, "target_modules",
+    refused(copy_adapter(src, tmp_path / "unknown", target_modules=["q_proj", "c_attn"]), 104, "target_modules",
             "c_attn")
     other = tmp_path / "other-model"  # an adapter of a wider model: its tensors do not fit this one's
     peft_adapter(save_random_model(tiny_llama(hidden_size=96), tmp_path / "other-base", SEED), other, 8, 16,

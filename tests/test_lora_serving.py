@@ -28,7 +28,7 @@ from benchmarks.launch import free_port, spawn, wait_serving
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from tests.factories import SEED, save_word_tokenizer, tiny_llama
-from tests.reference import assert_greedy_matches, hf_greedy, peft_adapter, save_random_model
+from tests.reference import assert_greedy_matches, copy_adapter, hf_greedy, peft_adapter, save_random_model
 from tests.servers import KEY, START_TIMEOUT
 
 openai = pytest.importorskip("openai")
@@ -159,14 +159,6 @@ def test_an_unknown_model_is_openais_404_naming_model(served):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "lora_name='a9'" in e.value.details()
 
 
-def _copy_adapter(src, dst, **changes):
-    dst.mkdir()
-    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
-    conf = json.loads((src / "adapter_config.json").read_text())
-    (dst / "adapter_config.json").write_text(json.dumps({**conf, **changes}))
-    return dst
-
-
 def test_loading_is_behind_the_api_key_and_a_bad_adapter_is_a_400_naming_file_and_field(served, tmp_path):
     src = served.paths["a1"]
     assert served.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(src)}, {}).status_code == 401
@@ -175,8 +167,8 @@ def test_loading_is_behind_the_api_key_and_a_bad_adapter_is_a_400_naming_file_an
     peft_adapter(save_random_model(tiny_llama(hidden_size=96), tmp_path / "other-base", SEED), other, 8, 16,
                  ["q_proj"])
     bad = {"missing": (tmp_path / "missing", ["adapter_config.json", "no such file"]),
-           "rank": (_copy_adapter(src, tmp_path / "rank", r=32), ["adapter_config.json", "r=32", "max_lora_rank=16"]),
-           "target": (_copy_adapter(src, tmp_path / "target", target_modules=["q_proj", "c_attn"]),
+           "rank": (copy_adapter(src, tmp_path / "rank", r=32), ["adapter_config.json", "r=32", "max_lora_rank=16"]),
+           "target": (copy_adapter(src, tmp_path / "target", target_modules=["q_proj", "c_attn"]),
                       ["adapter_config.json", "target_modules", "c_attn"]),
            "shapes": (other, ["adapter_model.safetensors", "q_proj.lora_A", "shape"])}
     for name, (path, words) in bad.items():
