@@ -49,6 +49,9 @@ class ModelConfig:
     # max_lora_rank in every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
     max_loras: int = 0
     max_lora_rank: int = 0
+    # each checkpoint KV head repeated this many times to fill a tensor-parallel mesh (vLLM's
+    # num_kv_head_replicas; jaxpage.distributed.parallel.model_for_tp): num_kv_heads counts the repeats
+    num_kv_head_replicas: int = 1
 
     def layer_windows(self) -> np.ndarray:
         """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""

@@ -56,7 +56,18 @@ def kv_head_slots(model: ModelConfig, tp: int) -> int:
 def model_for_tp(model: ModelConfig, tp: int) -> ModelConfig:
     """The config the engine runs at TP size ``tp``: the model's, with the KV heads replicated where needed."""
     check_tensor_parallel(model, tp)
-    return dataclasses.replace(model, num_kv_heads=kv_head_slots(model, tp))
+    slots = kv_head_slots(model, tp)
+    return dataclasses.replace(model, num_kv_heads=slots,
+                               num_kv_head_replicas=model.num_kv_head_replicas * slots // model.num_kv_heads)
+
+
+def checkpoint_model(model: ModelConfig) -> ModelConfig:
+    """The model's shapes as its checkpoint (and a LoRA adapter of it) has them: the KV heads before
+    ``model_for_tp`` repeated them."""
+    if model.num_kv_head_replicas == 1:
+        return model
+    return dataclasses.replace(model, num_kv_heads=model.num_kv_heads // model.num_kv_head_replicas,
+                               num_kv_head_replicas=1)
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
@@ -102,6 +113,15 @@ def spec_shardings(specs: dict, shapes: dict, mesh: Mesh) -> dict:
     tp = mesh.shape[MODEL_AXIS]
     return jax.tree.map(lambda s, a: NamedSharding(mesh, spec_fitting(s, a.shape, tp)), specs, shapes,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def without_axis(sharding, axis: int):
+    """The sharding of one index along ``axis`` of an array sharded as ``sharding`` (one LoRA slot of the slots):
+    the same devices, the spec less that axis (a device's own part of the index, nothing gathered)."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec)
+    return NamedSharding(sharding.mesh, P(*spec[:axis], *spec[axis + 1:]))
 
 
 def put(x: np.ndarray, sharding=None) -> jax.Array:

@@ -52,7 +52,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     check_quantization(quantization)
     model = dataclasses.replace(model, quantization=quantization)
     if enable_lora:
-        model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras, tensor_parallel_size)
+        model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras)
     model = model_for_tp(model, tensor_parallel_size)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
     require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
@@ -117,15 +117,14 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config)
 
 
-def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-               tensor_parallel_size: int) -> tuple[ModelConfig, int]:
-    """The model with its adapter slots, and the host's LRU size (default: max_loras)."""
+def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int,
+               max_cpu_loras: int | None) -> tuple[ModelConfig, int]:
+    """The model with its adapter slots (under tensor parallelism sharded as their base projections), and the
+    host's LRU size (default: max_loras)."""
     require(max_loras >= 1, "max_loras", max_loras, "must be >= 1")
     require(max_lora_rank >= 1, "max_lora_rank", max_lora_rank, "must be >= 1")
     max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
     require(max_cpu_loras >= max_loras, "max_cpu_loras", max_cpu_loras, f"must be >= max_loras={max_loras}")
-    require(tensor_parallel_size == 1, "tensor_parallel_size", tensor_parallel_size,
-            "must be 1 with enable_lora (LoRA slots are not sharded yet)")
     require(jax.process_count() == 1, "enable_lora", True, "runs on one host only (the followers' replay "
             "carries no adapter slots yet)")
     return dataclasses.replace(model, max_loras=max_loras, max_lora_rank=max_lora_rank), max_cpu_loras

@@ -8,7 +8,8 @@ projections every architecture's ``layer_weights`` maps onto a Linear (q/k/v/o, 
 embedding and the LM head take no adapter here. A fused Linear (q/k/v, gate/up) gives part p the rank block
 [p * max_lora_rank, p * max_lora_rank + r) of its slots; its B rows are placed on the part's output columns by
 the architecture's own weight transform (the one that fuses the checkpoint's kernels), so the layout has one
-source of truth.
+source of truth. Under tensor parallelism with KV heads replicated, k/v's B columns are repeated as the base
+kernel's are (jaxpage.models.placement); each device then gets its part of the slots (SlotWriter).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxpage.config import ModelConfig
+from jaxpage.distributed.parallel import checkpoint_model
 from jaxpage.models import abstract_params, architecture, layer_linears
+from jaxpage.models.placement import replicate_kv_leaf
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 REFUSED_MODULES = ("embed_tokens", "lm_head")  # the embedding and the LM head: no adapter slots
@@ -87,11 +90,15 @@ def load_lora_model(lora_int_id: int, lora_path: str, cfg: ModelConfig) -> LoRAM
         raise ValueError(f"{config_file}: not a JSON file ({e})") from None
     if not isinstance(conf, dict):
         raise ValueError(f"{config_file}: not a JSON object")
-    rank, scaling = _check_config(config_file, conf, cfg)
+    checkpoint = checkpoint_model(cfg)  # the adapter's shapes are the checkpoint's: KV heads not replicated
+    rank, scaling = _check_config(config_file, conf, checkpoint)
     if not weights_file.is_file():
         raise ValueError(f"{weights_file}: no such file (only safetensors adapters are read)")
     tensors = _read_tensors(weights_file)
-    return LoRAModel(lora_int_id, rank, scaling, _layout(weights_file, tensors, rank, scaling, cfg))
+    weights = _layout(weights_file, tensors, rank, scaling, checkpoint)
+    # under tensor parallelism, k/v's B columns repeated with their KV heads, as the base kernel's are
+    return LoRAModel(lora_int_id, rank, scaling,
+                     {path: replicate_kv_leaf(path, w, cfg.num_kv_heads) for path, w in weights.items()})
 
 
 def _check_config(file: Path, conf: dict, cfg: ModelConfig) -> tuple[int, float]:

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jaxpage.config import EngineConfig
+from jaxpage.distributed.parallel import put, without_axis
 from jaxpage.lora.models import LoRAModel, load_lora_model
 from jaxpage.models import abstract_params
 from jaxpage.models.lora_slots import LORA_LEAVES
@@ -98,31 +99,43 @@ def token_slots(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, 
 class SlotWriter:
     """Writes one adapter into one slot of the runner's weights (a pytree, layers stacked or unrolled: each
     LoRA leaf [L, slots, ...] or, per layer, [slots, ...]): one jitted update of every LoRA leaf, the slot a
-    traced argument, so one compile serves every slot."""
+    traced argument, so one compile serves every slot. Under tensor parallelism each device is sent its own part
+    of the adapter (the leaf's sharding less the slot axis) and updates its own part of the slot: nothing is
+    gathered."""
 
     def __init__(self, params: dict):
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
         self.paths = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path) for path, _ in flat]
         self.lora = [i for i, path in enumerate(self.paths) if path[-1] in LORA_LEAVES]
-        self._set = jax.jit(_set_slot, static_argnums=3)
+        # the slot axis: ("layers", i, ...) is one layer's [slots, ...], ("layers", ...) the stack [L, slots, ...]
+        self.axes = tuple(0 if isinstance(self.paths[i][1], int) else 1 for i in self.lora)
+        shardings = [getattr(flat[i][1], "sharding", None) for i in self.lora]  # None: numpy leaves
+        self._value_shardings = [None if s is None else without_axis(s, axis) for s, axis in zip(shardings, self.axes)]
+        placed = all(s is not None for s in shardings)
+        self._set = jax.jit(_set_slot, static_argnums=3, **({"out_shardings": shardings} if placed else {}))
 
     def write(self, params: dict, slot: int, adapter: LoRAModel | None) -> dict:
         """params with ``adapter`` (None: zeros) in ``slot``."""
         leaves = jax.tree_util.tree_leaves(params)
-        values, axes = [], []
-        for i in self.lora:
-            path, leaf = self.paths[i], leaves[i]
-            unrolled = isinstance(path[1], int)  # ("layers", i, ...) against ("layers", ...)
-            key = path[2:] if unrolled else path[1:]
-            full = adapter.weights.get(key) if adapter is not None else None
-            shape = leaf.shape[1:] if unrolled else (leaf.shape[0], *leaf.shape[2:])
-            value = np.zeros(shape, np.float32) if full is None else (full[path[1]] if unrolled else full)
-            values.append(value)
-            axes.append(0 if unrolled else 1)
-        new = self._set([leaves[i] for i in self.lora], np.int32(slot), values, tuple(axes))
+        new = self._set(*self._arguments(leaves, slot, adapter))
         for i, leaf in zip(self.lora, new):
             leaves[i] = leaf
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def lower(self, params: dict, slot: int, adapter: LoRAModel | None):
+        """The write's lowering (``jax.stages.Lowered``), for checking what it runs."""
+        return self._set.lower(*self._arguments(jax.tree_util.tree_leaves(params), slot, adapter))
+
+    def _arguments(self, leaves: list, slot: int, adapter: LoRAModel | None) -> tuple:
+        values = []
+        for i, axis, sharding in zip(self.lora, self.axes, self._value_shardings):
+            path, leaf = self.paths[i], leaves[i]
+            key = path[2:] if axis == 0 else path[1:]
+            full = adapter.weights.get(key) if adapter is not None else None
+            shape = leaf.shape[1:] if axis == 0 else (leaf.shape[0], *leaf.shape[2:])
+            value = np.zeros(shape, np.float32) if full is None else (full[path[1]] if axis == 0 else full)
+            values.append(value if sharding is None else put(np.ascontiguousarray(value), sharding))
+        return [leaves[i] for i in self.lora], np.int32(slot), values, self.axes
 
 
 def _set_slot(leaves: list, slot, values: list, axes: tuple) -> list:

@@ -1,5 +1,5 @@
-"""The weights' transforms for tensor parallelism: KV heads repeated to fill the TP size, and each weight sent
-shard by shard to its devices (the shardings come from jaxpage.distributed.parallel)."""
+"""The weights' transforms for tensor parallelism: KV heads repeated to fill the TP size (LoRA B's with them), and
+each weight sent shard by shard to its devices (the shardings come from jaxpage.distributed.parallel)."""
 from __future__ import annotations
 
 import jax
@@ -9,16 +9,23 @@ from jaxpage.distributed.parallel import put
 from jaxpage.models.layers import QKVParallelLinear
 from jaxpage.models.quant import SCALE, weight_dtype
 
+# the fused q/k/v leaves with a KV head axis ([..., kvh, G + 2, hd]): its output side; LoRA's B follows the kernel
+KV_HEAD_LEAVES = ("kernel", "bias", SCALE, "lora_b")
+
 
 def replicate_kv_heads(params: dict, slots: int) -> dict:
-    """The fused q/k/v projections (kernel, bias and int8 scale [..., kvh, G + 2, hd]) with each KV head
+    """The fused q/k/v projections (kernel, bias, int8 scale and LoRA B [..., kvh, G + 2, hd]) with each KV head
     repeated so there are ``slots`` (numpy, before placement); unchanged when they already have that many."""
-    def repeat(path, a):
-        names = [getattr(k, "key", None) for k in path]
-        if names[-2] != "qkv" or names[-1] not in ("kernel", "bias", SCALE) or a.shape[-3] == slots:
-            return a
-        return QKVParallelLinear.replicate_kv_heads(np.asarray(a), slots)
-    return jax.tree_util.tree_map_with_path(repeat, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: replicate_kv_leaf(tuple(getattr(k, "key", None) for k in path), a, slots), params)
+
+
+def replicate_kv_leaf(names: tuple, a, slots: int):
+    """One weight at layer path ``names`` with its KV heads repeated to ``slots`` if it is a fused q/k/v leaf
+    that has a KV head axis (``a`` itself otherwise): a LoRA adapter's B replicated as the base kernel is."""
+    if len(names) < 2 or names[-2] != "qkv" or names[-1] not in KV_HEAD_LEAVES or a.shape[-3] == slots:
+        return a
+    return QKVParallelLinear.replicate_kv_heads(np.asarray(a), slots)
 
 
 def place_params(params: dict, shardings: dict, dtype) -> dict:
