@@ -10,7 +10,10 @@ a Gemma 2 with a sliding window and soft caps) and SmolLM2 at TP 3 (9 heads, 3 K
   gives TP 1's tokens too;
 - teacher-forced logits within float32 tolerance of TP 1's;
 - the KV pool really is split: each device holds 1/TP of it, its share of the KV head slots;
-- the step with the Triton kernel lowers for four GPUs (the CUDA lane at TP 4);
+- the step with the Triton kernel lowers for four GPUs (the CUDA lane at TP 4), SmolLM2's multi-LoRA step for three;
+- multi-LoRA: two random PEFT adapters and the base model in one batch at TP 2 and at TP 8 (KV heads replicated)
+  give each sequence its own PEFT model's greedy tokens; each device holds its share of the slots (column-parallel
+  B, row-parallel A split), and an adapter's slot write gathers nothing;
 - the LM head and the sampler work on each device's slice of the vocabulary (no array spans all of it), and the
   sampler so split gives the one-device sampler's tokens for every sampling setting; SmolLM2's prompt logprobs
   at TP 3 are TP 1's;
@@ -246,6 +249,95 @@ if IN_CHILD:
                              history, penalty.astype(np.int32), np.full(rows, 5, np.int32), banned, np.bool_(True),
                              allowed, bias_ids, bias)
 
+    # LoRA under TP: two random PEFT adapters of llama-8h-4kv, served at TP 2 (4 KV heads split) and TP 8 (the KV
+    # heads replicated twice: each device one query head of its KV head's two)
+    LORA_ADAPTERS = {1: (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False),  # rank, alpha, targets, rsLoRA
+                     2: (16, 32, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], True)}
+
+    @functools.cache
+    def lora_adapters() -> dict:
+        """lora_int_id -> (LoRARequest, PEFT model) of llama-8h-4kv, and None -> (None, the base model)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from jaxpage.lora.request import LoRARequest
+        from tests.reference import peft_adapter
+
+        base = AutoModelForCausalLM.from_pretrained(model_dir("llama-8h-4kv"), dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+        out = {None: (None, base)}
+        for lora_id, (rank, alpha, targets, rslora) in LORA_ADAPTERS.items():
+            path = Path(model_dir("llama-8h-4kv")).parent / f"llama-8h-4kv-adapter{lora_id}"
+            model = peft_adapter(base, path, rank, alpha, targets, rslora, seed=lora_id)
+            out[lora_id] = (LoRARequest(f"adapter{lora_id}", lora_id, str(path)), model)
+        return out
+
+    @functools.cache
+    def lora_engine(tp: int) -> LLM:
+        return LLM(model=model_dir("llama-8h-4kv"), tensor_parallel_size=tp, enable_lora=True, max_loras=2,
+                   max_lora_rank=16, **OPTIONS)
+
+    @pytest.mark.parametrize("tp", [2, 8])
+    def test_lora_adapters_and_the_base_in_one_batch_match_peft(tp):
+        """Adapters 1 and 2 and the base model interleaved in one generate call, at TP 2 and at TP 8 (KV heads
+        replicated, k/v's B columns with them): each sequence's greedy tokens are its own PEFT model's (the
+        reference test_lora holds TP 1 to)."""
+        import torch
+
+        from tests.reference import assert_greedy_matches, hf_greedy
+
+        adapters = lora_adapters()
+        order = [1, None, 2, 1]
+        batch = prompts(CONFIGS["llama-8h-4kv"][0].vocab_size, (5, 15, 17, 9))
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        outs = lora_engine(tp).generate(batch, params, lora_request=[adapters[i][0] for i in order])
+        assert len(outs) == len(order)
+        torch.set_num_threads(1)
+        changed = 0
+        for lora_id, prompt, out in zip(order, batch, outs):
+            ref, ref_logits = hf_greedy(adapters[lora_id][1], prompt["prompt_token_ids"], 10)
+            assert_greedy_matches(list(out.outputs[0].token_ids), ref, ref_logits, f"tp{tp} adapter {lora_id}")
+            changed += lora_id is not None and ref != hf_greedy(adapters[None][1], prompt["prompt_token_ids"], 10)[0]
+        assert changed >= 2, "the adapters hardly change the base model's tokens: the test would not see them"
+        stats = lora_engine(tp).stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"], stats
+
+    # (linear path, leaf) -> the axis of the stacked leaf [L, slots, ...] split over the model axis (None: whole)
+    LORA_SPLITS = {(("attn", "qkv"), "lora_a"): None, (("attn", "qkv"), "lora_b"): 3,  # [L, S, R, kv, G + 2, hd]
+                   (("mlp", "gate_up"), "lora_a"): None, (("mlp", "gate_up"), "lora_b"): 4,  # [L, S, R, 2, F]
+                   (("attn", "o"), "lora_a"): 2, (("attn", "o"), "lora_b"): None,  # A [L, S, heads, hd, R]
+                   (("mlp", "down"), "lora_a"): 2, (("mlp", "down"), "lora_b"): None}  # A [L, S, F, R]
+
+    @pytest.mark.parametrize("tp", [2, 8])
+    def test_each_device_holds_its_share_of_the_lora_slots(tp):
+        """Column-parallel q/k/v and gate/up: A whole on every device, B split on its output axis as the kernel
+        is; row-parallel o and down: A split on its input axis, B whole. The slot write sends each device its
+        part and gathers nothing (no collective in its program); the written slot holds the adapter."""
+        from jaxpage.lora.worker_manager import SlotWriter
+
+        runner = lora_engine(tp).engine.runner
+        assert runner.config.model.num_kv_head_replicas == (2 if tp == 8 else 1)
+        layers = runner.params["layers"]
+        for (linear, leaf), axis in LORA_SPLITS.items():
+            array = layers[linear[0]][linear[1]][leaf]
+            expected = list(array.shape)
+            if axis is not None:
+                expected[axis] //= tp
+            shards = array.addressable_shards
+            assert len({s.device for s in shards}) == tp
+            assert all(list(s.data.shape) == expected for s in shards), (linear, leaf, array.sharding)
+        writer = SlotWriter(runner.params)
+        request = lora_adapters()[2][0]
+        adapter = runner.lora.get(request)
+        hlo = writer.lower(runner.params, 1, adapter).compile().as_text()
+        assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter", hlo)
+        written = writer.write(runner.params, 1, adapter)["layers"]
+        for path, value in adapter.weights.items():
+            array = written[path[0]][path[1]][path[2]]
+            for s in array.addressable_shards:  # each device's part of slot 1 is its part of the adapter
+                index = (s.index[0], *s.index[2:])
+                np.testing.assert_array_equal(np.asarray(s.data)[:, 1], value[index])
+
     def test_tp4_step_with_the_triton_kernel_lowers_for_cuda():
         """The CUDA lane at TP 4 (Llama-3-8B's shapes, attention_backend="pallas_gpu"): the step lowers for four
         GPUs with its one Triton attention call inside the shard_map and the layers' all-reduces."""
@@ -254,6 +346,15 @@ if IN_CHILD:
         text = lower_for_cuda(tp_step_case(4))
         assert text.count(f"@{TRITON_CALL}") == 1, "the scanned layer holds one Triton attention call"
         assert "num_partitions = 4" in text and "all_reduce" in text
+
+    def test_tp3_lora_step_lowers_for_cuda():
+        """The CUDA lane's multi-LoRA step at TP 3 (SmolLM2's shapes, 4 slots of rank 16): it lowers for three
+        GPUs with its one Triton call and the layers' all-reduces."""
+        from benchmarks.cuda_lowering import TRITON_CALL, lora_step_case, lower_for_cuda
+
+        text = lower_for_cuda(lora_step_case(3))
+        assert text.count(f"@{TRITON_CALL}") == 1
+        assert "num_partitions = 3" in text and "all_reduce" in text
 
     def test_sizes_that_cannot_work_are_refused_by_name():
         with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=8"):
