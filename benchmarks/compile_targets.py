@@ -4,7 +4,8 @@
 
 For each chip: every TPU kernel over the shapes the engine can produce, then the whole jitted engine step
 (``attention_backend="pallas_tpu"``, bfloat16) at every warm-up bucket for SmolLM2-135M and a Llama-3-8B-shaped
-config, and a Qwen3-30B-A3B-shaped MoE block. The arguments are shapes placed on a device of a TPU topology
+config, a Qwen3-30B-A3B-shaped MoE block, and SmolLM2's multi-LoRA step (4 slots of rank 16) on one chip and at
+TP 3. The arguments are shapes placed on a device of a TPU topology
 (``jax.experimental.topologies``), so nothing is allocated and no weights are needed. Prints one table row per
 compile: compiled or the compiler's message, compile time, and for engine steps the per-chip memory from
 ``memory_analysis()``. Needs the TPU runtime: ``pip install "jax[tpu]==<installed jax>"`` (the test extra has it).
@@ -244,9 +245,26 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     batch, sampling = abstract_step_inputs(config, num_tokens)
     shape = (f"{config.attention_backend} T{num_tokens} pool {pool_gib(config) / tp:.2f} GiB/chip"
              + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else "")
+             + (f" LoRA {config.model.max_loras}x{config.model.max_lora_rank}" if config.model.max_loras else "")
              + ("" if config.kv_cache_dtype == "auto" else f" kv {config.kv_cache_dtype}")
              + (f" weights {config.model.quantization}" if config.model.quantization else ""))
     return compile_for(where, chip, f"step {model}", shape, jit_step(config, where), (params, pool, batch, sampling))
+
+
+LORA_OPTIONS = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}  # the compile lanes' multi-LoRA engine
+LORA_TP = 3  # SmolLM2's 9 heads and 3 KV heads over 3 chips
+
+
+def lora_config(tp: int = 1):
+    """SmolLM2's engine with multi-LoRA (4 adapter slots of rank 16 in every decoder Linear) at TP ``tp``."""
+    return engine_config("smollm2-135m", tensor_parallel_size=tp, **LORA_OPTIONS)
+
+
+def compile_lora_steps(chip: str) -> list[Compiled]:
+    """SmolLM2's LoRA step at its smallest bucket on one chip and at TP 3 (the slots sharded as their
+    projections: column-parallel B split on its outputs, row-parallel A on its inputs)."""
+    return [compile_step(chip, "smollm2-135m", config.token_buckets()[0], config)
+            for config in (lora_config(), lora_config(LORA_TP))]
 
 
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
@@ -320,6 +338,7 @@ def run(chips: list[str], quick: bool, tp_only: bool = False, tp_weights=("bfloa
             results += [_report(r) for r in compile_block_moves(chip, model, config)]
     for chip in [] if tp_only else chips:
         results.append(_report(compile_moe_layer(chip, 512)))
+        results += [_report(r) for r in compile_lora_steps(chip)]
     return results + run_tp(chips, tp_weights)
 
 

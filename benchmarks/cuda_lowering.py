@@ -3,7 +3,8 @@
     python -m benchmarks.cuda_lowering [--no-compile]   # the table: kernel or step, shape, target, result, time
 
 With 4 or more devices (``XLA_FLAGS=--xla_force_host_platform_device_count=4``) the table also lowers
-Llama-3-8B's step at tensor_parallel_size=4 (the Triton kernel under ``shard_map``, the all-reduces).
+Llama-3-8B's step at tensor_parallel_size=4 (the Triton kernel under ``shard_map``, the all-reduces) and SmolLM2's
+multi-LoRA step at tensor_parallel_size=3 (its one-device LoRA step is always lowered).
 
 ``jax.export`` with ``platforms=["cuda"]`` runs the Pallas Triton lowering (Pallas -> Triton IR, carried in the
 ``__gpu$xla.gpu.triton`` custom call, whose export safety check is disabled): a kernel that does not lower fails
@@ -235,6 +236,30 @@ def tp_step_case(tp: int = 4) -> LoweringCase:
                         args, tp)
 
 
+LORA_OPTIONS = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}  # the compile lanes' multi-LoRA engine
+
+
+def lora_step_case(tp: int = 1) -> LoweringCase:
+    """SmolLM2-135M's jitted engine step with multi-LoRA (4 adapter slots of rank 16 in every decoder Linear;
+    bfloat16, smallest bucket) at tensor_parallel_size ``tp`` (3: its 9 heads and 3 KV heads over the first 3
+    devices, the slots sharded as their projections)."""
+    from benchmarks.random_model import SMOLLM2_135M
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.distributed.parallel import placement
+    from jaxpage.models import abstract_params
+    from jaxpage.worker.step import abstract_step_inputs, jit_step, step
+
+    config = gpu_engine_config(SMOLLM2_135M, "bfloat16", 2048, 64, 256, 1024, tensor_parallel_size=tp,
+                               **LORA_OPTIONS)
+    num_tokens = config.token_buckets()[0]
+    batch, sampling = abstract_step_inputs(config, num_tokens)
+    args = (abstract_params(config.model, config.dtype),
+            abstract_kv_pool(config.model, config.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
+    fn = jit_step(config, placement(config)) if tp > 1 else functools.partial(step, config)
+    return LoweringCase("step", f"SmolLM2-135M bfloat16 LoRA 4x16 T{num_tokens}" + (f" TP{tp}" if tp > 1 else ""),
+                        fn, args, tp)
+
+
 def run_case(case: LoweringCase, target: str, compile_ir: bool = False) -> dict:
     """One lowering (and, with compile_ir, Triton's compilation of its kernels): ok, seconds, Triton calls in
     the module and the kernels' shared memory, or the error."""
@@ -256,7 +281,8 @@ def table(targets=None, compile_ir: bool = False) -> list[dict]:
     """Every case for every target; the rows main() prints (and the lead's compile_targets can print)."""
     targets = targets or (list(TARGETS) if TARGET_HONOURED else ["sm90"])
     rows = []
-    for case in kernel_cases() + step_cases() + ([tp_step_case(4)] if len(jax.devices()) >= 4 else []):
+    cases = kernel_cases() + step_cases() + [lora_step_case()]
+    for case in cases + ([tp_step_case(4), lora_step_case(3)] if len(jax.devices()) >= 4 else []):
         for target in targets:
             rows.append({"what": case.what, "shape": case.shape, "target": target,
                          **run_case(case, target, compile_ir)})

@@ -153,6 +153,23 @@ def test_block_moves_compile_in_place():
         assert r.memory["temp"] < pool_bytes(smollm2()) / 100, (r.name, r.memory)
 
 
+@pytest.mark.parametrize("tp", [1, ct.LORA_TP])
+def test_smollm2_lora_step_compiles_for_v5e(tp):
+    """Multi-LoRA (4 slots of rank 16 in every decoder Linear, smallest bucket) on one chip and over 3 chips
+    (SmolLM2's 9 heads, 3 KV heads): the pool still donated and aliased, the slots among the arguments (each
+    chip's at least its share of them), the chips all-reduce at TP 3."""
+    from jaxpage.models import abstract_params
+
+    config = ct.lora_config(tp)
+    r = ct.compile_step("v5e", "smollm2-135m", config.token_buckets()[0], config)
+    assert_compiled(r)
+    lora = sum(a.size * a.dtype.itemsize for path, a in jax.tree_util.tree_leaves_with_path(
+        abstract_params(config.model, config.dtype)) if path[-1].key in ("lora_a", "lora_b"))
+    assert lora > 0 and r.memory["argument"] >= (lora + least_pool_bytes(config)) // tp, r.memory
+    assert r.memory["alias"] >= least_pool_bytes(config) // tp, r.memory
+    assert tp == 1 or "all-reduce" in r.hlo
+
+
 def test_llama3_70b_step_compiles_tensor_parallel_on_eight_v5e_chips():
     """TP=8 over a v5e:2x4 topology with 4 of Llama-3-70B's 80 layers (the same compiled layer in a scan; the
     whole model is benchmarks/RESULTS.md's table): the weights and the pool are split 8 ways (each chip's

@@ -46,6 +46,16 @@ def test_engine_step_lowers_with_the_triton_kernel(case):
     assert case.args[1].shape[0] == (32 if "Llama" in case.shape else 30)  # the pool has every layer
 
 
+def test_lora_step_lowers_with_the_triton_kernel():
+    """SmolLM2's step with 4 LoRA slots of rank 16 (smallest bucket): one Triton attention call, the slots among
+    the arguments (q/k/v's A [layers, 1 + 4 slots, 576, 3 x 16]; the TP 3 case: tests/test_tensor_parallel.py)."""
+    from benchmarks.cuda_lowering import lora_step_case
+
+    text = lower_for_cuda(lora_step_case(), TARGET_LIST[-1])
+    assert triton_calls(text) == 1
+    assert "tensor<30x5x576x48xbf16>" in text
+
+
 def test_a_kernel_that_does_not_lower_fails_the_lane():
     """Triton blocks must have power-of-two shapes: the lowering refuses a (3, 5) block, and run_case says so."""
     def double(x_ref, o_ref):
