@@ -65,7 +65,7 @@ class ModelConfig:
         return bool(self.layer_windows().min() > 0)
 
 
-SPECULATIVE_METHODS = ("ngram",)  # vLLM's method names that jaxpage implements (jaxpage/spec_decode/)
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # vLLM's method names that jaxpage implements (jaxpage/spec_decode/)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +74,16 @@ class SpeculativeConfig:
     proposed by ``method`` and verified by the target model in the same step (jaxpage/spec_decode/).
 
     ngram: prompt lookup over the sequence's own prompt and output; the longest n-gram of prompt_lookup_max down
-    to prompt_lookup_min tokens that ends the sequence and occurred before proposes the tokens that followed it."""
+    to prompt_lookup_min tokens that ends the sequence and occurred before proposes the tokens that followed it.
+    draft_model: ``model`` (a path the loader takes: GGUF or an HF directory), a smaller model of the same
+    vocabulary, run for num_speculative_tokens steps per target step (its own runner and KV pool)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5  # vLLM's defaults when neither is given
     prompt_lookup_min: int = 5
+    model: str | None = None  # draft_model: the draft's path
+    draft_tensor_parallel_size: int = 1  # draft_model: only 1 (the draft runs on one device)
 
     @classmethod
     def from_dict(cls, options: dict) -> "SpeculativeConfig":
@@ -92,8 +96,8 @@ class SpeculativeConfig:
         require(not unknown, "speculative_config", unknown, f"has unknown keys; known: {', '.join(sorted(fields))}")
         method = options.get("method", "ngram")
         require(method in SPECULATIVE_METHODS, "speculative_config.method", method,
-                f"must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} (suffix, draft_model and EAGLE "
-                "heads are not built yet)")
+                f"must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} (suffix and EAGLE heads are not "
+                "built yet)")
         require("num_speculative_tokens" in options, "speculative_config.num_speculative_tokens", None,
                 "must be given")
         k = options["num_speculative_tokens"]
@@ -106,7 +110,16 @@ class SpeculativeConfig:
         for name, value in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
             require(type(value) is int and value >= 1, f"speculative_config.{name}", value, "must be an integer >= 1")
         require(lo <= hi, "speculative_config.prompt_lookup_min", lo, f"must be <= prompt_lookup_max={hi}")
-        return cls(method, k, hi, lo)
+        model, draft_tp = options.get("model"), options.get("draft_tensor_parallel_size", 1)
+        if method == "draft_model":
+            require(isinstance(model, str) and model, "speculative_config.model", model,
+                    "must be the draft model's path (a .gguf file or an HF directory) for method 'draft_model'")
+            require(draft_tp == 1, "speculative_config.draft_tensor_parallel_size", draft_tp,
+                    "must be 1 (the draft runs on one device)")
+        else:
+            require(model is None, "speculative_config.model", model,
+                    f"is only for method 'draft_model', not {method!r}")
+        return cls(method, k, hi, lo, model, draft_tp)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.scheduler import Scheduler
 from jaxpage.engine.arg_utils import EngineArgs
-from jaxpage.engine.config_builder import engine_config_from_args
+from jaxpage.engine.config_builder import draft_engine_config, engine_config_from_args
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.models import config_from_hf
 from jaxpage.models.loader import default_cache_dir, load_model
@@ -24,6 +24,7 @@ from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
 from jaxpage.structured.manager import StructuredOutputManager
 from jaxpage.utils import cdiv
 from jaxpage.worker.compile_cache import enable_compilation_cache
+from jaxpage.worker.draft_runner import DraftRunner
 from jaxpage.worker.multihost import runner_class
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,25 @@ class InFlight:
     rows: list[int]
 
 
+def _draft_runner(config: EngineConfig, cache_dir: Path, target) -> DraftRunner | None:
+    """The draft model's runner when speculative decoding's method is draft_model (else None): loaded from
+    ``speculative_config.model``, checked to share the target's vocabulary (and its tokenizer's, when both have
+    one); a bad draft is a ValueError naming speculative_config.model."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    try:
+        loaded = load_model(spec.model, cache_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from e
+    tokenizers = (target.tokenizer, loaded.tokenizer)
+    if None not in tokenizers and tokenizers[0].get_vocab() != tokenizers[1].get_vocab():
+        raise ValueError(f"speculative_config.model={spec.model!r}: its tokenizer is not the target's")
+    drafter = DraftRunner(draft_engine_config(config, config_from_hf(loaded.hf_config)), loaded.params)
+    drafter.runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
+    return drafter
+
+
 class DoesNotFitError(ValueError):
     """The request can never fit in the KV pool (the server answers RESOURCE_EXHAUSTED)."""
 
@@ -47,8 +67,10 @@ class DoesNotFitError(ValueError):
 class LLMEngine:
     """The engine over any runner with ``warm_up``, ``apply(DeviceOps)`` and ``execute(scheduled)``."""
 
-    def __init__(self, config: EngineConfig, runner, *, tokenizer=None, eos_token_ids=(), model_name: str = ""):
+    def __init__(self, config: EngineConfig, runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
+                 drafter: DraftRunner | None = None):
         self.config = config
+        self.drafter = drafter  # speculative decoding's draft model (method draft_model), its runner and pool
         self.max_seqs_per_request = config.seqs_per_request
         # Refuse at admission a request whose sequences can never all fit in the pool (its worst case); off only
         # in tests of the scheduler's own safety net for such groups (they end with finish_reason 'abort')
@@ -89,10 +111,13 @@ class LLMEngine:
         config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0)
         runner = runner_class()(config, loaded.params)  # process 0 of several: broadcasts
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
+        drafter = _draft_runner(config, cache_dir, loaded)
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                     model_name=loaded.name)
+                     model_name=loaded.name, drafter=drafter)
         started = time.perf_counter()
         runner.warm_up(progress=args.progress)
+        if drafter is not None:
+            drafter.warm_up(progress=args.progress)
         engine.load_seconds, engine.warmup_seconds = load_seconds, time.perf_counter() - started
         return engine
 
@@ -234,11 +259,15 @@ class LLMEngine:
             outputs += self._finish_in_flight()
         out = self.scheduler.schedule()
         self.runner.apply(out.ops)
+        if self.drafter is not None:
+            self.drafter.apply(out.ops)
         outputs += [self._fail(group) for group in self.scheduler.take_failed()]
         if not out.scheduled:
             return outputs
         failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
         bitmask = self.structured.bitmask(out.scheduled, failed) if self.structured is not None else None
+        if self.drafter is not None:  # speculative decoding's draft model fills in the pending drafts
+            self.drafter.propose(out.scheduled)
         if not self.async_scheduling:
             sampled = (self.runner.execute(out.scheduled) if bitmask is None
                        else self.runner.execute(out.scheduled, bitmask))

@@ -21,4 +21,8 @@ def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
         from jaxpage.spec_decode.ngram_proposer import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from jaxpage.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer()
     raise ValueError(f"speculative_config.method={config.method!r} has no proposer")

@@ -1,0 +1,87 @@
+"""The draft model of speculative decoding's ``draft_model`` method: a ModelRunner of its own (the same class, built
+from the draft's EngineConfig) whose KV pool has the target's blocks, indexed by the target's block tables, and
+the k steps a target step that propose each speculating row's draft tokens.
+
+The draft's K/V of a token sit in its pool at the slot the target's K/V of that token sit in its own: block moves
+(copy-on-write, swaps) are applied to both pools, a block freed by the target holds nothing the draft reads, and
+a rollback of the target's computed tokens rolls the draft's back too. The draft computes the tokens the target
+computes each step (prompt chunks as scheduled); after a fully accepted draft it lags one token (the last draft,
+whose K/V only the target computed), which its next step computes first. Drafts are the draft model's argmax
+(a deterministic proposal: verified by the target's own samples, spec_decode/rejection_sampler.py)."""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from jaxpage.config import EngineConfig
+from jaxpage.core.kv_cache_manager import DeviceOps
+from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.sequence import Sequence, SequenceGroup
+from jaxpage.worker.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0)  # the draft's rows: argmax
+
+
+class DraftRunner:
+    def __init__(self, config: EngineConfig, params: dict):
+        self.config = config
+        self.runner = ModelRunner(config, params)
+        # tokens whose draft K/V are in the draft's pool, per sequence (valid below the target's computed tokens)
+        self._computed: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+
+    def warm_up(self, progress: bool = True) -> None:
+        self.runner.warm_up(progress)
+
+    def apply(self, ops: DeviceOps) -> None:
+        """The target's block moves, applied to the draft's pool too."""
+        self.runner.apply(ops)
+
+    def propose(self, scheduled: list[ScheduledSeq]) -> None:
+        """Fills in each speculating row's draft tokens (``spec_token_ids``, pending until now): a first draft
+        step computes every row's tokens the draft lacks up to what the target computes this step (a speculating
+        row: up to its last token, whose next token is its first draft), then one step per further draft."""
+        first, spec = [], []
+        for s in scheduled:
+            if not s.num_new_tokens:
+                continue  # a fork: its parent's row computes its tokens
+            seq = s.seq
+            start = min(self._computed.get(seq, seq.num_computed_tokens), seq.num_computed_tokens)
+            end = seq.num_tokens if s.spec_token_ids else seq.num_computed_tokens + s.num_new_tokens
+            first.append((seq, start, end, []))
+            if s.spec_token_ids:
+                spec.append((len(first) - 1, s))
+        if not first:
+            return
+        tokens = self._step(first)
+        drafts = {id(s): [tokens[row]] for row, s in spec}
+        for j in range(1, max((len(s.spec_token_ids) for _, s in spec), default=0)):
+            rows = [s for _, s in spec if len(s.spec_token_ids) > j]
+            n = [s.seq.num_tokens + j - 1 for s in rows]  # the position of the draft this step computes
+            tokens = self._step([(s.seq, at, at + 1, drafts[id(s)]) for s, at in zip(rows, n)])
+            for s, token in zip(rows, tokens):
+                drafts[id(s)].append(token)
+        for seq, _, end, _ in first:
+            self._computed[seq] = end
+        for _, s in spec:
+            s.spec_token_ids = tuple(drafts[id(s)])
+            self._computed[s.seq] = s.seq.num_tokens + len(s.spec_token_ids) - 1
+
+    def _step(self, rows: list[tuple[Sequence, int, int, list[int]]]) -> list[int]:
+        """One draft step: each (seq, start, end, extra) computes positions [start, end) of ``seq.token_ids +
+        extra`` (the sequence seen as if extended by its drafts so far), sampling after ``end``; returns each
+        row's token. The sequences are as before afterwards."""
+        saved = [(seq, seq.num_computed_tokens, seq.num_tokens) for seq, *_ in rows]
+        scheduled = []
+        try:
+            for seq, start, end, extra in rows:
+                seq.token_ids.extend(extra)
+                seq.num_computed_tokens = start
+                group = SequenceGroup("draft", [seq], GREEDY, arrival=0)
+                scheduled.append(ScheduledSeq(seq, end - start, group, end == seq.num_tokens))
+            return np.asarray(self.runner.execute(scheduled).tokens).tolist()
+        finally:
+            for seq, computed, num_tokens in saved:
+                del seq.token_ids[num_tokens:]
+                seq.num_computed_tokens = computed
