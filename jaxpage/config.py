@@ -152,6 +152,12 @@ class EngineConfig:
     max_long_partial_prefills: int = 1
     max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    sampler_returns_probs: bool = False  # a draft model's runner: the step returns each row's distribution (q)
+
+    @property
+    def verifies_draft_probs(self) -> bool:
+        """A draft model's target: its batches carry the drafts' tokens and distributions (rejection sampling)."""
+        return self.speculative_config is not None and self.speculative_config.method == "draft_model"
 
     @property
     def seqs_per_request(self) -> int:

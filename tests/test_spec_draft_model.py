@@ -1,18 +1,24 @@
 """Speculative decoding's draft_model method (issue 26): a draft model of the target's vocabulary proposes k tokens
-a step from its own runner and pool (the target's block ids). A tiny random Llama target with a bad draft (a
-tiny Llama of other random weights) and a perfect one (itself): greedy and seeded tokens equal to a run without
-speculation, the perfect draft always accepted, the draft's proposals its own greedy continuation of the
+a step from its own runner and pool (the target's block ids), each drawn from its distribution q, which the
+target's step verifies by rejection sampling. The sampler's rule against the target's law (chi-square; without
+the residual's correction the same check fails); a tiny random Llama target with a bad draft (a tiny Llama of
+other random weights) and a perfect one (itself): greedy tokens equal to a run without speculation, the perfect
+draft accepted (nearly) always, greedy and sampled, the bad draft's proposals its own greedy continuation of the
 target's tokens after rollbacks and preemptions (so its K/V follow the target's), every block back after aborts;
 SmolLM2 drafting for itself (the only local model of its tokenizer): its greedy tokens, every draft accepted."""
 from __future__ import annotations
 
 import random
 
+import jax
 import numpy as np
 import pytest
+from scipy import stats
 
 from jaxpage.config import SpeculativeConfig
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxpage.structured.manager import bitmask_words
+from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch, sample
 from tests.factories import engine_options, tiny_llama
 
 K = 3
@@ -32,6 +38,43 @@ def draft_config(path, k: int = K) -> dict:
 def test_bad_draft_model_config_is_refused_naming_the_field(options, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.from_dict(options)
+
+
+def _sampling(rows: int, vocab: int, temperature: float, draft_ids=None, draft_probs=None) -> SamplingBatch:
+    """Rows of one temperature, seeds 0..rows-1 at output index 0, no truncation, penalties or masks."""
+    zeros, ones = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    return SamplingBatch(
+        np.full(rows, temperature, np.float32), np.zeros(rows, np.int32), ones, zeros,
+        np.arange(rows, dtype=np.uint32), np.zeros(rows, np.int32), zeros, zeros, ones, np.full((1, 8), -1, np.int32),
+        np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.full((rows, MAX_BANNED), -1, np.int32),
+        np.bool_(False), np.full((rows, bitmask_words(vocab)), -1, np.int32),
+        np.full((rows, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((rows, MAX_LOGIT_BIAS), np.float32), None,
+        draft_ids, draft_probs)
+
+
+def test_rejection_sampling_of_drawn_drafts_gives_the_target_distribution():
+    """Drafts drawn from a bad q (its mass where p has little), verified by the step's sampler: the emitted token
+    follows p (chi-square over 20,000 seeded rows), a draft is accepted with probability sum(min(p, q)), and
+    without the residual's correction (a rejected draft's token drawn from p afresh) the same check fails. The
+    sampler's q of a draft model (with_probs) is the softmax at the row's temperature."""
+    p = np.array([1.0, 8, 4, 3, 2, 2] + [0.2] * 18)
+    q = np.array([6.0, 1, 1, 1, 4, 0.5] + [0.1] * 18)
+    p, q = p / p.sum(), q / q.sum()
+    vocab, n = len(p), 20_000
+    drafts = np.random.default_rng(0).choice(vocab, size=n, p=q).astype(np.int32)
+    logits = np.tile(np.log(p).astype(np.float32), (n, 1))
+    batch = _sampling(n, vocab, 1.0, drafts, np.tile(q.astype(np.float32), (n, 1)))
+    out = np.asarray(jax.jit(sample)(logits, batch).tokens)
+    assert stats.chisquare(np.bincount(out, minlength=vocab), p * n).pvalue > 1e-4
+    accepted, rate = out == drafts, np.minimum(p, q).sum()
+    assert abs(accepted.mean() - rate) < 4 * np.sqrt(rate * (1 - rate) / n)
+    fresh = np.asarray(jax.jit(sample)(logits, _sampling(n, vocab, 1.0)).tokens)  # draws from p, no draft
+    assert stats.chisquare(np.bincount(fresh, minlength=vocab), p * n).pvalue > 1e-4
+    wrong = np.where(accepted, drafts, fresh)
+    assert stats.chisquare(np.bincount(wrong, minlength=vocab), p * n).pvalue < 1e-6
+    q_out = jax.jit(sample, static_argnums=2)(logits[:4], _sampling(4, vocab, 0.7), True).probs
+    expected = np.exp(np.log(p) / 0.7)
+    np.testing.assert_allclose(np.asarray(q_out), np.tile(expected / expected.sum(), (4, 1)), rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -83,39 +126,51 @@ def _counts(llm) -> tuple[int, int]:
     return s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]
 
 
-def test_greedy_and_seeded_tokens_equal_those_without_speculation(llms):
-    """Both drafts: the same greedy and seeded tokens (and log-probabilities) as without speculation; the perfect
-    draft's greedy drafts are all accepted, the bad draft's partly; the bad draft's small pool preempts; every
-    block is back."""
+def test_greedy_tokens_equal_those_without_speculation(llms):
+    """Both drafts: the same greedy tokens (and log-probabilities) as without speculation; the perfect draft's
+    drafts are all accepted, the bad draft's partly; the bad draft's small pool preempts; every block is back."""
     plain, bad, perfect = llms
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    seeded = [SamplingParams(temperature=0.9, top_k=5, seed=i, max_tokens=12, ignore_eos=True, logprobs=1)
-              for i in range(6)]
-    for params in (greedy, seeded):
-        expected = plain.generate(_prompts(), params)
-        for spec in (bad, perfect):
-            before = _counts(spec)
-            got = spec.generate(_prompts(), params)
-            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
-            for e, g in zip(expected, got):
-                assert g.outputs[0].cumulative_logprob == pytest.approx(e.outputs[0].cumulative_logprob, abs=1e-3)
-            drafted, accepted = (a - b for a, b in zip(_counts(spec), before))
-            if spec is perfect and params is greedy:
-                assert drafted > 0 and accepted == drafted
-            elif spec is bad:
-                assert 0 <= accepted < drafted
+    expected = plain.generate(_prompts(), greedy)
+    for spec in (bad, perfect):
+        before = _counts(spec)
+        got = spec.generate(_prompts(), greedy)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        for e, g in zip(expected, got):
+            assert g.outputs[0].cumulative_logprob == pytest.approx(e.outputs[0].cumulative_logprob, abs=1e-3)
+        drafted, accepted = (a - b for a, b in zip(_counts(spec), before))
+        assert drafted > 0 and (accepted == drafted if spec is perfect else accepted < drafted)
     assert bad.stats()["num_preemptions"] > 0
     for spec in (bad, perfect):
         s = spec.stats()
         assert s["num_free_blocks"] == s["num_blocks"]
 
 
-def test_proposals_are_the_drafts_own_continuation_after_rollbacks(llms):
-    """The perfect draft under sampling (its argmax drafts rejected often, the K/V of both models rolled back):
-    each proposal is the target's own greedy continuation of the sequence as it stood (from the engine without
-    speculation), so the draft's K/V held exactly the sequence's accepted tokens at every step."""
-    plain, _, perfect = llms
-    drafter, seen = perfect.engine.drafter, []
+def test_sampled_drafts_of_the_same_model_are_accepted(llms):
+    """Sampling (temperature 0.9, top-k 5): the perfect draft's q is the target's p, so min(1, p/q) accepts
+    (nearly) every draft; accepting only drafts equal to the target's own draw would accept sum(p^2) of them.
+    The bad draft's run ends every request at its length with every block back."""
+    _, bad, perfect = llms
+    params = [SamplingParams(temperature=0.9, top_k=5, seed=i, max_tokens=16, ignore_eos=True) for i in range(6)]
+    before = _counts(perfect)
+    perfect.generate(_prompts(), params)
+    drafted, accepted = (a - b for a, b in zip(_counts(perfect), before))
+    assert drafted > 20 and accepted >= 0.97 * drafted, (accepted, drafted)
+    out = bad.generate(_prompts(), params)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+    s = bad.stats()
+    assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_proposals_are_the_drafts_own_continuation_after_rollbacks(llms, models):
+    """The bad draft, greedy (its drafts often rejected, the K/V of both models rolled back, and preempted in its
+    small pool): each proposal is the draft model's own greedy continuation of the sequence as it stood (from an
+    engine of the draft model alone), so the draft's K/V held exactly the sequence's accepted tokens at every
+    step."""
+    from jaxpage import LLM
+
+    _, bad, _ = llms
+    drafter, seen = bad.engine.drafter, []
     propose = drafter.propose
 
     def recording(scheduled):
@@ -124,12 +179,13 @@ def test_proposals_are_the_drafts_own_continuation_after_rollbacks(llms):
 
     drafter.propose = recording
     try:
-        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(4)]
-        perfect.generate(_prompts(4), params)
+        bad.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     finally:
         del drafter.propose
     assert len(seen) > 8
-    expected = plain.generate([{"prompt_token_ids": ids} for ids, _ in seen],
+    _, draft, _, cache = models
+    alone = LLM(str(draft), cache_dir=cache, **OPTIONS)
+    expected = alone.generate([{"prompt_token_ids": ids} for ids, _ in seen],
                               [SamplingParams(temperature=0.0, max_tokens=len(d), ignore_eos=True) for _, d in seen])
     assert [d for _, d in seen] == [o.outputs[0].token_ids for o in expected]
 

@@ -22,6 +22,7 @@ class ScheduledSeq:
     # speculative decoding: the draft tokens this decode row verifies (num_new_tokens counts them: its last token,
     # then the drafts); each draft's position is sampled in a row of its own after the scheduled rows
     spec_token_ids: tuple[int, ...] = ()
+    draft_probs: object = None  # a draft model's: [len(spec_token_ids), vocab] the distribution of each draft token
     new_logprobs: tuple[float, ...] = ()  # speculative rows: the log-probabilities of the tokens the step appended
 
 

@@ -133,7 +133,7 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
             "must attend to every position (a sliding-window draft is not built)")
     budget = cdiv(config.max_num_batched_tokens + config.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
     return dataclasses.replace(config, model=draft, speculative_config=None, async_scheduling=False,
-                               max_num_batched_tokens=budget)
+                               max_num_batched_tokens=budget, sampler_returns_probs=True)
 
 
 def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int,

@@ -1,5 +1,9 @@
 """Verification of a sequence's draft tokens against the target model's samples at the same positions (vLLM's
-RejectionSampler, for deterministic drafts: n-gram and suffix proposals).
+RejectionSampler). For deterministic drafts (n-gram and suffix proposals) the target's own draws decide; a draft
+model's drafts, drawn from its q, are verified on the device (``jaxpage.worker.sampler.rejection_sample``: the
+row's token is the draft d with probability min(1, p(d) / q(d)), else a draw from the residual max(0, p - q)),
+after which the same rule below reads the step's tokens: a row whose token is its draft accepted it (a
+residual draw is never d), the first that differs holds the recovered token.
 
 A draft of k tokens is a chunk of k + 1 query tokens in one step: the sequence's last token and the drafts. The
 step samples the target's token at each of those positions, as it samples any token (temperature, top-k/p,

@@ -6,8 +6,10 @@ The draft's K/V of a token sit in its pool at the slot the target's K/V of that 
 (copy-on-write, swaps) are applied to both pools, a block freed by the target holds nothing the draft reads, and
 a rollback of the target's computed tokens rolls the draft's back too. The draft computes the tokens the target
 computes each step (prompt chunks as scheduled); after a fully accepted draft it lags one token (the last draft,
-whose K/V only the target computed), which its next step computes first. Drafts are the draft model's argmax
-(a deterministic proposal: verified by the target's own samples, spec_decode/rejection_sampler.py)."""
+whose K/V only the target computed), which its next step computes first. Drafts are drawn as the request
+samples (temperature, top-k/p, min-p, its seed's key at that output index; greedy: the draft's argmax), and
+each comes with the draft's distribution q it was drawn from, which the target's step verifies it against
+(``sampler.rejection_sample``)."""
 from __future__ import annotations
 
 import weakref
@@ -17,11 +19,8 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq
-from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence, SequenceGroup
 from jaxpage.worker.model_runner import ModelRunner
-
-GREEDY = SamplingParams(temperature=0.0)  # the draft's rows: argmax
 
 
 class DraftRunner:
@@ -54,33 +53,40 @@ class DraftRunner:
                 spec.append((len(first) - 1, s))
         if not first:
             return
-        tokens = self._step(first)
+        groups = [s.group for s in scheduled if s.num_new_tokens]
+        tokens, probs = self._step(first, groups)
         drafts = {id(s): [tokens[row]] for row, s in spec}
+        q = {id(s): [probs[row]] for row, s in spec}
         for j in range(1, max((len(s.spec_token_ids) for _, s in spec), default=0)):
             rows = [s for _, s in spec if len(s.spec_token_ids) > j]
             n = [s.seq.num_tokens + j - 1 for s in rows]  # the position of the draft this step computes
-            tokens = self._step([(s.seq, at, at + 1, drafts[id(s)]) for s, at in zip(rows, n)])
-            for s, token in zip(rows, tokens):
-                drafts[id(s)].append(token)
+            tokens, probs = self._step([(s.seq, at, at + 1, drafts[id(s)]) for s, at in zip(rows, n)],
+                                       [s.group for s in rows])
+            for row, s in enumerate(rows):
+                drafts[id(s)].append(tokens[row])
+                q[id(s)].append(probs[row])
         for seq, _, end, _ in first:
             self._computed[seq] = end
         for _, s in spec:
-            s.spec_token_ids = tuple(drafts[id(s)])
+            s.spec_token_ids, s.draft_probs = tuple(drafts[id(s)]), np.stack(q[id(s)])
             self._computed[s.seq] = s.seq.num_tokens + len(s.spec_token_ids) - 1
 
-    def _step(self, rows: list[tuple[Sequence, int, int, list[int]]]) -> list[int]:
+    def _step(self, rows: list[tuple[Sequence, int, int, list[int]]],
+              groups: list[SequenceGroup]) -> tuple[list[int], np.ndarray]:
         """One draft step: each (seq, start, end, extra) computes positions [start, end) of ``seq.token_ids +
-        extra`` (the sequence seen as if extended by its drafts so far), sampling after ``end``; returns each
-        row's token. The sequences are as before afterwards."""
+        extra`` (the sequence seen as if extended by its drafts so far) and samples after ``end`` with its
+        request's parameters (``groups``); returns each row's token and the distribution it was drawn from. The
+        sequences are as before afterwards."""
         saved = [(seq, seq.num_computed_tokens, seq.num_tokens) for seq, *_ in rows]
         scheduled = []
         try:
-            for seq, start, end, extra in rows:
+            for (seq, start, end, extra), group in zip(rows, groups):
                 seq.token_ids.extend(extra)
                 seq.num_computed_tokens = start
-                group = SequenceGroup("draft", [seq], GREEDY, arrival=0)
+                group = SequenceGroup(group.request_id, [seq], group.params, arrival=0)  # no prompt logprobs
                 scheduled.append(ScheduledSeq(seq, end - start, group, end == seq.num_tokens))
-            return np.asarray(self.runner.execute(scheduled).tokens).tolist()
+            out = self.runner.execute(scheduled)
+            return np.asarray(out.tokens).tolist(), np.asarray(out.probs)
         finally:
             for seq, computed, num_tokens in saved:
                 del seq.token_ids[num_tokens:]

@@ -251,7 +251,21 @@ def build_sampling_batch(config: EngineConfig, scheduled: list[ScheduledSeq], st
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
         steps, presence, frequency, repetition, state.penalty_history.table, history_rows, num_prompt, banned,
         np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config),
-        *_logit_bias_rows(state, index, num_rows, replicated(config)), targets)
+        *_logit_bias_rows(state, index, num_rows, replicated(config)), targets,
+        *(_draft_rows(scheduled, num_seqs, config.model.vocab_size) if config.verifies_draft_probs else ()))
+
+
+def _draft_rows(scheduled: list[ScheduledSeq], num_seqs: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(draft ids [S], -1 elsewhere; draft probs [S, vocab]) of a draft model's target: each draft position's
+    row (after the scheduled rows, in order) with the draft token it verifies and the draft's distribution."""
+    ids, probs = np.full(num_seqs, -1, np.int32), np.zeros((num_seqs, vocab), np.float32)
+    at = len(scheduled)
+    for s in scheduled:
+        if s.spec_token_ids:
+            n = len(s.spec_token_ids)
+            ids[at:at + n], probs[at:at + n] = s.spec_token_ids, s.draft_probs
+            at += n
+    return ids, probs
 
 
 def _logit_bias_rows(state: InputBatch, index: np.ndarray, num_rows: int, sharding) -> tuple:

@@ -28,7 +28,9 @@ class SamplingBatch:
     logit_bias [S, MAX_LOGIT_BIAS] are each row's OpenAI logit_bias, added to the logits before the penalties.
     prompt_targets [T] (one per token of the flat batch, not per row): the next prompt token of each token whose
     request asks for prompt logprobs at its position, -1 elsewhere (core/prompt_logprobs.py); None in batches
-    made without them, whose step computes none.
+    made without them, whose step computes none. draft_ids [S] (-1: none) and draft_probs [S, V]: speculative
+    decoding with a draft model, the draft token a row verifies and the draft's distribution it was drawn from
+    (``rejection_sample``); None in every other engine's batches.
     """
 
     temperature: jax.Array
@@ -49,6 +51,8 @@ class SamplingBatch:
     logit_bias_ids: jax.Array
     logit_bias: jax.Array
     prompt_targets: jax.Array | None = None
+    draft_ids: jax.Array | None = None
+    draft_probs: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -82,30 +86,33 @@ class SamplerOutput:
     top_ids: jax.Array  # [S, MAX_LOGPROBS] (zeros unless want_top)
     top_logprobs: jax.Array
     prompt: PromptLogprobsOutput | None = None  # per token, not per row; None from a batch without targets
+    probs: jax.Array | None = None  # [S, V] the distribution each row was drawn from (a draft model's; else None)
 
     def rows(self, index) -> SamplerOutput:
         """The rows ``index`` (a slice or row numbers) of the per-row outputs; the per-token prompt part whole."""
         return SamplerOutput(self.tokens[index], self.logprobs[index], self.top_ids[index], self.top_logprobs[index],
-                             self.prompt)
+                             self.prompt, None if self.probs is None else self.probs[index])
 
 
 jax.tree_util.register_dataclass(
     SamplerOutput, data_fields=[f.name for f in dataclasses.fields(SamplerOutput)], meta_fields=[])
 
 
-def sample(logits: jax.Array, sp: SamplingBatch) -> SamplerOutput:
+def sample(logits: jax.Array, sp: SamplingBatch, with_probs: bool = False) -> SamplerOutput:
     """One token per row of logits [S, V]. Traced under a tensor-parallel mesh (``parallel.with_mesh``) whose
     size divides V, each device samples from its own slice of the vocabulary (the logits as the LM head leaves
-    them: split by vocabulary), so no device gathers the full logits."""
+    them: split by vocabulary), so no device gathers the full logits. with_probs: also each row's distribution
+    (a draft model's q; one device only)."""
     tp, vocab = model_axis_size(), logits.shape[1]
     if tp == 1 or vocab % tp:
-        return sample_shard(logits, sp, VocabShard(vocab, vocab), lambda: exponential_noise(sp, vocab))
+        return sample_shard(logits, sp, VocabShard(vocab, vocab), lambda: exponential_noise(sp, vocab), with_probs)
     noise = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: exponential_noise(sp, vocab),
                          lambda: jnp.ones(logits.shape, jnp.float32))
     return over_vocab(sample_shard, logits, noise, sp)
 
 
-def sample_shard(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard, noise) -> SamplerOutput:
+def sample_shard(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard, noise,
+                 with_probs: bool = False) -> SamplerOutput:
     """``sample`` on the slice ``vocab`` of the vocabulary: logits [S, vocab.size]; noise() gives the slice's
     exponential noise (``exponential_noise``), asked for only when a row samples at random."""
     logprobs = vocab.log_softmax(logits)
@@ -118,13 +125,20 @@ def sample_shard(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard, noise)
     allowed = vocab.bits(sp.allowed)
     logits = jnp.where(allowed, logits, -jnp.inf)
     greedy = vocab.argmax(logits)
-    tokens = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _sample_random(logits, sp, greedy, vocab, noise),
-                          lambda: greedy)
+    probs = None
+    if with_probs:  # greedy rows' distributions stay zeros (a greedy draft is verified by argmax)
+        tokens, probs = jax.lax.cond(jnp.any(sp.temperature > 0),
+                                     lambda: _sample_random(logits, sp, greedy, vocab, noise, True),
+                                     lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)))
+    else:
+        tokens = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _sample_random(logits, sp, greedy, vocab, noise),
+                              lambda: greedy)
     top_logprobs, top_ids = jax.lax.cond(
         sp.want_top, lambda: vocab.top_k(jnp.where(allowed, logprobs, -jnp.inf), MAX_LOGPROBS),
         lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), logprobs.dtype),
                  jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)))
-    return SamplerOutput(tokens, vocab.take(logprobs, tokens), top_ids.astype(jnp.int32), top_logprobs)
+    return SamplerOutput(tokens, vocab.take(logprobs, tokens), top_ids.astype(jnp.int32), top_logprobs,
+                         probs=probs)
 
 
 def exponential_noise(sp: SamplingBatch, vocab: int) -> jax.Array:
@@ -157,7 +171,8 @@ def _apply_penalties(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard) ->
     return logits - sp.presence_penalty[:, None] * (counts > 0)
 
 
-def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array, vocab: VocabShard, noise) -> jax.Array:
+def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array, vocab: VocabShard, noise,
+                   with_probs: bool = False):
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
     scaled = logits / temp
     truncates = (sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)
@@ -168,7 +183,29 @@ def _sample_random(logits: jax.Array, sp: SamplingBatch, greedy: jax.Array, voca
     # top-p or structured outputs), and argmax picks NaN: such tokens must score 0, whatever their E.
     probs = vocab.softmax(scaled)
     sampled = vocab.argmax(jnp.where(probs > 0, probs / noise(), 0.0))
-    return jnp.where(sp.temperature > 0, sampled, greedy)
+    if sp.draft_ids is not None:
+        sampled = rejection_sample(probs, sampled, sp, vocab)
+    tokens = jnp.where(sp.temperature > 0, sampled, greedy)
+    return (tokens, probs) if with_probs else tokens
+
+
+def rejection_sample(probs: jax.Array, sampled: jax.Array, sp: SamplingBatch, vocab: VocabShard) -> jax.Array:
+    """Speculative decoding's rejection sampling of draft tokens drawn from a draft model's q (vLLM's
+    RejectionSampler): a row verifying draft d (sp.draft_ids >= 0) takes d with probability min(1, p(d) / q(d)),
+    else a draw from the residual max(0, p - q) renormalised; other rows keep ``sampled`` (their draw from p).
+    p: the target's ``probs`` after temperature and truncation, as q is the draft's. The uniform and the
+    residual's exponential race use the row's key folded with 1 and 2, independent of the draft's own draw (the
+    row's key at that output index, unfolded)."""
+    d, q = sp.draft_ids, sp.draft_probs
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sp.seeds, sp.steps)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+    e = jax.vmap(lambda k: jax.random.exponential(jax.random.fold_in(k, 2), (vocab.size,)))(keys)
+    token = jnp.maximum(d, 0)
+    accept = u * vocab.take(q, token) < vocab.take(probs, token)  # u < p(d) / q(d); q(d) > 0: d was drawn from q
+    residual = jnp.maximum(probs - q, 0.0)
+    recovered = vocab.argmax(jnp.where(residual > 0, residual / e, 0.0))
+    recovered = jnp.where(vocab.sum(residual)[:, 0] > 0, recovered, sampled)  # p == q: rejection cannot happen
+    return jnp.where(d < 0, sampled, jnp.where(accept, d, recovered))
 
 
 def _filter(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard) -> jax.Array:

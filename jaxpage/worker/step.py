@@ -91,7 +91,9 @@ def abstract_step_inputs(config: EngineConfig, num_tokens: int):
                              i32(config.max_num_seqs + 1, config.max_model_len), i32(num_seqs), i32(num_seqs),
                              i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
                              i32(num_seqs, bitmask_words(config.model.vocab_size)),
-                             i32(num_seqs, MAX_LOGIT_BIAS), f32(num_seqs, MAX_LOGIT_BIAS), i32(num_tokens))
+                             i32(num_seqs, MAX_LOGIT_BIAS), f32(num_seqs, MAX_LOGIT_BIAS), i32(num_tokens),
+                             *((i32(num_seqs), f32(num_seqs, config.model.vocab_size))
+                               if config.verifies_draft_probs else ()))
     return batch, sampling
 
 

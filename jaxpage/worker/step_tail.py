@@ -35,7 +35,7 @@ def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: 
 
 def sample_rows(config: EngineConfig, params: dict, rows: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
     """The sampler's per-row output from the rows' final-normed hidden states [S, D] (prompt targets unread)."""
-    return sample(compute_logits(config.model, params, rows), sampling)
+    return sample(compute_logits(config.model, params, rows), sampling, config.sampler_returns_probs)
 
 
 def prompt_logprobs_of(config: EngineConfig, params: dict, hidden: jax.Array,
