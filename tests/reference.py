@@ -10,6 +10,7 @@ import torch
 
 from jaxpage.distributed.parallel import with_mesh
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden
+from jaxpage.models.lora_slots import LoRAMapping
 
 NEAR_TIE = 1e-3
 
@@ -78,7 +79,7 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla",
     tables[0, :num_blocks] = table
     batch = TokenBatch(np.asarray(token_ids, np.int32), pos, table[pos // bs] * bs + pos % bs,
                        np.zeros(n, np.int32), tables, np.zeros(1, np.int32),
-                       None if lora_slot is None else np.full(n, lora_slot, np.int32))
+                       None if lora_slot is None else LoRAMapping(np.zeros(n, np.int32), np.full(1, lora_slot, np.int32)))
     pool = jnp.zeros_like(llm.engine.runner.kv_pool)
 
     def logits(params, pool, batch):

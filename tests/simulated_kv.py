@@ -16,7 +16,9 @@ from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.lora.request import LoRARequest
+from jaxpage.lora.worker_manager import lora_mapping
 from jaxpage.models import config_from_hf
+from jaxpage.models.lora_slots import lora_buckets
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpage.sequence import SequenceStatus
 from jaxpage.worker.model_runner import LaunchedStep
@@ -118,6 +120,7 @@ class FakeRunner:
         check_prefill_limits(cfg, scheduled)
         loras = {s.group.lora_int_id for s in scheduled} - {0}
         assert len(loras) <= cfg.model.max_loras, f"adapters {sorted(loras)} in one step: more than the slots"
+        row_adapters = self._row_adapters(scheduled)
         hashes = {}
         for s in scheduled:  # writes first (the real step writes a layer's K/V before attending)
             seq = s.seq
@@ -132,7 +135,7 @@ class FakeRunner:
             assert s.samples == (first + count == len(ids))
             assert len(seq.block_table) * bs >= first + count, "block table too short for the chunk"
             assert seq.lora_int_id == s.group.lora_int_id, "a sequence computed with another adapter"
-            h = hashes[seq.seq_id] = prefix_hashes(ids, seq.lora_int_id)
+            h = hashes[seq.seq_id] = prefix_hashes(ids, row_adapters[id(s)])
             for p in range(first, first + count):
                 block = seq.block_table[p // bs]
                 assert 0 < block < cfg.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
@@ -163,6 +166,30 @@ class FakeRunner:
             top_ids[row], top_lps[row] = ids, lps
             tokens[row], logprobs[row] = ids[pick], lps[pick]
         return SamplerOutput(tokens, logprobs, top_ids, top_lps)
+
+
+    def _row_adapters(self, scheduled) -> dict[int, int]:
+        """id(scheduled row) -> the adapter the step's LoRAMapping (the runner's, adapter ids standing for slots)
+        gives its tokens, which the simulated K/V then depends on; the mapping's slot list is a bucket holding
+        the step's adapters."""
+        counts = [s.num_new_tokens for s in scheduled]
+        token_rows = np.repeat(np.arange(len(scheduled)), counts)
+        ids = np.asarray([s.group.lora_int_id for s in scheduled], np.int32)
+        mapping = lora_mapping(ids, token_rows, len(token_rows), len(scheduled), self.config.model.max_loras)
+        if mapping is None:
+            assert not ids.any(), "a step with adapters got no LoRA mapping"
+            return {id(s): 0 for s in scheduled}
+        used = set(ids.tolist()) - {0}
+        assert len(mapping.slots) in lora_buckets(self.config.model.max_loras) and len(mapping.slots) >= len(used)
+        assert set(mapping.slots.tolist()) - {0} == used, (mapping.slots, used)
+        tokens = np.where(mapping.token_indices >= 0, mapping.slots[mapping.token_indices], 0)
+        starts = np.cumsum([0, *counts])
+        out = {}
+        for row, s in enumerate(scheduled):
+            mine = set(tokens[starts[row]:starts[row + 1]].tolist())
+            assert len(mine) <= 1, f"row {row}'s tokens under adapters {mine}"
+            out[id(s)] = mine.pop() if mine else 0
+        return out
 
 
 def fake_draw(context: list[int], seed: int, temperature: float) -> tuple[np.ndarray, np.ndarray, int]:

@@ -109,6 +109,45 @@ def test_the_base_model_and_several_adapters_in_one_batch(setup):
     _assert_all_blocks_free(llm)
 
 
+def test_steps_take_only_their_own_adapters_slots(setup, monkeypatch):
+    """A batch of the base model alone runs the base program (no adapter mapping in any step); a batch of one
+    adapter and the base model on two slots runs steps of one slot (the adapter's; a step of base rows alone:
+    none): PEFT's tokens either way."""
+    from jaxpage.models.lora_slots import lora_buckets
+
+    base, adapters, llm = setup
+    runner = llm.engine.runner
+    steps = []  # (distinct adapter slots, the step's slot list) per step; None: no mapping
+    run = runner.run
+
+    def recording(batch, sampling):
+        mapping = batch.lora
+        if mapping is None:
+            steps.append(None)
+        else:
+            indices, slots = np.asarray(mapping.token_indices), np.asarray(mapping.slots)
+            steps.append((set(slots[indices[indices >= 0]].tolist()), slots.tolist()))
+        return run(batch, sampling)
+
+    monkeypatch.setattr(runner, "run", recording)
+    rng = random.Random(SEED + 15)
+    for loras in ([None, None, None], [None, adapters[1][0], None, adapters[1][0]]):
+        steps.clear()
+        prompts = [_prompt(rng, rng.randrange(3, 20)) for _ in loras]
+        ours = _greedy(llm, prompts, loras)
+        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+            model = base if lora is None else adapters[lora.lora_int_id][1]
+            ref, ref_logits = hf_greedy(model, prompt, NEW_TOKENS)
+            assert_greedy_matches(ours[i], ref, ref_logits, f"seed {SEED}, prompt {i}, adapter {lora}")
+        if all(lora is None for lora in loras):
+            assert steps and all(step is None for step in steps), steps
+        else:
+            slot = runner.lora.resident()[adapters[1][0].lora_int_id]
+            assert any(steps) and all(step in (None, ({slot}, [slot])) for step in steps), (slot, steps)
+    assert lora_buckets(2) == (1, 2) and lora_buckets(8) == (1, 2, 4, 8) and lora_buckets(6) == (1, 2, 4, 6)
+    _assert_all_blocks_free(llm)
+
+
 def test_more_adapters_than_slots_and_host_entries(setup):
     """Three adapters on two slots and a host LRU of two, in one call and then again: the step never holds more
     adapters than slots (the runner raises otherwise), slots are rewritten and adapters read again from disk."""

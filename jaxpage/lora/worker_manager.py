@@ -16,7 +16,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.distributed.parallel import put, without_axis
 from jaxpage.lora.models import LoRAModel, load_lora_model
 from jaxpage.models import abstract_params
-from jaxpage.models.lora_slots import LORA_LEAVES
+from jaxpage.models.lora_slots import LORA_LEAVES, LoRAMapping, lora_buckets
 
 
 class WorkerLoRAManager:
@@ -94,6 +94,21 @@ def token_slots(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, 
     slots = padded[np.asarray(token_rows)]
     slots[num_tokens:] = 0
     return slots
+
+
+def lora_mapping(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, num_rows: int,
+                 max_loras: int) -> LoRAMapping | None:
+    """The step's LoRAMapping: its slots (ascending, padded with slot 0 to the least bucket of
+    ``lora_buckets(max_loras)`` that holds them) and each token's index among them (-1: none); None when no token
+    runs an adapter (the base model's step)."""
+    slots = token_slots(row_slots, token_rows, num_tokens, num_rows)
+    used = np.unique(slots[slots != 0])
+    if not used.size:
+        return None
+    step = np.zeros(next(n for n in lora_buckets(max_loras) if n >= used.size), np.int32)
+    step[:used.size] = used
+    indices = np.where(slots != 0, np.searchsorted(used, slots), -1).astype(np.int32)
+    return LoRAMapping(indices, step)
 
 
 class SlotWriter:

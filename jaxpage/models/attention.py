@@ -86,8 +86,8 @@ class Attention(nnx.Module):
         self.windowed = bool(cfg.layer_windows().any())
 
     def __call__(self, x: jax.Array, pool: jax.Array, layer: LayerConstants, ctx: StepContext):
-        lora_slots = ctx.batch.lora_slots
-        q, k, v = self.qkv.split(self.qkv(x, lora_slots))
+        lora = ctx.batch.lora
+        q, k, v = self.qkv.split(self.qkv(x, lora))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         b = ctx.batch
@@ -100,4 +100,4 @@ class Attention(nnx.Module):
         out, pool = write_and_attend(ctx.backend, q, k, v, pool, layer.index, b.token_seq, b.positions,
                                      b.slot_mapping, b.block_tables, scale=self.scale, pairs=ctx.plan(layer),
                                      **options)
-        return self.o(out, lora_slots), pool
+        return self.o(out, lora), pool

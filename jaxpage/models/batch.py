@@ -5,14 +5,17 @@ import dataclasses
 
 import jax
 
+from jaxpage.models.lora_slots import LoRAMapping
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenBatch:
     """The device half of one step's flat batch (all int32, padded to a bucket).
 
     token_ids, positions, slot_mapping, token_seq: [T]; block_tables: [S, W]; logits_indices: [S].
-    Padding tokens write into the null block and belong to an all-null block-table row. lora_slots [T]: each
-    token's adapter slot (0: none), only in an engine with LoRA (None otherwise: the step has no such input).
+    Padding tokens write into the null block and belong to an all-null block-table row. lora: the step's adapter
+    slots and each token's among them, in a step of an engine with LoRA that runs an adapter (None otherwise: the
+    step is the base model's program).
     """
 
     token_ids: jax.Array
@@ -21,7 +24,7 @@ class TokenBatch:
     token_seq: jax.Array
     block_tables: jax.Array
     logits_indices: jax.Array
-    lora_slots: jax.Array | None = None
+    lora: LoRAMapping | None = None
 
 
 jax.tree_util.register_dataclass(

@@ -43,7 +43,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, pool, layer, ctx):
         h, pool = self.attn(self.attn_norm(x), pool, layer, ctx)
         x = x + self.post_attn_norm(h)
-        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x), ctx.batch.lora_slots)), pool
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x), ctx.batch.lora)), pool
 
 
 def plus_one(w):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from cpu_kernels import onednn
 from jaxpage.distributed.parallel import MODEL_AXIS
-from jaxpage.models.lora_slots import lora_delta, slots_being_built
+from jaxpage.models.lora_slots import LoRAMapping, lora_delta, slots_being_built
 from jaxpage.models.quant import int8_dot, quantization_being_built
 
 
@@ -81,15 +81,16 @@ class Linear(nnx.Module):
         else:
             self.lora_a = self.lora_b = None
 
-    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
-        """lora_slots [T]: each token's adapter slot (x [T, *in_shape]); None: the base weights alone."""
+    def __call__(self, x: jax.Array, lora: LoRAMapping | None = None) -> jax.Array:
+        """lora: the step's adapter slots and each token's among them (x [T, *in_shape]); None: the base weights
+        alone."""
         kernel = self.kernel[...]
         if kernel.dtype == jnp.int8:
             y = int8_dot(x, kernel, self.scale[...], self.num_in)
         else:
             y = dense(x, kernel, self.num_in)
-        if self.lora_a is not None and lora_slots is not None:
-            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora_slots, self.num_in).astype(y.dtype)
+        if self.lora_a is not None and lora is not None:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora, self.num_in).astype(y.dtype)
         return y if self.bias is None else y + self.bias[...]
 
     def part_sizes(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -196,9 +197,9 @@ class MLP(nnx.Module):
         self.down = Linear((hidden,), (dim,), (MODEL_AXIS, None))
         self.act = act
 
-    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
-        gate, up = self.gate_up.split(self.gate_up(x, lora_slots))
-        return self.down(activation(self.act)(gate) * up, lora_slots)
+    def __call__(self, x: jax.Array, lora: LoRAMapping | None = None) -> jax.Array:
+        gate, up = self.gate_up.split(self.gate_up(x, lora))
+        return self.down(activation(self.act)(gate) * up, lora)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

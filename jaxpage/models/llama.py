@@ -38,7 +38,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, pool, layer, ctx):
         h, pool = self.attn(self.attn_norm(x), pool, layer, ctx)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x), ctx.batch.lora_slots), pool
+        return x + self.mlp(self.mlp_norm(x), ctx.batch.lora), pool
 
 
 def _t(w):

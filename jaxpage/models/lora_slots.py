@@ -4,20 +4,44 @@ Built under ``building_slots(num_slots, rank)``, each Linear of the decoder laye
 adapter's A [slots, *in, R] and B [slots, R, *out], R = parts x max_lora_rank: a fused projection (q/k/v,
 gate/up) gives each part its own block of R, its B rows landing on that part's output columns; slot 0 is all
 zeros (no adapter); B comes scaled (alpha / r, or alpha / sqrt(r) with rsLoRA) from the host
-(jaxpage.lora.models). A token adds (x @ A[slot]) @ B[slot] for its own slot: x against every slot's A, the other
-slots' ranks zeroed by a one-hot, then against every slot's B: two matmuls over slots x R, no per-token gather of
-weights.
+(jaxpage.lora.models).
+
+A step takes part only through the slots it uses (``LoRAMapping``): the step's slots, padded to a bucket of
+``lora_buckets``, and each token's index among them. A Linear takes those slots' A and B, and a token adds
+(x @ A) @ B for its own: x against the step's slots' A, the other slots' ranks zeroed by a one-hot, then
+against their B: two matmuls over the step's slots x R, no per-token gather of weights. A step without adapters
+has no mapping and runs the base model's program.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 LORA_LEAVES = ("lora_a", "lora_b")  # a Linear's slot parameters
 _BUILDING = contextvars.ContextVar("lora_slots", default=(0, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAMapping:
+    """Which adapters a step runs (vLLM's LoRAMapping): slots [N], the device slots the step uses (N: a bucket of
+    ``lora_buckets``, padded with slot 0), and token_indices [T], each token's index into ``slots`` (-1: the base
+    model)."""
+
+    token_indices: jax.Array
+    slots: jax.Array
+
+
+jax.tree_util.register_dataclass(LoRAMapping, data_fields=["token_indices", "slots"], meta_fields=[])
+
+
+def lora_buckets(max_loras: int) -> tuple[int, ...]:
+    """The sizes a step's slot list is padded to: powers of two below ``max_loras``, and ``max_loras``."""
+    sizes = [1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras]
+    return (*sizes, max_loras) if max_loras else ()
 
 
 @contextlib.contextmanager
@@ -35,14 +59,12 @@ def slots_being_built() -> tuple[int, int]:
     return _BUILDING.get()
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, num_in: int) -> jax.Array:
-    """x [T, *in], a [S, *in, R], b [S, R, *out], slots [T] int32 (each token's adapter slot) -> [T, *out]; a
-    step whose tokens all run the base model (slot 0) skips the matmuls (``lax.cond``)."""
-    def delta():
-        contract = tuple(range(1, 1 + num_in))
-        xa = jax.lax.dot_general(x, a.astype(x.dtype), ((contract, contract), ((), ())))  # [T, S, R]
-        mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)[None, :]
-        xa = jnp.where(mine[:, :, None], xa, jnp.zeros((), xa.dtype))
-        return jax.lax.dot_general(xa, b.astype(x.dtype), (((1, 2), (0, 1)), ((), ())))
-
-    return jax.lax.cond(jnp.any(slots != 0), delta, lambda: jnp.zeros((x.shape[0], *b.shape[2:]), x.dtype))
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mapping: LoRAMapping, num_in: int) -> jax.Array:
+    """x [T, *in], a [S, *in, R], b [S, R, *out] (every slot), mapping: the step's slots [N] and each token's
+    index among them -> [T, *out]."""
+    a, b = a[mapping.slots].astype(x.dtype), b[mapping.slots].astype(x.dtype)  # [N, *in, R], [N, R, *out]
+    contract = tuple(range(1, 1 + num_in))
+    xa = jax.lax.dot_general(x, a, ((contract, contract), ((), ())))  # [T, N, R]
+    mine = mapping.token_indices[:, None] == jnp.arange(a.shape[0], dtype=mapping.token_indices.dtype)[None, :]
+    xa = jnp.where(mine[:, :, None], xa, jnp.zeros((), xa.dtype))
+    return jax.lax.dot_general(xa, b, (((1, 2), (0, 1)), ((), ())))

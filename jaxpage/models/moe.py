@@ -10,6 +10,7 @@ from flax import nnx
 from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.layers import Linear, activation, param
+from jaxpage.models.lora_slots import LoRAMapping
 
 
 class GroupedLinear(nnx.Module):
@@ -37,17 +38,17 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k = e, cfg.num_experts_per_tok
         self.normalize, self.round_weights, self.act = cfg.norm_topk_prob, round_weights, cfg.hidden_act
 
-    def route(self, x: jax.Array, lora_slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def route(self, x: jax.Array, lora: LoRAMapping | None = None) -> tuple[jax.Array, jax.Array]:
         """Each token's top-k experts [T, k] and their float32 weights [T, k]."""
-        probs = jax.nn.softmax(self.router(x, lora_slots).astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(self.router(x, lora).astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.normalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights, experts
 
-    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
-        """lora_slots: each token's adapter slot, for the router (the experts take no adapter)."""
-        weights, experts = self.route(x, lora_slots)
+    def __call__(self, x: jax.Array, lora: LoRAMapping | None = None) -> jax.Array:
+        """lora: the step's adapters, for the router (the experts take no adapter)."""
+        weights, experts = self.route(x, lora)
         t, k = experts.shape
         flat = experts.reshape(-1)  # assignment i is token i // k's (i % k)-th choice
         order = jnp.argsort(flat, stable=True)

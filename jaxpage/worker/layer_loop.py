@@ -8,7 +8,8 @@ calls are dispatched asynchronously: the host runs ahead of the device.
 
 The tail is split the same way: the sampler's executable depends on the sequence bucket only, so the token buckets
 of one sequence bucket share it (it is most of a small model's compile time), and the prompt logprobs' executable
-runs only in steps with a prompt target.
+runs only in steps with a prompt target. A step with LoRA adapters differs from the base step in its layer only:
+its variants (one per adapter slots bucket) share the stages around it.
 """
 from __future__ import annotations
 
@@ -40,16 +41,17 @@ class LayerLoop:
     prompt: object  # (top weights, final-normed x, prompt targets) -> prompt logprobs (step_tail.prompt_logprobs_of)
     consts: tuple  # each layer's LayerConstants, on the device(s)
     inputs: object  # the batch's sharding, placed once for all layers
-    samplers: dict  # compiled samplers by their inputs' shapes, shared by the buckets of a sequence bucket
+    compiled: dict  # compiled begin, end, sampler and prompt stages by their inputs' shapes, shared by the buckets
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
         # host arrays placed; a device array (async scheduling's token ids) stays where it is, not read back
         batch = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else put(np.asarray(a), self.inputs), batch)
-        x, plans = self.begin(top, batch)
+        base = dataclasses.replace(batch, lora=None)  # the layers alone take the adapters
+        x, plans = self.begin(top, base)
         for i, consts in enumerate(self.consts):
             x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
-        x, rows = self.end(top, x, batch)
+        x, rows = self.end(top, x, base)
         targets = sampling.prompt_targets
         out = self.sampler(top, rows, dataclasses.replace(sampling, prompt_targets=None))
         if targets is not None and (isinstance(targets, jax.Array) or np.any(np.asarray(targets) >= 0)):
@@ -81,18 +83,23 @@ class LayerLoop:
 
     def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
         """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled."""
-        top, layer = top_weights(params), params["layers"][0]
-        x, plans = jax.eval_shape(self.begin, top, batch)
-        _, rows = jax.eval_shape(self.end, top, x, batch)
+        top, layer, base = top_weights(params), params["layers"][0], dataclasses.replace(batch, lora=None)
+        x, plans = jax.eval_shape(self.begin, top, base)
+        _, rows = jax.eval_shape(self.end, top, x, base)
         targets, sampling = sampling.prompt_targets, dataclasses.replace(sampling, prompt_targets=None)
-        key = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((rows, sampling)))
-        if key not in self.samplers:
-            self.samplers[key] = self.sampler.lower(top, rows, sampling).compile()
         return dataclasses.replace(
-            self, begin=self.begin.lower(top, batch).compile(),
+            self, begin=self._shared("begin", self.begin, top, base),
             layer=self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
-            end=self.end.lower(top, x, batch).compile(), sampler=self.samplers[key],
-            prompt=self.prompt.lower(top, x, targets).compile() if targets is not None else None)
+            end=self._shared("end", self.end, top, x, base), sampler=self._shared("sampler", self.sampler, top, rows,
+                                                                                 sampling),
+            prompt=self._shared("prompt", self.prompt, top, x, targets) if targets is not None else None)
+
+    def _shared(self, name: str, jitted, *args):
+        """``jitted`` compiled for these inputs once, for every bucket (and adapter slots bucket) that has them."""
+        key = (name, *((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
+        if key not in self.compiled:
+            self.compiled[key] = jitted.lower(*args).compile()
+        return self.compiled[key]
 
     def as_text(self) -> str:
         """The compiled executables' HLO, as a compiled step's ``as_text``."""

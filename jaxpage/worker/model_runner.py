@@ -18,8 +18,9 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq, num_sampled_rows
 from jaxpage.distributed.parallel import placement, put
-from jaxpage.lora.worker_manager import SlotWriter, WorkerLoRAManager, token_slots, with_empty_slots
+from jaxpage.lora.worker_manager import SlotWriter, WorkerLoRAManager, lora_mapping, with_empty_slots
 from jaxpage.models import TokenBatch, unstack_layers
+from jaxpage.models.lora_slots import lora_buckets
 from jaxpage.models.placement import place_params, replicate_kv_heads
 from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.layer_loop import LayerLoop
@@ -93,7 +94,9 @@ class ModelRunner:
                           if config.num_host_blocks else None)
         self._step = (LayerLoop.make(config, shardings, where) if host_loop
                       else jit_step(config, where))
-        self._executables: dict[int, object] = {}  # token bucket -> compiled step
+        self._executables: dict[int, object] = {}  # token bucket -> compiled step (no adapter in it)
+        # (token bucket, adapter slots bucket) -> compiled step with adapters (lora_slots.lora_buckets)
+        self._lora_executables: dict[tuple[int, int], object] = {}
         self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
         self.block_moves = BlockMoves.jit(where, kv_dtype)
         self.eos_token_ids: tuple[int, ...] = ()
@@ -108,7 +111,10 @@ class ModelRunner:
         with tqdm(total=len(buckets) + 1, desc="compiling", disable=not progress, leave=False) as bar:
             for num_tokens in buckets:
                 if num_tokens not in self._executables:
-                    self._executables[num_tokens] = self._compile(num_tokens)
+                    self._executables[num_tokens] = self._compile(num_tokens, 0)
+                for num_loras in lora_buckets(self.config.model.max_loras):
+                    if (num_tokens, num_loras) not in self._lora_executables:
+                        self._lora_executables[num_tokens, num_loras] = self._compile(num_tokens, num_loras)
                     # several processes must make the same device calls: the leader's steps stay synchronous
                     if self.config.async_scheduling and self.supports_async_scheduling and jax.process_count() == 1:
                         self._compile_substitute(num_tokens)
@@ -122,9 +128,9 @@ class ModelRunner:
                 self.params = self._lora_writer.write(self.params, 0, None)
             bar.update()
 
-    def _compile(self, num_tokens: int):
-        """The step's executable for one token bucket, run once."""
-        batch, sampling = abstract_step_inputs(self.config, num_tokens)
+    def _compile(self, num_tokens: int, num_loras: int):
+        """The step's executable for one token bucket and ``num_loras`` adapter slots (0: none), run once."""
+        batch, sampling = abstract_step_inputs(self.config, num_tokens, num_loras)
         compiled = compile_step(self._step, self.params, self.kv_pool, batch, sampling)
         # The first run of an executable costs 0.3-0.7 s more on a CPU (one-time set-up in the runtime): take it
         # here, on an all-padding batch (writes only the null block).
@@ -188,14 +194,15 @@ class ModelRunner:
         return LaunchedStep(scheduled, out)
 
     def _with_lora_slots(self, scheduled: list[ScheduledSeq], batch: TokenBatch) -> TokenBatch:
-        """The batch with each token's adapter slot, the step's adapters written into their slots first (those not
-        resident: into a free slot or the least recently used one this step does not need)."""
+        """The batch with the step's adapter slots and each token's among them (none: the base model's step), the
+        step's adapters written into their slots first (those not resident: into a free slot or the least
+        recently used one this step does not need)."""
         row_slots, writes = self.lora.slots_for([s.group.lora_request for s in scheduled])
         for slot, adapter in writes:
             self.params = self._lora_writer.write(self.params, slot, adapter)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        return dataclasses.replace(batch, lora_slots=token_slots(row_slots, batch.token_seq, num_tokens,
-                                                                 len(scheduled)))
+        mapping = lora_mapping(row_slots, batch.token_seq, num_tokens, len(scheduled), self.config.model.max_loras)
+        return dataclasses.replace(batch, lora=mapping)
 
     def load_lora(self, request) -> None:
         """Reads a LoRARequest's adapter onto the host (checked: a ValueError naming the file and field)."""
@@ -216,9 +223,14 @@ class ModelRunner:
         return jax.tree.map(np.asarray, launched.out).rows(slice(rows))
 
     def run(self, batch: TokenBatch, sampling: SamplingBatch) -> SamplerOutput:
-        """The compiled step of the batch's bucket on it (the pool updated in place)."""
-        compiled = self._executables.get(batch.token_ids.shape[0])
+        """The compiled step of the batch's bucket (tokens, and adapter slots if any) on it (the pool updated in
+        place)."""
+        num_tokens = batch.token_ids.shape[0]
+        if batch.lora is None:
+            compiled = self._executables.get(num_tokens)
+        else:
+            compiled = self._lora_executables.get((num_tokens, batch.lora.slots.shape[0]))
         if compiled is None:
-            raise RuntimeError(f"no compiled step for {batch.token_ids.shape[0]} tokens; call warm_up() first")
+            raise RuntimeError(f"no compiled step for {num_tokens} tokens; call warm_up() first")
         out, self.kv_pool = compiled(self.params, self.kv_pool, batch, sampling)
         return out

@@ -15,6 +15,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.distributed.parallel import placement, put, spec_shardings
 from jaxpage.models import TokenBatch, abstract_params, forward_hidden, partition_specs
+from jaxpage.models.lora_slots import LoRAMapping
 from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.layer_loop import LayerLoop
@@ -77,14 +78,16 @@ def replicated(config: EngineConfig):
     return NamedSharding(where, PartitionSpec()) if isinstance(where, Mesh) else SingleDeviceSharding(where)
 
 
-def abstract_step_inputs(config: EngineConfig, num_tokens: int):
-    """The shapes of one bucket's (batch, sampling) inputs, for compiling ahead of time."""
+def abstract_step_inputs(config: EngineConfig, num_tokens: int, num_loras: int | None = None):
+    """The shapes of one bucket's (batch, sampling) inputs, for compiling ahead of time; with ``num_loras``
+    adapter slots in the step (0: none; None: all ``max_loras`` of an engine with LoRA)."""
     num_seqs = config.num_seqs_for(num_tokens)
+    num_loras = config.model.max_loras if num_loras is None else num_loras
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     batch = TokenBatch(i32(num_tokens), i32(num_tokens), i32(num_tokens), i32(num_tokens),
                        i32(num_seqs, config.max_blocks_per_seq), i32(num_seqs),
-                       i32(num_tokens) if config.model.max_loras else None)
+                       LoRAMapping(i32(num_tokens), i32(num_loras)) if num_loras else None)
     sampling = SamplingBatch(f32(num_seqs), i32(num_seqs), f32(num_seqs), f32(num_seqs),
                              jax.ShapeDtypeStruct((num_seqs,), jnp.uint32), i32(num_seqs),
                              f32(num_seqs), f32(num_seqs), f32(num_seqs),
