@@ -169,24 +169,25 @@ class FakeRunner:
 
 
     def _row_adapters(self, scheduled) -> dict[int, int]:
-        """id(scheduled row) -> the adapter the step's LoRAMapping (the runner's, adapter ids standing for slots)
-        gives its tokens, which the simulated K/V then depends on; the mapping's slot list is a bucket holding
-        the step's adapters."""
+        """id(scheduled row) -> the adapter the step's LoRAMapping (the runner's, over slots 1.. for the step's
+        adapters) gives its tokens, which the simulated K/V then depends on; the mapping's slot list is a bucket
+        holding the step's adapters."""
         counts = [s.num_new_tokens for s in scheduled]
         token_rows = np.repeat(np.arange(len(scheduled)), counts)
-        ids = np.asarray([s.group.lora_int_id for s in scheduled], np.int32)
-        mapping = lora_mapping(ids, token_rows, len(token_rows), len(scheduled), self.config.model.max_loras)
+        adapters = sorted({s.group.lora_int_id for s in scheduled} - {0})
+        slot_of = {0: 0, **{a: i + 1 for i, a in enumerate(adapters)}}
+        row_slots = np.asarray([slot_of[s.group.lora_int_id] for s in scheduled], np.int32)
+        mapping = lora_mapping(row_slots, token_rows, len(token_rows), len(scheduled), self.config.model.max_loras)
         if mapping is None:
-            assert not ids.any(), "a step with adapters got no LoRA mapping"
+            assert not adapters, "a step with adapters got no LoRA mapping"
             return {id(s): 0 for s in scheduled}
-        used = set(ids.tolist()) - {0}
-        assert len(mapping.slots) in lora_buckets(self.config.model.max_loras) and len(mapping.slots) >= len(used)
-        assert set(mapping.slots.tolist()) - {0} == used, (mapping.slots, used)
+        assert len(mapping.slots) in lora_buckets(self.config.model.max_loras) and len(mapping.slots) >= len(adapters)
         tokens = np.where(mapping.token_indices >= 0, mapping.slots[mapping.token_indices], 0)
+        adapter_in = {slot: a for a, slot in slot_of.items()}
         starts = np.cumsum([0, *counts])
         out = {}
         for row, s in enumerate(scheduled):
-            mine = set(tokens[starts[row]:starts[row + 1]].tolist())
+            mine = {adapter_in[int(t)] for t in tokens[starts[row]:starts[row + 1]]}
             assert len(mine) <= 1, f"row {row}'s tokens under adapters {mine}"
             out[id(s)] = mine.pop() if mine else 0
         return out

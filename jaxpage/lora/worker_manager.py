@@ -99,13 +99,16 @@ def token_slots(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, 
 def lora_mapping(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, num_rows: int,
                  max_loras: int) -> LoRAMapping | None:
     """The step's LoRAMapping: its slots (ascending, padded with slot 0 to the least bucket of
-    ``lora_buckets(max_loras)`` that holds them) and each token's index among them (-1: none); None when no token
-    runs an adapter (the base model's step)."""
+    ``lora_buckets(max_loras)`` that holds them; the largest: every slot) and each token's index among them (-1:
+    none); None when no token runs an adapter (the base model's step)."""
     slots = token_slots(row_slots, token_rows, num_tokens, num_rows)
     used = np.unique(slots[slots != 0])
     if not used.size:
         return None
-    step = np.zeros(next(n for n in lora_buckets(max_loras) if n >= used.size), np.int32)
+    size = next(n for n in lora_buckets(max_loras) if n >= used.size)
+    if size > max_loras:  # every slot, as they lie: a token's index is its slot (slot 0 is zeros)
+        return LoRAMapping(slots.astype(np.int32), np.arange(size, dtype=np.int32))
+    step = np.zeros(size, np.int32)
     step[:used.size] = used
     indices = np.where(slots != 0, np.searchsorted(used, slots), -1).astype(np.int32)
     return LoRAMapping(indices, step)

@@ -28,8 +28,8 @@ _BUILDING = contextvars.ContextVar("lora_slots", default=(0, 0))
 @dataclasses.dataclass(frozen=True)
 class LoRAMapping:
     """Which adapters a step runs (vLLM's LoRAMapping): slots [N], the device slots the step uses (N: a bucket of
-    ``lora_buckets``, padded with slot 0), and token_indices [T], each token's index into ``slots`` (-1: the base
-    model)."""
+    ``lora_buckets``, padded with slot 0; the largest: every slot in order), and token_indices [T], each token's
+    index into ``slots`` (-1: the base model)."""
 
     token_indices: jax.Array
     slots: jax.Array
@@ -39,9 +39,10 @@ jax.tree_util.register_dataclass(LoRAMapping, data_fields=["token_indices", "slo
 
 
 def lora_buckets(max_loras: int) -> tuple[int, ...]:
-    """The sizes a step's slot list is padded to: powers of two below ``max_loras``, and ``max_loras``."""
+    """The sizes a step's slot list is padded to: powers of two below ``max_loras``, then every slot
+    (``max_loras + 1``, slot 0 too: the slots as they lie, no gather)."""
     sizes = [1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras]
-    return (*sizes, max_loras) if max_loras else ()
+    return (*sizes, max_loras + 1) if max_loras else ()
 
 
 @contextlib.contextmanager
@@ -62,7 +63,9 @@ def slots_being_built() -> tuple[int, int]:
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mapping: LoRAMapping, num_in: int) -> jax.Array:
     """x [T, *in], a [S, *in, R], b [S, R, *out] (every slot), mapping: the step's slots [N] and each token's
     index among them -> [T, *out]."""
-    a, b = a[mapping.slots].astype(x.dtype), b[mapping.slots].astype(x.dtype)  # [N, *in, R], [N, R, *out]
+    if mapping.slots.shape[0] < a.shape[0]:  # every slot (the largest bucket): no gather
+        a, b = a[mapping.slots], b[mapping.slots]  # [N, *in, R], [N, R, *out]
+    a, b = a.astype(x.dtype), b.astype(x.dtype)
     contract = tuple(range(1, 1 + num_in))
     xa = jax.lax.dot_general(x, a, ((contract, contract), ((), ())))  # [T, N, R]
     mine = mapping.token_indices[:, None] == jnp.arange(a.shape[0], dtype=mapping.token_indices.dtype)[None, :]
