@@ -15,7 +15,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.distributed.parallel import placement, put, spec_shardings
 from jaxpage.models import TokenBatch, abstract_params, forward_hidden, partition_specs
-from jaxpage.models.lora_slots import LoRAMapping
+from jaxpage.models.lora_slots import LoRAMapping, lora_buckets
 from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.layer_loop import LayerLoop
@@ -80,9 +80,10 @@ def replicated(config: EngineConfig):
 
 def abstract_step_inputs(config: EngineConfig, num_tokens: int, num_loras: int | None = None):
     """The shapes of one bucket's (batch, sampling) inputs, for compiling ahead of time; with ``num_loras``
-    adapter slots in the step (0: none; None: all ``max_loras`` of an engine with LoRA)."""
+    adapter slots in the step (0: none; None: an engine with LoRA's largest slots bucket, every slot)."""
     num_seqs = config.num_seqs_for(num_tokens)
-    num_loras = config.model.max_loras if num_loras is None else num_loras
+    if num_loras is None:
+        num_loras = lora_buckets(config.model.max_loras)[-1] if config.model.max_loras else 0
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     batch = TokenBatch(i32(num_tokens), i32(num_tokens), i32(num_tokens), i32(num_tokens),
