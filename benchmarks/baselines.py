@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.workloads import Workload
-from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool
+from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, packs_kv
 from jaxpage.config import ModelConfig, pick_bucket
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import TokenBatch
@@ -197,7 +197,8 @@ class ContiguousCache:
         self.tables = (1 + np.arange(num_slots * self.blocks_per_slot, dtype=np.int32)).reshape(
             num_slots, self.blocks_per_slot)
         self.params = params
-        self.pool = allocate_kv_pool(model, self.config.num_kv_blocks, block_size, jnp.dtype(dtype))
+        self.pool = allocate_kv_pool(model, self.config.num_kv_blocks, block_size, jnp.dtype(dtype),
+                                     packed=packs_kv(model, self.config.attention_backend))
         self._step = _jitted_step(self.config)
         self._greedy = {}
 

@@ -1,6 +1,7 @@
 """Ahead-of-time compilation for real TPU chips with the real compiler (libtpu), on a machine without one.
 
     python -m benchmarks.compile_targets [--chips v5e v6e v5p] [--quick] [--json out.json]
+    python -m benchmarks.compile_targets --blocks   # SmolLM2's KV blocks per GiB on a TPU, unpacked and packed
 
 For each chip: every TPU kernel over the shapes the engine can produce, then the whole jitted engine step
 (``attention_backend="pallas_tpu"``, bfloat16) at every warm-up bucket for SmolLM2-135M and a Llama-3-8B-shaped
@@ -115,10 +116,17 @@ class KernelShape:
     windowed: bool = False  # a traced sliding window (an extra int32 argument) and Gemma 2's soft cap
     kv: str = "auto"  # the KV cache's dtype: auto (dtype), int8 (with scales) or fp8
 
+    @property
+    def packed(self) -> bool:
+        """The pool in the packed layout, as the engine's pallas_tpu backend lays it out (the ragged kernel)."""
+        from jaxpage.attention.kv_cache import packs_kv
+
+        return self.kernel == "ragged" and packs_kv(SimpleNamespace(head_dim=self.head_dim), "pallas_tpu")
+
     def __str__(self):
         return (f"{self.dtype} bs{self.block_size} d{self.head_dim} kvh{self.kv_heads} g{self.group} "
                 f"T{self.tokens}" + (" window softcap" if self.windowed else "")
-                + ("" if self.kv == "auto" else f" kv {self.kv}"))
+                + ("" if self.kv == "auto" else f" kv {self.kv}") + (" packed" if self.packed else ""))
 
     def call(self):
         """(fn, abstract args, donated argnums) of this kernel call, as the engine makes it."""
@@ -129,7 +137,8 @@ class KernelShape:
         dtype, i32 = jnp.dtype(self.dtype), jnp.int32
         s = jax.ShapeDtypeStruct
         model = SimpleNamespace(num_layers=2, num_kv_heads=self.kv_heads, head_dim=self.head_dim)
-        pool = abstract_kv_pool(model, self.num_blocks, self.block_size, kv_storage_dtype(self.kv, dtype))
+        pool = abstract_kv_pool(model, self.num_blocks, self.block_size, kv_storage_dtype(self.kv, dtype),
+                                self.packed)
         q = s((self.tokens, self.kv_heads * self.group, self.head_dim), dtype)
         tables = s((self.tokens, self.width), i32)
         scale = self.head_dim ** -0.5
@@ -149,7 +158,8 @@ class KernelShape:
 
 def kernel_shapes(quick: bool = False) -> list[KernelShape]:
     """Block sizes 16/32/64, head_dim 64 and 128, KV heads 1/2/8, GQA ratios 1-8, bfloat16 and float32, several
-    token buckets: each value appears, with SmolLM2's (d64, kvh3, g3) and Llama-3-8B's (d128, kvh8, g4)."""
+    token buckets: each value appears, with SmolLM2's (d64, kvh3, g3) and Llama-3-8B's (d128, kvh8, g4). The
+    ragged kernel's head_dim-64 shapes take the packed pool (block 16/32/64; bfloat16, float32, int8, fp8)."""
     shapes = []
     for kernel in ("ragged", "decode"):
         shapes += [KernelShape(kernel, "bfloat16", 16, 128, 8, 4, 64),  # Llama-3-8B
@@ -167,7 +177,10 @@ def kernel_shapes(quick: bool = False) -> list[KernelShape]:
                    KernelShape(kernel, "float32", 16, 128, 2, 5, 24),
                    KernelShape(kernel, "bfloat16", 64, 128, 8, 7, 96),
                    KernelShape(kernel, "bfloat16", 32, 128, 8, 4, 64, kv="fp8"),
-                   KernelShape(kernel, "bfloat16", 32, 128, 8, 4, 64, kv="int8")]
+                   KernelShape(kernel, "bfloat16", 32, 128, 8, 4, 64, kv="int8"),
+                   KernelShape(kernel, "float32", 64, 64, 3, 3, 32),  # packed (ragged): block 64, 8-bit KV
+                   KernelShape(kernel, "bfloat16", 64, 64, 3, 3, 64, kv="int8"),
+                   KernelShape(kernel, "bfloat16", 32, 64, 3, 3, 48, kv="fp8")]
     return shapes
 
 
@@ -233,7 +246,7 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
 def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:
     """The whole jitted engine step of one bucket (the runner's own function and inputs), pool donated; at the
     config's tensor_parallel_size > 1, over that many chips of an 8-chip topology."""
-    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.attention.kv_cache import abstract_kv_pool, packs_kv
     from jaxpage.models import abstract_params
     from jaxpage.worker.step import abstract_step_inputs, jit_step
 
@@ -241,7 +254,8 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     tp = config.tensor_parallel_size
     where = tpu_mesh(chip, tp) if tp > 1 else tpu_device(chip)
     params = abstract_params(config.model, config.dtype)
-    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype)
+    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype,
+                            packs_kv(config.model, config.attention_backend))
     batch, sampling = abstract_step_inputs(config, num_tokens)
     shape = (f"{config.attention_backend} T{num_tokens} pool {pool_gib(config) / tp:.2f} GiB/chip"
              + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else "")
@@ -270,13 +284,14 @@ def compile_lora_steps(chip: str) -> list[Compiled]:
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
     """The runner's copy-on-write copy and swap gather/scatter of whole blocks, on the pool in its format."""
     from jaxpage.attention.block_moves import BlockMoves
-    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.attention.kv_cache import abstract_kv_pool, packs_kv
 
     config = config or engine_config(model)
-    moves = BlockMoves.jit(tpu_device(chip), config.kv_dtype)
-    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype)
+    packed = packs_kv(config.model, config.attention_backend)
+    moves = BlockMoves.jit(tpu_device(chip), config.kv_dtype, packed)
+    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype, packed)
     ids = jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32)
-    data = abstract_kv_pool(config.model, config.max_num_seqs, config.block_size, config.kv_dtype)
+    data = abstract_kv_pool(config.model, config.max_num_seqs, config.block_size, config.kv_dtype, packed)
     return [compile_for(tpu_device(chip), chip, f"{name} {model}", f"{config.max_num_seqs} blocks", fn, args)
             for name, fn, args in (("copy blocks", moves.copy, (pool, ids, ids)),
                                    ("swap-out gather", moves.gather, (pool, ids)),
@@ -310,9 +325,26 @@ def compile_moe_layer(chip: str, num_tokens: int, dtype: str = "bfloat16") -> Co
 
 
 def pool_gib(config) -> float:
+    from jaxpage.attention.kv_cache import bytes_per_block, packs_kv
+
+    per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype, lanes=128,
+                                packed=packs_kv(config.model, config.attention_backend))
+    return per_block * config.num_kv_blocks / 2**30
+
+
+def blocks_per_gib(model: str = "smollm2-135m") -> list[dict]:
+    """KV blocks a GiB holds on a TPU (128 lanes), unpacked (the XLA path) and packed (pallas_tpu, head_dim 64),
+    per block size and KV dtype: arithmetic from ``bytes_per_block``."""
     from jaxpage.attention.kv_cache import bytes_per_block
 
-    return bytes_per_block(config.model, config.block_size, config.kv_dtype, lanes=128) * config.num_kv_blocks / 2**30
+    shapes = MODELS[model]()
+    rows = []
+    for kv in ("bfloat16", "float32", "int8", "float8_e4m3fn"):
+        for block_size in (16, 32, 64):
+            unpacked, packed = (bytes_per_block(shapes, block_size, kv, lanes=128, packed=p) for p in (False, True))
+            rows.append({"kv": kv, "block_size": block_size, "unpacked": 2**30 / unpacked,
+                         "packed": 2**30 / packed, "ratio": unpacked / packed})
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------- the table
@@ -371,7 +403,14 @@ def main() -> None:
     parser.add_argument("--tp-only", action="store_true", help="only the tensor-parallel (TP=8) steps")
     parser.add_argument("--tp-weights", nargs="+", default=["bfloat16", "int8"], choices=["bfloat16", "int8"],
                         help="the TP steps' weights")
+    parser.add_argument("--blocks", action="store_true", help="only SmolLM2's KV blocks per GiB on a TPU, unpacked "
+                        "and packed (arithmetic, no compile)")
     args = parser.parse_args()
+    if args.blocks:
+        print("| KV | block | blocks/GiB unpacked | packed | packed / unpacked |\n| --- | --- | --- | --- | --- |")
+        for r in blocks_per_gib():
+            print(f"| {r['kv']} | {r['block_size']} | {r['unpacked']:,.0f} | {r['packed']:,.0f} | {r['ratio']:.2f}x |")
+        return
     print("| chip | kernel / step | shape | result | compile | memory per chip (arguments incl. weights and "
           "pool; temporaries) |\n| --- | --- | --- | --- | --- | --- |")
     results = run(args.chips, args.quick, args.tp_only, args.tp_weights)

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_decode as gpu
 from pallas_kernels.quant import dequantize, pool_parts, quantize, with_parts
-from pallas_kernels.reference import check_ragged_args, window_start
+from pallas_kernels.reference import check_ragged_args, check_unpacked, window_start
 
 
 def _write_kv(layer, kv_head, first, count, slot_ref, k_ref, v_ref, pool_out_ref, block_size, new_scales_ref=None,
@@ -129,6 +129,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, pool: j
     """
     num_tokens, num_heads, head_dim, kv_heads, block_size, num_seqs, width = check_ragged_args(
         q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap, window)
+    check_unpacked(pool, "ragged_paged_attention_gpu")
     pages_per_block = pages_per_compute_block or gpu.default_pages_per_block(block_size, width)
     gpu.check_triton_shapes(block_size, head_dim, pages_per_block, interpret)
     group = num_heads // kv_heads

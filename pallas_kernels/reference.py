@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from cpu_kernels import kv_write
+from pallas_kernels.packed import is_packed, pack_pool, unpack_pool
 from pallas_kernels.quant import dequantize, is_quantized, pool_parts, quantize, with_parts
 
 MASK_VALUE = -1e30  # finite, so a fully masked row gives exp(MASK - MASK) = 1 rather than NaN
@@ -32,12 +33,25 @@ def _is_int32(x) -> bool:
 
 
 def check_pool(pool: jax.Array, layer) -> tuple[int, int, int, int, int, int]:
-    if pool.ndim != 6 or pool.shape[2] != 2:
-        raise ValueError(f"pool must be [num_layers, num_blocks, 2, kv_heads, block_size, head_dim], "
-                         f"got {pool.shape}")
+    """The pool's shape in the unpacked layout's terms (L, N, 2, KVH, block_size, D), for either layout."""
+    if pool.ndim == 5 and pool.shape[4] % 2 == 0:  # packed (pallas_kernels.packed)
+        num_layers, num_blocks, kv_heads, block_size, lanes = pool.shape
+        shape = (num_layers, num_blocks, 2, kv_heads, block_size, lanes // 2)
+    elif pool.ndim == 6 and pool.shape[2] == 2:
+        shape = pool.shape
+    else:
+        raise ValueError(f"pool must be [num_layers, num_blocks, 2, kv_heads, block_size, head_dim] or packed "
+                         f"[num_layers, num_blocks, kv_heads, block_size, 2 * head_dim], got {pool.shape}")
     if jnp.ndim(layer) != 0 or not _is_int32(layer):
         raise ValueError(f"layer must be an int32 scalar, got {jnp.asarray(layer).dtype}{jnp.shape(layer)}")
-    return pool.shape
+    return shape
+
+
+def check_unpacked(pool, kernel: str) -> None:
+    """Refuses a packed pool (pallas_kernels.packed) where only the unpacked layout is read."""
+    if pool.ndim != 6:
+        raise ValueError(f"{kernel} reads the unpacked pool [num_layers, num_blocks, 2, kv_heads, block_size, "
+                         f"head_dim], got {pool.shape} (the packed layout is ragged_paged_attention_tpu's)")
 
 
 def check_window(window) -> None:
@@ -61,6 +75,7 @@ def check_decode_args(q, pool, layer, block_tables, context_lens, scale, soft_ca
     q: [S, H, D] in pool's dtype; block_tables: int32 [S, W]; context_lens: int32 [S]; H a multiple of KVH.
     Not checked (values, not shapes): 0 <= context_lens <= W * block_size and 0 <= table entries < num_blocks.
     """
+    check_unpacked(pool, "a decode kernel")
     _, _, _, kv_heads, block_size, head_dim = check_pool(pool, layer)
     if q.ndim != 3 or q.shape[2] != head_dim:
         raise ValueError(f"q must be [S, num_heads, {head_dim}], got {q.shape}")
@@ -186,6 +201,11 @@ def ragged_paged_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, p
     """
     check_ragged_args(q, k, v, pool, layer, token_seq, positions, slot_mapping, block_tables, scale, soft_cap,
                       window)
+    if is_packed(pool):  # the reference reads and writes the unpacked layout: a copy of the whole pool
+        out, pool = ragged_paged_attention_reference(q, k, v, unpack_pool(pool), layer, token_seq, positions,
+                                                     slot_mapping, block_tables, scale=scale, soft_cap=soft_cap,
+                                                     window=window)
+        return out, pack_pool(pool)
     pool = write_kv(pool, layer, k, v, slot_mapping)
     out = paged_decode_attention_reference(q, pool, layer, block_tables[token_seq], positions + 1,
                                            scale=scale, soft_cap=soft_cap, window=window)

@@ -79,10 +79,13 @@ def load_kv(kv_buf, scale_buf, slot, kv: int, h: int, dtype) -> jax.Array:
     return dequantize(values, scales, dtype).reshape(-1, values.shape[-1])
 
 
-def kv_scratch(pages_per_block: int, kv_heads: int, block_size: int, head_dim: int, dtype, quantized: bool):
-    """Double-buffered chunk buffers and their DMA semaphores (then the scales' when ``quantized``)."""
+def kv_scratch(pages_per_block: int, kv_heads: int, block_size: int, head_dim: int, dtype, quantized: bool,
+               packed: bool = False):
+    """Double-buffered chunk buffers and their DMA semaphores (then the scales' when ``quantized``); ``packed``:
+    the values' buffer in the packed layout (pallas_kernels.packed), ``[2, P, KVH, block_size, 2 * D]``."""
     shape = (2, pages_per_block, 2, kv_heads, block_size)
-    scratch = [pltpu.VMEM(shape + (head_dim,), dtype), pltpu.SemaphoreType.DMA((2,))]
+    values = (2, pages_per_block, kv_heads, block_size, 2 * head_dim) if packed else shape + (head_dim,)
+    scratch = [pltpu.VMEM(values, dtype), pltpu.SemaphoreType.DMA((2,))]
     return scratch + ([pltpu.VMEM(shape, jnp.float32), pltpu.SemaphoreType.DMA((2,))] if quantized else [])
 
 

@@ -17,6 +17,8 @@ def test_smollm2_greedy_tokens_equal_xla_and_transformers(backend, smollm2, hf_s
     llm = LLM(attention_backend=backend, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256,
               dtype="float32", kv_cache_memory=64 << 20, progress=False)
     assert llm.engine.config.attention_backend == backend
+    # SmolLM2's head_dim 64: the pallas_tpu backend packs K and V into one 128-lane row (pallas_kernels.packed)
+    assert llm.engine.runner.kv_pool.ndim == (5 if backend == "pallas_tpu" else 6)
     ours = llm.generate(prompts, params)
     xla = smollm2.generate(prompts, params)
     for prompt, out, ref_out in zip(prompts, ours, xla):

@@ -71,10 +71,11 @@ def least_pool_bytes(config) -> int:
     """The pool's bytes with its values' rows padded to 128 lanes and an int8 pool's scales unpadded: libtpu
     versions tile the small float32 scales differently (0.0.42 pads a page's [KVH, block] to (8, 128), 0.0.50
     less), so an aliased pool is at least this."""
-    from jaxpage.attention.kv_cache import bytes_per_block
+    from jaxpage.attention.kv_cache import bytes_per_block, packs_kv
 
     m, n, bs = config.model, config.num_kv_blocks, config.block_size
-    values = bytes_per_block(m, bs, config.kv_dtype if config.kv_dtype != "int8" else "uint8", 128) * n
+    values = bytes_per_block(m, bs, config.kv_dtype if config.kv_dtype != "int8" else "uint8", 128,
+                             packs_kv(m, config.attention_backend)) * n
     scales = m.num_layers * n * 2 * m.num_kv_heads * bs * 4 if config.kv_dtype == "int8" else 0
     return values + scales
 

@@ -42,6 +42,7 @@ from pallas_kernels import (
     ragged_paged_attention_tpu,
     write_kv_tpu,
 )
+from pallas_kernels.packed import pack_pool, unpack_pool
 from pallas_kernels.quant import STORED_DTYPES, pool_parts, quantize, with_parts
 from pallas_kernels.reference import write_kv
 
@@ -285,13 +286,15 @@ class RaggedCase:
     gpu: tuple = ()  # extra keywords for the GPU kernel
     windows: tuple = (0,)  # sliding windows, each run through the one compiled kernel
     kv: str = "auto"  # the KV cache's dtype: auto (q's), int8 or fp8
+    packed: bool = False  # the pool in the packed layout (pallas_kernels.packed): K and V in one row
 
     def __str__(self):
         extra = "".join(f"-{k}{v}" for k, v in self.kw + self.gpu)
         cap = f"-cap{self.soft_cap}" if self.soft_cap else ""
         win = "-windows" if self.windows != (0,) else ""
         return (f"{self.dtype}-bs{self.block_size}-g{self.ratio}-d{self.head_dim}-kvh{self.kv_heads}"
-                f"-w{self.width}{cap}{win}-pad_{self.padding}-{self.mix}{kv_suffix(self.kv)}{extra}")
+                f"-w{self.width}{cap}{win}-pad_{self.padding}-{self.mix}{kv_suffix(self.kv)}{extra}"
+                + ("-packed" if self.packed else ""))
 
     def sequences(self, rng):
         """(tokens already in the pool, new tokens) per sequence: decodes first, then prompt chunks."""
@@ -333,6 +336,28 @@ RAGGED_CASES = [
 ]
 
 
+# The packed layout (head_dim 64: K and V in one 128-lane row), as the engine's pallas_tpu backend lays out
+# SmolLM2 (9 heads over 3 KV heads): decodes and prompt chunks, engine padding, head blocks, pages per chunk,
+# windows with a soft cap, 8-bit pools.
+PACKED_RAGGED_CASES = [
+    RaggedCase("float32", 16, 3, 64, 3, 4, packed=True),
+    RaggedCase("bfloat16", 16, 3, 64, 3, 4, padding="engine", kw=(("queries_per_block", 8),), packed=True),
+    RaggedCase("float32", 32, 2, 64, 2, 3, kw=(("kv_heads_per_block", 1), ("pages_per_compute_block", 1)),
+               packed=True),
+    RaggedCase("bfloat16", 16, 2, 64, 1, 4, soft_cap=1.5, padding="engine", windows=WINDOWS, packed=True),
+    RaggedCase("float32", 16, 4, 64, 1, 3, padding="engine", mix="one", kw=(("queries_per_block", 8),), packed=True),
+    RaggedCase("float32", 32, 4, 64, 2, 3, kv="int8", kw=(("queries_per_block", 8),), packed=True),
+    RaggedCase("bfloat16", 64, 3, 64, 3, 2, kv="int8", padding="engine", packed=True),
+    RaggedCase("bfloat16", 32, 2, 64, 2, 3, kv="fp8", kw=(("pages_per_compute_block", 1),), packed=True),
+    RaggedCase("float32", 16, 2, 64, 1, 5, mix="long", kw=(("pages_per_compute_block", 2),), packed=True),
+]
+
+
+@pytest.mark.parametrize("case", PACKED_RAGGED_CASES, ids=str)
+def test_tpu_ragged_on_the_packed_layout_matches_reference(case):
+    check_ragged(ragged_paged_attention_tpu, case, interpret=True)
+
+
 # Long prompt chunks for the GPU kernel's query blocks (8, 16 and the default 64 rows' worth of tokens).
 LONG_RAGGED_CASES = [
     RaggedCase("float32", 16, 4, 64, 2, 5, mix="long", gpu=(("queries_per_block", 8),)),
@@ -370,8 +395,9 @@ def make_ragged_inputs(case: RaggedCase, rng, tokens_multiple=16):
     pool, _ = random_pool(rng, num_blocks, case.kv_heads, bs, case.head_dim, dtype)
     t, h = len(token_seq), case.kv_heads * case.ratio
     q, k, v = (rng.standard_normal((t, heads, case.head_dim)) for heads in (h, case.kv_heads, case.kv_heads))
+    pool = as_pool(poison(pool, owned_before), dtype, case.kv)
     args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            as_pool(poison(pool, owned_before), dtype, case.kv), jnp.int32(LAYER), jnp.asarray(token_seq, jnp.int32),
+            pack_pool(pool) if case.packed else pool, jnp.int32(LAYER), jnp.asarray(token_seq, jnp.int32),
             jnp.asarray(positions, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(tables))
     return args, num_valid
 
@@ -392,7 +418,8 @@ def check_ragged(kernel, case: RaggedCase, interpret, tokens_multiple=16):
     for window in case.windows:
         tables = jnp.asarray(drop_dead_pages(args[8], first_positions, window, case.block_size))
         windowed = args[:8] + (tables, jnp.int32(window))
-        terms, _ = ref_fn(*args[:2], jnp.abs(args[2]), with_abs_values(args[3]), *windowed[4:])
+        abs_pool = pack_pool(with_abs_values(unpack_pool(args[3]))) if case.packed else with_abs_values(args[3])
+        terms, _ = ref_fn(*args[:2], jnp.abs(args[2]), abs_pool, *windowed[4:])
         compare_ragged(case, kernel, ours(*windowed), ref_fn(*windowed), args[0].dtype, num_valid,
                        f"{case}; window={window}; T={args[0].shape[0]}, {num_valid} valid; {msg}", terms)
 
@@ -406,6 +433,9 @@ def compare_ragged(case, kernel, ours, ref, dtype, num_valid, msg, terms):
     assert_matches(out, ref_out, dtype, msg, rows=slice(None if compare_padding else num_valid), terms=terms)
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all(), f"padding outputs not finite; {msg}"
     assert jax.tree.structure(pool) == jax.tree.structure(ref_pool), msg
+    assert pool.shape == ref_pool.shape, msg  # packed stays packed
+    if case.packed:  # compared slot by slot in the unpacked layout's axes
+        pool, ref_pool = unpack_pool(pool), unpack_pool(ref_pool)
     for part, ref_part in zip(pool_parts(pool), pool_parts(ref_pool)):  # values, then an int8 pool's scales
         if part is not None:
             compare_pools(case, part, ref_part, msg)

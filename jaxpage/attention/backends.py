@@ -11,7 +11,7 @@ from cpu_kernels import kv_write
 from jaxpage.attention.kv_cache import write_kv
 from jaxpage.distributed.parallel import model_axis_size, over_heads
 from pallas_kernels.quant import dequantize, pool_parts
-from pallas_kernels.reference import soft_cap_logits, window_start
+from pallas_kernels.reference import check_unpacked, soft_cap_logits, window_start
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 
@@ -55,6 +55,7 @@ def _write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, po
                       soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """write_and_attend on the heads and the slice of the pool that one device holds."""
     if backend == "xla":
+        check_unpacked(pool, "the XLA attention path")
         pool = _write_kv_for_platform(pool, layer, k, v, slot_mapping)
         return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale, pairs,
                                    window=window, soft_cap=soft_cap), pool

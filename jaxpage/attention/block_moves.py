@@ -50,12 +50,13 @@ class BlockMoves:
     blocks_sharding: object  # of gathered blocks (as the pool's; a ScaledPool of two for an int8 pool)
 
     @classmethod
-    def jit(cls, where=None, dtype=None) -> "BlockMoves":
+    def jit(cls, where=None, dtype=None, packed: bool = False) -> "BlockMoves":
         """On a device or a mesh; swapped blocks travel split as the pool is (each device's KV heads). dtype:
-        the pool's stored dtype (an int8 pool is values and scales)."""
-        sharding = jax.tree.map(lambda f: f.sharding, pool_format(where, dtype),
+        the pool's stored dtype (an int8 pool is values and scales); packed: the pool's layout (whole pages
+        either way)."""
+        sharding = jax.tree.map(lambda f: f.sharding, pool_format(where, dtype, packed),
                                 is_leaf=lambda x: hasattr(x, "sharding"))
-        on_pool = functools.partial(jit_on_pool, where=where, dtype=dtype)
+        on_pool = functools.partial(jit_on_pool, where=where, dtype=dtype, packed=packed)
         return cls(on_pool(copy_blocks, 3, 0, "pool"), on_pool(_gather_blocks, 2, 0, "blocks"),
                    on_pool(_scatter_blocks, 3, 0, "pool", arg_shardings={2: sharding}), sharding)
 

@@ -8,6 +8,12 @@ Layout: ``[num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]``.
 - The layer axis leads so the model's ``lax.scan`` over layers carries the whole pool and updates it in place.
 Block 0 is the null block: padding tokens write there and padded block-table entries point there.
 
+Packed (``packs_kv``: the ``pallas_tpu`` backend and head_dim 64): ``[num_layers, num_blocks, num_kv_heads,
+block_size, 2 * head_dim]``, a token's K and V side by side in one row of 128 lanes (pallas_kernels.packed). A
+TPU tiles the last two axes of the row-major pool by (8, 128): unpacked, a head_dim-64 row would take 128 lanes
+and a block twice its bytes. Still page-major with one contiguous run per page, so block moves are unchanged.
+Every other backend and head_dim keeps the layout above; the pool's rank tells which it is.
+
 Quantized (``kv_cache_dtype`` int8 or fp8, see pallas_kernels.quant): the values keep this layout in the
 stored dtype; int8's per-(token, KV head) float32 scales are a second array of the same layout less head_dim,
 ``[num_layers, num_blocks, 2, num_kv_heads, block_size]``, travelling with the values as one ``ScaledPool``
@@ -26,25 +32,42 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import pool_spec, with_mesh
 from jaxpage.utils import cdiv
+from pallas_kernels.packed import PACKED_LANES
 from pallas_kernels.quant import ScaledPool
 from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
 
 NULL_BLOCK = 0
 
 
-def kv_pool_shape(model: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+def packs_kv(model: ModelConfig, backend: str) -> bool:
+    """Whether the pool is packed: on the TPU kernel's backend (resolved), when K and V fill 128 lanes."""
+    return backend == "pallas_tpu" and 2 * model.head_dim == PACKED_LANES
+
+
+def kv_pool_shape(model: ModelConfig, num_blocks: int, block_size: int, packed: bool = False) -> tuple[int, ...]:
+    if packed:
+        return (model.num_layers, num_blocks, model.num_kv_heads, block_size, 2 * model.head_dim)
     return (model.num_layers, num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
+
+
+def pool_block_size(pool) -> int:
+    """The tokens a block of ``pool`` (either layout; a ScaledPool's values) holds."""
+    values = jax.tree.leaves(pool)[0]
+    return values.shape[3 if values.ndim == 5 else 4]
 
 
 def _round_up(n: int, multiple: int) -> int:
     return cdiv(n, multiple) * multiple
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype, lanes: int = 1) -> int:
+def bytes_per_block(model: ModelConfig, block_size: int, dtype, lanes: int = 1, packed: bool = False) -> int:
     """A block's bytes in memory (an int8 pool's scales included), the minor axis padded to a multiple of
-    ``lanes`` (on a TPU, 128: the row-major layout tiles the last two axes by (8, 128), so head_dim 64 takes 128
-    lanes, and a page's int8 scales ``[KVH, block_size]`` take whole (8, 128) tiles)."""
-    padded = model.num_layers * 2 * model.num_kv_heads * block_size * _round_up(model.head_dim, lanes)
+    ``lanes`` (on a TPU, 128: the row-major layout tiles the last two axes by (8, 128), so an unpacked head_dim
+    64 takes 128 lanes, a packed one (K and V: ``2 * head_dim``) its own 128, and a page's int8 scales
+    ``[KVH, block_size]`` take whole (8, 128) tiles)."""
+    rows, minor = ((model.num_kv_heads * block_size, 2 * model.head_dim) if packed
+                   else (2 * model.num_kv_heads * block_size, model.head_dim))
+    padded = model.num_layers * rows * _round_up(minor, lanes)
     scales = 0
     if jnp.dtype(dtype) == jnp.int8:
         sublanes = 8 if lanes > 1 else 1
@@ -57,10 +80,10 @@ def memory_lanes() -> int:
 
 
 def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype, budget_bytes: int,
-                          max_model_len: int, shards: int = 1) -> int:
+                          max_model_len: int, shards: int = 1, packed: bool = False) -> int:
     """How many blocks (null block included) a byte budget holds; refuses one too small for a full sequence.
-    shards: the devices the pool is split over by KV head (the budget is each one's)."""
-    per_block = bytes_per_block(model, block_size, dtype, memory_lanes()) // shards
+    shards: the devices the pool is split over by KV head (the budget is each one's); packed: the layout."""
+    per_block = bytes_per_block(model, block_size, dtype, memory_lanes(), packed) // shards
     needed_blocks = cdiv(max_model_len, block_size) + 1
     num_blocks = int(budget_bytes // per_block)
     if num_blocks < needed_blocks:
@@ -84,12 +107,12 @@ def device_kv_budget(memory_fraction: float, devices=None) -> int | None:
     return int(min(free) * memory_fraction)
 
 
-def _shardings(where, dtype=None) -> tuple[object, object]:
+def _shardings(where, dtype=None, packed: bool = False) -> tuple[object, object]:
     """(the pool's sharding -- a ScaledPool of two for an int8 pool --, other arrays' sharding) on ``where``: a
     device (None: the default one), or a mesh (the pool split by KV head over its model axis, everything else
     replicated)."""
     if isinstance(where, Mesh):
-        pool = jax.tree.map(lambda spec: NamedSharding(where, spec), pool_spec(dtype),
+        pool = jax.tree.map(lambda spec: NamedSharding(where, spec), pool_spec(dtype, packed),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
         return pool, NamedSharding(where, PartitionSpec())
     device = SingleDeviceSharding(where or jax.devices()[0])
@@ -100,50 +123,54 @@ def _scaled(dtype) -> bool:
     return dtype is not None and jnp.dtype(dtype) == jnp.int8
 
 
-def pool_format(where=None, dtype=None):
+def pool_format(where=None, dtype=None, packed: bool = False):
     """Where the pool lives and its layout in memory: row-major, which the TPU kernels' DMAs address. Every
     function that takes the pool is compiled with this format (``jit_on_pool``): left to choose, XLA:TPU picks
     another layout for a small head_dim and relayouts the whole pool around each kernel call. ``where``: a
     device or a tensor-parallel mesh (each device's shard row-major). For an int8 pool (``dtype``), a
-    ScaledPool of the values' and the scales' formats."""
-    sharding = _shardings(where, dtype)[0]
+    ScaledPool of the values' and the scales' formats; packed: the packed layout's (one axis fewer)."""
+    sharding = _shardings(where, dtype, packed)[0]
+    values = Layout(major_to_minor=tuple(range(5 if packed else 6)))
     if not _scaled(dtype):
-        return Format(Layout(major_to_minor=tuple(range(6))), sharding)
-    return ScaledPool(Format(Layout(major_to_minor=tuple(range(6))), sharding.values),
-                      Format(Layout(major_to_minor=tuple(range(5))), sharding.scales))
+        return Format(values, sharding)
+    return ScaledPool(Format(values, sharding.values), Format(Layout(major_to_minor=tuple(range(5))), sharding.scales))
 
 
-def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype, where=None):
+def allocate_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype, where=None,
+                     packed: bool = False):
     """Zeros in ``dtype`` (the stored dtype: int8 gives a ScaledPool with float32 scales)."""
-    zeros = functools.partial(_zeros_pool, jnp, kv_pool_shape(model, num_blocks, block_size), dtype)
-    return jax.jit(zeros, out_shardings=pool_format(where, dtype))()
+    zeros = functools.partial(_zeros_pool, jnp, model, num_blocks, block_size, dtype, packed)
+    return jax.jit(zeros, out_shardings=pool_format(where, dtype, packed))()
 
 
-def abstract_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype):
+def abstract_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype, packed: bool = False):
     """The pool's shapes and dtypes (ShapeDtypeStructs; a ScaledPool of them for int8), for ahead-of-time lowering."""
-    return jax.eval_shape(functools.partial(_zeros_pool, jnp, kv_pool_shape(model, num_blocks, block_size), dtype))
+    return jax.eval_shape(functools.partial(_zeros_pool, jnp, model, num_blocks, block_size, dtype, packed))
 
 
-def host_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype):
+def host_kv_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype, packed: bool = False):
     """The swap space in host memory: the device pool's arrays (scales included) as numpy zeros."""
-    return _zeros_pool(np, kv_pool_shape(model, num_blocks, block_size), dtype)
+    return _zeros_pool(np, model, num_blocks, block_size, dtype, packed)
 
 
-def _zeros_pool(xp, shape, dtype):
+def _zeros_pool(xp, model, num_blocks, block_size, dtype, packed):
+    """The values in ``kv_pool_shape``; an int8 pool's scales ``[L, N, 2, KVH, block_size]`` in either layout."""
+    shape = kv_pool_shape(model, num_blocks, block_size, packed)
     if _scaled(dtype):
-        return ScaledPool(xp.zeros(shape, jnp.int8), xp.zeros(shape[:-1], jnp.float32))
+        scales = kv_pool_shape(model, num_blocks, block_size)[:-1]
+        return ScaledPool(xp.zeros(shape, jnp.int8), xp.zeros(scales, jnp.float32))
     return xp.zeros(shape, dtype)
 
 
 def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, where=None, arg_shardings: dict | None = None,
-                dtype=None):
+                dtype=None, packed: bool = False):
     """``jax.jit(fn)`` with argument ``pool_arg`` (of ``num_args``) the pool (of stored ``dtype``) in
     ``pool_format``. returns: "pool" (fn returns the updated pool), "pair" (returns ``(result, pool)``), both with
     the pool donated, "result" (fn only reads the pool) or "blocks" (returns blocks of the pool, sharded as it
     is). where: a device or a mesh (fn then traced under it); arg_shardings: other arguments' shardings by
-    position (else on the device, or replicated)."""
-    pool_sharding, other = _shardings(where, dtype)
-    pool, arg_shardings = pool_format(where, dtype), arg_shardings or {}
+    position (else on the device, or replicated); packed: the pool's layout."""
+    pool_sharding, other = _shardings(where, dtype, packed)
+    pool, arg_shardings = pool_format(where, dtype, packed), arg_shardings or {}
     in_shardings = tuple(pool if i == pool_arg else arg_shardings.get(i, other) for i in range(num_args))
     out_shardings = {"pool": pool, "pair": (other, pool), "result": other, "blocks": pool_sharding}[returns]
     donate = () if returns in ("result", "blocks") else (pool_arg,)

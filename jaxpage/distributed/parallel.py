@@ -23,14 +23,17 @@ from jaxpage.distributed.vocab_shard import VocabShard
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 POOL_SPEC = P(None, None, None, MODEL_AXIS, None, None)  # the pool's KV head axis
-SCALES_SPEC = P(None, None, None, MODEL_AXIS, None)  # an int8 pool's scales: its layout less head_dim
+PACKED_POOL_SPEC = P(None, None, MODEL_AXIS, None, None)  # the packed pool's (jaxpage.attention.kv_cache)
+SCALES_SPEC = P(None, None, None, MODEL_AXIS, None)  # an int8 pool's scales (either layout)
 
 
-def pool_spec(dtype=None):
-    """The pool's PartitionSpec: a ScaledPool of the values' and the scales' for an int8 pool."""
+def pool_spec(dtype=None, packed: bool = False):
+    """The pool's PartitionSpec: a ScaledPool of the values' and the scales' for an int8 pool; packed: the
+    packed layout's."""
     from pallas_kernels.quant import ScaledPool
 
-    return ScaledPool(POOL_SPEC, SCALES_SPEC) if dtype is not None and jnp.dtype(dtype) == jnp.int8 else POOL_SPEC
+    values = PACKED_POOL_SPEC if packed else POOL_SPEC
+    return ScaledPool(values, SCALES_SPEC) if dtype is not None and jnp.dtype(dtype) == jnp.int8 else values
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # q/k/v and attention outputs [T, heads, head_dim]
 
 
@@ -142,7 +145,8 @@ def model_axis_size() -> int:
 def over_heads(fn, q, k, v, pool, shared: dict):
     """``fn(q, k, v, pool, **shared) -> (out, pool)`` on every device of the model axis, over its own heads: q/k/v
     split by heads, the pool by KV head slots, ``shared`` (arrays or None) replicated."""
-    spec = pool_spec(jax.tree.leaves(pool)[0].dtype)
+    values = jax.tree.leaves(pool)[0]
+    spec = pool_spec(values.dtype, packed=values.ndim == 5)
     return jax.shard_map(lambda q, k, v, pool, shared: fn(q, k, v, pool, **shared),
                          in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, spec, P()),
                          out_specs=(HEADS_SPEC, spec), check_vma=False)(q, k, v, pool, shared)

@@ -69,7 +69,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
             f"must be between 1 and the model's max_position_embeddings={limit}")
     num_kv_blocks = _num_kv_blocks(model, block_size, kv_dtype, max_model_len, num_kv_blocks, kv_cache_memory,
-                                   gpu_memory_utilization, tensor_parallel_size, group)
+                                   gpu_memory_utilization, tensor_parallel_size, group,
+                                   kv_cache.packs_kv(model, backend))
     require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode, "must be 'recompute' or 'swap'")
     long_prefill_token_threshold = _long_prefill_token_threshold(
         long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills, max_model_len)
@@ -173,7 +174,7 @@ def _check_tpu_tiles(backend: str, kv_dtype, block_size: int, max_num_batched_to
 
 def _num_kv_blocks(model: ModelConfig, block_size: int, kv_dtype, max_model_len: int, num_kv_blocks: int | None,
                    kv_cache_memory: int | None, gpu_memory_utilization: float, tensor_parallel_size: int,
-                   group) -> int:
+                   group, packed: bool = False) -> int:
     """The pool's blocks (null block included): num_kv_blocks if given (checked), else what the byte budget
     holds: kv_cache_memory, or that fraction of the free device memory, or on a device that does not say, 1 GiB."""
     if num_kv_blocks is not None:
@@ -185,4 +186,5 @@ def _num_kv_blocks(model: ModelConfig, block_size: int, kv_dtype, max_model_len:
     devices = make_mesh(tensor_parallel_size, group).devices.flat
     budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
     budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
-    return kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len, tensor_parallel_size)
+    return kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len, tensor_parallel_size,
+                                          packed)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpage.attention.kv_cache import pool_block_size
 from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.attention import LayerConstants, StepContext, layer_constants
@@ -52,7 +53,7 @@ class CausalLM(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, pool: jax.Array, batch: TokenBatch, backend: str) -> tuple[jax.Array, jax.Array]:
-        x, ctx = self.begin(batch, backend, block_size=pool.shape[4])
+        x, ctx = self.begin(batch, backend, block_size=pool_block_size(pool))
         consts = layer_constants(self.cfg)
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from jaxpage.attention.kv_cache import jit_on_pool
+from jaxpage.attention.kv_cache import jit_on_pool, packs_kv
 from jaxpage.config import EngineConfig
 from jaxpage.distributed.parallel import put
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
@@ -77,7 +77,8 @@ class LayerLoop:
         inputs = SingleDeviceSharding(where or jax.devices()[0])
         consts = layer_constants(cfg)
         consts = tuple(jax.tree.map(lambda a, i=i: put(a[i], inputs), consts) for i in range(cfg.num_layers))
-        layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: weights["layers"][0]}, config.kv_dtype)
+        layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: weights["layers"][0]}, config.kv_dtype,
+                                 packs_kv(config.model, config.attention_backend))
         return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(functools.partial(sample_rows, config)),
                    jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {})
 

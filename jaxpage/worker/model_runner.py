@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxpage.attention.block_moves import BlockMoves
-from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, host_kv_pool
+from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, host_kv_pool, packs_kv
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq, num_sampled_rows
@@ -89,8 +89,10 @@ class ModelRunner:
         self.params = place_params(params, shardings, dtype)
         self._lora_writer = SlotWriter(self.params) if self.lora is not None else None
         kv_dtype = jnp.dtype(config.kv_dtype)
-        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where)
-        self.host_pool = (host_kv_pool(config.model, config.num_host_blocks, config.block_size, kv_dtype)
+        packed = packs_kv(config.model, config.attention_backend)
+        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where,
+                                        packed)
+        self.host_pool = (host_kv_pool(config.model, config.num_host_blocks, config.block_size, kv_dtype, packed)
                           if config.num_host_blocks else None)
         self._step = (LayerLoop.make(config, shardings, where) if host_loop
                       else jit_step(config, where))
@@ -98,7 +100,7 @@ class ModelRunner:
         # (token bucket, adapter slots bucket) -> compiled step with adapters (lora_slots.lora_buckets)
         self._lora_executables: dict[tuple[int, int], object] = {}
         self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
-        self.block_moves = BlockMoves.jit(where, kv_dtype)
+        self.block_moves = BlockMoves.jit(where, kv_dtype, packed)
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
         self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))

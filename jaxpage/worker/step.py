@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxpage.attention.kv_cache import jit_on_pool
+from jaxpage.attention.kv_cache import jit_on_pool, packs_kv
 from jaxpage.config import EngineConfig
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.distributed.parallel import placement, put, spec_shardings
@@ -42,7 +42,8 @@ def jit_step(config: EngineConfig, where=None):
     compiles ahead of time for other targets. where: a device, or the mesh of a tensor-parallel config (the
     weights split as ``weight_shardings`` says)."""
     arg_shardings = {0: weight_shardings(config, where)} if isinstance(where, Mesh) else None
-    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings, config.kv_dtype)
+    return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings, config.kv_dtype,
+                       packs_kv(config.model, config.attention_backend))
 
 
 def compile_step(jitted, params, pool, batch, sampling):
