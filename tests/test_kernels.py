@@ -337,15 +337,13 @@ RAGGED_CASES = [
 
 
 # The packed layout (head_dim 64: K and V in one 128-lane row), as the engine's pallas_tpu backend lays out
-# SmolLM2 (9 heads over 3 KV heads): decodes and prompt chunks, engine padding, head blocks, pages per chunk,
-# windows with a soft cap, 8-bit pools.
+# SmolLM2 (9 heads over 3 KV heads): decodes and prompt chunks, long chunks over several query blocks, engine
+# padding, head blocks, pages per chunk, windows with a soft cap, 8-bit pools.
 PACKED_RAGGED_CASES = [
     RaggedCase("float32", 16, 3, 64, 3, 4, packed=True),
-    RaggedCase("bfloat16", 16, 3, 64, 3, 4, padding="engine", kw=(("queries_per_block", 8),), packed=True),
     RaggedCase("float32", 32, 2, 64, 2, 3, kw=(("kv_heads_per_block", 1), ("pages_per_compute_block", 1)),
                packed=True),
     RaggedCase("bfloat16", 16, 2, 64, 1, 4, soft_cap=1.5, padding="engine", windows=WINDOWS, packed=True),
-    RaggedCase("float32", 16, 4, 64, 1, 3, padding="engine", mix="one", kw=(("queries_per_block", 8),), packed=True),
     RaggedCase("float32", 32, 4, 64, 2, 3, kv="int8", kw=(("queries_per_block", 8),), packed=True),
     RaggedCase("bfloat16", 64, 3, 64, 3, 2, kv="int8", padding="engine", packed=True),
     RaggedCase("bfloat16", 32, 2, 64, 2, 3, kv="fp8", kw=(("pages_per_compute_block", 1),), packed=True),
@@ -465,6 +463,8 @@ SIM_RAGGED_CASES = [
     (RaggedCase("float32", 16, 2, 64, 2, 2, kw=(("kv_heads_per_block", 1), ("queries_per_block", 8)),
                 windows=(20,)), SIM_2_CORES),  # the other cases simulate window 0
     (RaggedCase("bfloat16", 16, 4, 128, 1, 2, padding="engine", kw=(("pages_per_compute_block", 1),)), SIM),
+    (RaggedCase("float32", 16, 3, 64, 2, 2, kw=(("kv_heads_per_block", 1), ("queries_per_block", 8)), packed=True),
+     SIM_2_CORES),  # two cores writing their own KV head of the same packed pages
 ]
 
 
