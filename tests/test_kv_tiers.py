@@ -102,8 +102,8 @@ def test_tiers_give_the_same_tokens_and_compute_fewer_prompt_tokens(runs):
 def test_a_restarted_engine_finds_the_disk_tier_and_serves_no_bad_file(runs, tiny, caplog):
     """A fresh engine over the same directory, sent each conversation's last prompt again: conversation 3's
     restores its blocks from disk; conversations 0-2's first blocks are made corrupt, truncated and foreign
-    (another model's weights in the header): each is logged, deleted and computed instead; every reply is the
-    engine-without-tiers' one."""
+    (another model's weights in the header): each is logged, deleted and computed instead (its block may be
+    written again later, from the recomputed K/V); every reply is the engine-without-tiers' one."""
     expected, _, last_prompts, _, _ = runs
     directory = tiny[2]
     paths = [directory / (hash_block(None, p[:BLOCK_SIZE]).hex() + ".kvblock") for p in last_prompts]
@@ -126,7 +126,10 @@ def test_a_restarted_engine_finds_the_disk_tier_and_serves_no_bad_file(runs, tin
     reasons = [r.getMessage() for r in caplog.records]
     assert any("checksum" in m for m in reasons) and any("truncated" in m for m in reasons)
     assert any("another model" in m for m in reasons), reasons
-    assert not any(p.exists() for p in paths[:3])  # deleted, never served
+    disk = restarted.engine.kv.disk_tier  # a bad file was deleted; one there now was written afresh, and is good
+    hashes = [hash_block(None, p[:BLOCK_SIZE]) for p in last_prompts[:3]]
+    assert all(not p.exists() or disk.read(h) is not None for p, h in zip(paths, hashes))
+    assert disk.rejected == 3
     assert stats["kv_offload_disk_hits"] >= 1  # conversation 3's blocks
     assert stats["kv_offload_disk_hit_bytes"] == stats["kv_offload_disk_hits"] * BLOCK_BYTES
 
@@ -151,3 +154,25 @@ def test_offloading_options_take_vllm_flags_and_refuse_bad_values():
                        (dict(kv_offloading_size=1e-9), "kv_offloading_size")):
         with pytest.raises(ValueError, match=field):
             build_engine_config(model, **options, **bad)
+
+
+def test_disk_tier_keeps_its_cap_dropping_the_least_recently_used(tmp_path):
+    """Over its cap the directory loses its least recently used files (by mtime; a read touches its file)."""
+    import os
+
+    from jaxpage.core.kv_disk_tier import DiskKVTier
+
+    leaves = [(np.float32, (4, 8))]
+    probe = DiskKVTier(tmp_path / "probe", 1 << 20, {"model": "m"}, leaves)
+    tier = DiskKVTier(tmp_path / "d", int(3.5 * probe.file_bytes), {"model": "m"}, leaves)
+    blocks = [np.full((4, 8), i, np.float32) for i in range(4)]
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    for i in range(3):
+        tier.write(hashes[i], [blocks[i]])
+        os.utime(tier.path(hashes[i]), (1000.0 * (i + 1), 1000.0 * (i + 1)))
+    assert np.array_equal(tier.read(hashes[0])[0], blocks[0])  # now the most recently used
+    tier.write(hashes[3], [blocks[3]])
+    assert [tier.contains(h) for h in hashes] == [True, False, True, True]
+    assert tier.num_bytes == 3 * tier.file_bytes == sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
+    other = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "another"}, leaves)  # same directory, other model
+    assert other.read(hashes[0]) is None and not other.contains(hashes[0]) and other.rejected == 1

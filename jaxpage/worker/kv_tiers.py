@@ -31,8 +31,8 @@ def kv_identity(config: EngineConfig, params, model_name: str = "") -> dict:
     every leaf's path, shape, dtype and first values), the KV dtype, the block size and the layout."""
     h = hashlib.blake2b(digest_size=16)
     for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda kv: str(kv[0])):
-        head = np.asarray(leaf.reshape(-1)[:64])
-        h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode() + head.tobytes())
+        head = np.asarray(leaf.reshape(-1)[:64] if hasattr(leaf, "reshape") else leaf)
+        h.update(f"{jax.tree_util.keystr(path)}{np.shape(leaf)}{head.dtype}".encode() + head.tobytes())
     return {"model": model_name, "model_config": repr(config.model), "weights": h.hexdigest(),
             "kv_dtype": config.kv_dtype, "block_size": config.block_size,
             "layout": "[num_layers, block, 2, num_kv_heads, block_size, head_dim]"}
