@@ -374,7 +374,7 @@ def scenarios(draw, tiers: bool = False):
     setup = {
         "mode": mode,
         "num_host_blocks": draw(st.integers(0, 16)) if mode == "swap" else 0,  # small: swap sometimes falls back
-        "num_kv_blocks": draw(st.integers(MAX_MODEL_LEN // BLOCK_SIZE + 1, 40)),
+        "num_kv_blocks": draw(st.integers(MAX_MODEL_LEN // BLOCK_SIZE + 1, 16 if tiers else 40)),
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": draw(st.sampled_from([8, 16, 32, 64])),
         "prefix_caching": tiers or draw(st.booleans()),
@@ -385,16 +385,17 @@ def scenarios(draw, tiers: bool = False):
     }
     if setup["prefix_caching"]:  # the prefix cache's host tier (small: its LRU evicts) and disk tier
         setup["num_offload_blocks"] = draw(st.sampled_from([2, 6, 24] if tiers else [0, 0, 2, 6, 24]))
-        setup["offload_disk"] = bool(setup["num_offload_blocks"]) and draw(st.booleans())
+        setup["offload_disk"] = bool(setup["num_offload_blocks"]) and (tiers or draw(st.booleans()))
         setup["offload_disk_bytes"] = draw(st.sampled_from([1 << 30, 2000]))  # 2000: a few files, trimmed
     loras = [None] + list(range(1, 4)) if setup["max_loras"] else [None]
-    prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=BLOCK_SIZE, max_size=40),
+    # with the tiers: prefixes of 2+ blocks, every prompt on one, so prefixes come back after their eviction
+    prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=BLOCK_SIZE * (1 + tiers), max_size=40),
                              min_size=1, max_size=3))
     actions = []
     for _ in range(draw(st.integers(3, 30))):
         what = draw(st.sampled_from(["add", "add", "step", "step", "step", "abort", "preempt"]))
         if what == "add":
-            base = draw(st.sampled_from([[]] + prefixes))
+            base = draw(st.sampled_from(prefixes if tiers else [[]] + prefixes))
             suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24))
             prompt = (base + suffix)[:MAX_MODEL_LEN - 1]
             actions.append(("add", prompt, _params(draw, max_num_seqs), draw(st.sampled_from([-1, 0, 0, 1])),

@@ -176,3 +176,33 @@ def test_disk_tier_keeps_its_cap_dropping_the_least_recently_used(tmp_path):
     assert tier.num_bytes == 3 * tier.file_bytes == sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
     other = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "another"}, leaves)  # same directory, other model
     assert other.read(hashes[0]) is None and not other.contains(hashes[0]) and other.rejected == 1
+
+
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fake_runner_restores_from_both_tiers_exactly(window, mode):
+    """Over the block-accounting fake runner (its simulated K/V checked at every read): prompts on three
+    prefixes of 3 blocks, sent round after round through a pool of 9 blocks, a host tier of 2 and the disk tier,
+    with every layer sliding (window 20) or not, swap preemption beside the tiers or not: both tiers serve,
+    the outputs are those of an engine without the tiers, and every block and host slot comes back."""
+    from tests.simulated_kv import check_all_free, make_engine, run_checked
+
+    rng = np.random.default_rng(3)
+    prefixes = [[int(t) for t in rng.integers(1, 24, 24)] for _ in range(3)]
+    rounds = [[p + [int(t) for t in rng.integers(1, 24, 5)] for p in prefixes] for _ in range(3)]
+    outputs = []
+    for tiers in (False, True):
+        engine = make_engine(num_kv_blocks=9, max_num_seqs=2, mode=mode, num_host_blocks=4 if mode == "swap" else 0,
+                             window=window, num_offload_blocks=2 if tiers else 0, offload_disk=tiers,
+                             async_scheduling=not tiers)
+        done = {}
+        for r, prompts in enumerate(rounds):
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{r}-{i}", {"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+                done.update(run_checked(engine))
+        check_all_free(engine)
+        outputs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
+    assert outputs[1] == outputs[0]
+    c = engine.kv.offload
+    assert c.host_hits > 0 and c.disk_hits > 0 and c.stores > 0, c
