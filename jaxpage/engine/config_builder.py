@@ -140,6 +140,8 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
             "a draft model runs with tensor_parallel_size=1 on one host only (not built beyond)")
     require(not draft.every_layer_windowed, name, config.speculative_config.model,
             "must attend to every position (a sliding-window draft is not built)")
+    require(not config.num_offload_blocks, "kv_offloading_size", config.num_offload_blocks,
+            "is not built with a draft model (speculative_config.model): its pool would need tiers of its own")
     budget = cdiv(config.max_num_batched_tokens + config.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
     return dataclasses.replace(config, model=draft, speculative_config=None, async_scheduling=False,
                                max_num_batched_tokens=budget, sampler_returns_probs=True)
