@@ -109,8 +109,9 @@ class EngineArgs(CliArgs):
     kv_offloading_size: float = dataclasses.field(default=0.0, metadata=_option(
         "host memory in GiB (or with a unit: 512MiB, 4GiB) for the prefix cache's host tier: full cached blocks "
         "evicted from the device pool are kept there and restored on a later prefix hit (0: off)", type=parse_gib))
-    kv_offloading_backend: str = dataclasses.field(default="native", metadata=_option(
-        "the host tier's implementation (vLLM's flag; jaxpage has its own, 'native')", choices=("native",)))
+    kv_offloading_backend: str | None = dataclasses.field(default=None, metadata=_option(
+        "the host tier's implementation (vLLM's flag; jaxpage has its own, 'native', the one taken by default)",
+        choices=("native",)))
     kv_offloading_dir: str | None = dataclasses.field(default=None, metadata=_option(
         "a directory for the prefix cache's disk tier: blocks evicted from the host tier are written there (one "
         "file per block, checked on read) and found again after a restart (needs --kv-offloading-size)"))

@@ -46,7 +46,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
                         max_cpu_loras: int | None = None,
                         speculative_config: dict | SpeculativeConfig | None = None,
-                        kv_offloading_size: float = 0.0, kv_offloading_backend: str = "native",
+                        kv_offloading_size: float = 0.0, kv_offloading_backend: str | None = None,
                         kv_offloading_dir: str | None = None,
                         kv_offloading_disk_size: float = EngineArgs.kv_offloading_disk_size) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
@@ -160,12 +160,12 @@ def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int,
     return dataclasses.replace(model, max_loras=max_loras, max_lora_rank=max_lora_rank), max_cpu_loras
 
 
-def _num_offload_blocks(size_gib: float, backend: str, directory: str | None, disk_gib: float,
+def _num_offload_blocks(size_gib: float, backend: str | None, directory: str | None, disk_gib: float,
                         per_block: int, enable_prefix_caching: bool) -> int:
     """The host tier's blocks for kv_offloading_size GiB of blocks in the pool's format (scales included)."""
     require(isinstance(size_gib, (int, float)) and size_gib >= 0, "kv_offloading_size", size_gib,
             "must be a number of GiB >= 0 (0: off)")
-    require(backend == "native", "kv_offloading_backend", backend, "must be 'native'")
+    require(backend in (None, "native"), "kv_offloading_backend", backend, "must be 'native' (or unset)")
     require(disk_gib > 0, "kv_offloading_disk_size", disk_gib, "must be > 0 GiB")
     require(directory is None or size_gib > 0, "kv_offloading_dir", directory,
             "needs kv_offloading_size > 0 (blocks reach the disk tier from the host tier)")
