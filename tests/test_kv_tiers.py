@@ -199,7 +199,7 @@ def test_fake_runner_restores_from_both_tiers_exactly(window, mode):
         for r, prompts in enumerate(rounds):
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"r{r}-{i}", {"prompt_token_ids": prompt},
-                                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+                                   SamplingParams(temperature=0.0, seed=1, max_tokens=6, ignore_eos=True))
                 done.update(run_checked(engine))
         check_all_free(engine)
         outputs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
