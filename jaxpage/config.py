@@ -142,6 +142,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (core.block_pool)
     preemption_mode: str = "recompute"  # a preempted request's blocks: recomputed later, or swapped to the host
     num_host_blocks: int = 0  # the host's swap space in KV blocks (swap_space's bytes with preemption_mode swap)
+    # The prefix cache's host and disk tiers (core/kv_offload.py, core/kv_disk_tier.py): the host tier's blocks
+    # (kv_offloading_size's bytes; 0: off), the disk tier's directory (None: off) and its cap in bytes
+    num_offload_blocks: int = 0
+    kv_offloading_dir: str | None = None
+    kv_offloading_disk_bytes: int = 0
     max_seqs_per_request: int | None = None  # most sequences (n, best_of, beams) one request holds (None: any)
     async_scheduling: bool = True  # schedule step N+1 while step N runs, its sampled tokens kept on the device
     # The prompt tokens a step computes beside its decodes (core/prefill_limits.py, vLLM's options): a prefill

@@ -67,6 +67,32 @@ class EngineStatsCollector:
                       lambda s: s["prefix_cache_hits"])
         if "spec_decode_num_drafts" in stats:  # speculative decoding on
             yield from spec_decode_families(rows, labels)
+        if "kv_offload_host_hits" in stats:  # the prefix cache's host (and disk) tiers on
+            for name, doc in KV_OFFLOAD_COUNTERS:
+                yield counter(name, doc, lambda s, name=name: s[name])
+            yield gauge("kv_offload_host_blocks", "Blocks held in the prefix cache's host tier.",
+                        lambda s: s["kv_offload_host_blocks"])
+            yield gauge("kv_offload_disk_bytes", "Bytes of the prefix cache's disk tier's files.",
+                        lambda s: s["kv_offload_disk_bytes"])
+
+
+KV_OFFLOAD_COUNTERS = (  # vLLM's external_prefix_cache_* (tokens), then the tiers' own (blocks, bytes, seconds)
+    ("external_prefix_cache_queries", "Prompt tokens looked up in the prefix cache's host and disk tiers."),
+    ("external_prefix_cache_hits", "Prompt tokens found in the host or disk tier (restored, not computed)."),
+    ("kv_offload_host_hits", "KV blocks restored from the host tier."),
+    ("kv_offload_host_hit_bytes", "Bytes of KV blocks restored from the host tier."),
+    ("kv_offload_disk_hits", "KV blocks restored from the disk tier."),
+    ("kv_offload_disk_hit_bytes", "Bytes of KV blocks restored from the disk tier."),
+    ("kv_offload_stores", "KV blocks copied from the device to the host tier."),
+    ("kv_offload_store_bytes", "Bytes of KV blocks copied from the device to the host tier."),
+    ("kv_offload_restores", "KV blocks restored into the device pool from the host or disk tier."),
+    ("kv_offload_disk_writes", "KV blocks written from the host tier to the disk tier."),
+    ("kv_offload_disk_rejected", "Disk-tier files found truncated, corrupt or foreign, and deleted."),
+    ("kv_offload_store_seconds", "Host seconds spent storing offloaded blocks into the host tier."),
+    ("kv_offload_restore_seconds", "Host seconds spent restoring blocks into the device pool."),
+    ("kv_offload_disk_read_seconds", "Seconds spent reading and checking disk-tier files."),
+    ("kv_offload_disk_write_seconds", "Seconds spent writing disk-tier files."),
+)
 
 
 def spec_decode_families(rows: list, labels: list[str]):

@@ -4,6 +4,9 @@ the checks of the pool, the host slots and the queues after every action (see te
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
+import weakref
 
 import numpy as np
 import pytest
@@ -11,6 +14,8 @@ import transformers
 from hypothesis import strategies as st
 
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
+from jaxpage.core.kv_disk_tier import DiskKVTier
+from jaxpage.core.kv_offload import DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
@@ -55,6 +60,10 @@ class FakeRunner:
         self.pool = np.zeros((config.num_kv_blocks, config.block_size), np.int64)
         self.host = np.zeros((max(num_host_blocks, 1), config.block_size), np.int64)
         self.num_host_blocks = num_host_blocks
+        # the prefix cache's host tier (its arena) and disk tier (real files of the simulated blocks)
+        self.offload = np.zeros((max(config.num_offload_blocks, 1), config.block_size), np.int64)
+        self.disk_tier = (DiskKVTier(config.kv_offloading_dir, config.kv_offloading_disk_bytes, {"model": "fake"},
+                                     [(np.int64, (config.block_size,))]) if config.kv_offloading_dir else None)
         self.block_pool = None  # set by make_engine, to check that written blocks are held
         self.window = config.model.sliding_window if config.model.every_layer_windowed else 0
         self.moves: list[tuple[str, int, int]] = []
@@ -79,6 +88,19 @@ class FakeRunner:
             elif kind == SWAP_IN:
                 assert all(0 <= s < self.num_host_blocks for s in src) and all(0 < b < nb for b in dst), (src, dst)
                 self.pool[dst] = self.host[src].copy()
+            elif kind == OFFLOAD:
+                assert all(0 < b < nb for b in src) and all(0 <= s < self.config.num_offload_blocks for s in dst)
+                self.offload[dst] = self.pool[src].copy()
+            elif kind == RESTORE:
+                assert all(0 <= s < self.config.num_offload_blocks for s in src) and all(0 < b < nb for b in dst)
+                self.pool[dst] = self.offload[src].copy()
+            elif kind == DISK_WRITE:
+                for slot, block_hash in zip(src, dst):
+                    self.disk_tier.write(block_hash, [self.offload[slot]])
+            elif kind == DISK_RESTORE:
+                assert all(0 < b < nb for b in dst)
+                for arrays, b in zip(src, dst):
+                    self.pool[b] = arrays[0]
             else:
                 raise AssertionError(f"unknown move {kind}")
 
@@ -225,8 +247,12 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                 max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                async_scheduling: bool = True, max_loras: int = 0, speculative: int = 0) -> LLMEngine:
-    """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off."""
+                async_scheduling: bool = True, max_loras: int = 0, speculative: int = 0,
+                num_offload_blocks: int = 0, offload_disk: bool | str = False,
+                offload_disk_bytes: int = 1 << 30) -> LLMEngine:
+    """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off.
+    num_offload_blocks: the prefix cache's host tier in blocks (0: off); offload_disk: its disk tier, in a
+    directory of the engine's own (True, removed with the engine) or the one given (a path)."""
     model = config_from_hf(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
@@ -243,9 +269,15 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  max_loras=max(max_loras, 1),
                                  speculative_config={"method": "ngram", "num_speculative_tokens": speculative}
                                  if speculative else None)
-    config = dataclasses.replace(config, num_host_blocks=num_host_blocks)  # a swap space in blocks, not bytes
+    own_dir = offload_disk is True and tempfile.mkdtemp(prefix="jaxpage-kv-disk-")
+    config = dataclasses.replace(  # a swap space and a host tier in blocks, not bytes
+        config, num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
+        kv_offloading_dir=(own_dir or offload_disk or None) if num_offload_blocks else None,
+        kv_offloading_disk_bytes=offload_disk_bytes)
     runner = FakeRunner(config, num_host_blocks)
     engine = LLMEngine(config, runner, eos_token_ids=(EOS,))
+    if own_dir:
+        weakref.finalize(engine, shutil.rmtree, own_dir, True)
     if speculative:
         engine.scheduler.proposer = FakeDraftProposer()
     runner.block_pool = engine.block_pool
@@ -292,6 +324,13 @@ def check_accounting(engine: LLMEngine) -> None:
     assert all(0 <= b < kv.num_host_blocks for b in held | set(free_slots))
     assert len(free_slots) + len(held) == kv.num_host_blocks, (
         f"{len(free_slots)} free + {len(held)} held host slots != {kv.num_host_blocks}")
+    if kv.host_tier is not None:  # the prefix cache's host tier: every slot free or holding one block
+        kv.host_tier.check()
+        assert len(kv.host_tier) <= kv.host_tier.num_blocks
+    if kv.disk_tier is not None:  # its disk tier: the bytes counted are the files', within the cap
+        files = list(kv.disk_tier.directory.glob("*.kvblock"))
+        assert kv.disk_tier.num_bytes == sum(f.stat().st_size for f in files)
+        assert kv.disk_tier.num_bytes <= max(kv.disk_tier.max_bytes, kv.disk_tier.file_bytes)
 
 
 def check_all_free(engine: LLMEngine) -> None:
@@ -327,30 +366,36 @@ def _params(draw, max_num_seqs: int) -> SamplingParams:
 
 
 @st.composite
-def scenarios(draw):
+def scenarios(draw, tiers: bool = False):
+    """tiers: the prefix cache's host tier always on (the disk tier half the time), over a small pool."""
     mode = draw(st.sampled_from(["recompute", "swap"]))
     max_num_seqs = draw(st.sampled_from([4, 8]))
     partial = draw(st.sampled_from([1, 2, 4]))
     setup = {
         "mode": mode,
         "num_host_blocks": draw(st.integers(0, 16)) if mode == "swap" else 0,  # small: swap sometimes falls back
-        "num_kv_blocks": draw(st.integers(MAX_MODEL_LEN // BLOCK_SIZE + 1, 40)),
+        "num_kv_blocks": draw(st.integers(MAX_MODEL_LEN // BLOCK_SIZE + 1, 16 if tiers else 40)),
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": draw(st.sampled_from([8, 16, 32, 64])),
-        "prefix_caching": draw(st.booleans()),
+        "prefix_caching": tiers or draw(st.booleans()),
         "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 3, 8, 20])),
         "max_num_partial_prefills": partial,
         "max_long_partial_prefills": draw(st.integers(1, partial)),
         "max_loras": draw(st.sampled_from([0, 1, 2])),  # LoRA adapter slots (0: no LoRA)
     }
+    if setup["prefix_caching"]:  # the prefix cache's host tier (small: its LRU evicts) and disk tier
+        setup["num_offload_blocks"] = draw(st.sampled_from([2, 6, 24] if tiers else [0, 0, 2, 6, 24]))
+        setup["offload_disk"] = bool(setup["num_offload_blocks"]) and (tiers or draw(st.booleans()))
+        setup["offload_disk_bytes"] = draw(st.sampled_from([1 << 30, 2000]))  # 2000: a few files, trimmed
     loras = [None] + list(range(1, 4)) if setup["max_loras"] else [None]
-    prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=BLOCK_SIZE, max_size=40),
+    # with the tiers: prefixes of 2+ blocks, every prompt on one, so prefixes come back after their eviction
+    prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=BLOCK_SIZE * (1 + tiers), max_size=40),
                              min_size=1, max_size=3))
     actions = []
     for _ in range(draw(st.integers(3, 30))):
         what = draw(st.sampled_from(["add", "add", "step", "step", "step", "abort", "preempt"]))
         if what == "add":
-            base = draw(st.sampled_from([[]] + prefixes))
+            base = draw(st.sampled_from(prefixes if tiers else [[]] + prefixes))
             suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24))
             prompt = (base + suffix)[:MAX_MODEL_LEN - 1]
             actions.append(("add", prompt, _params(draw, max_num_seqs), draw(st.sampled_from([-1, 0, 0, 1])),

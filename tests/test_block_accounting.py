@@ -47,7 +47,22 @@ def test_block_accounting_stays_exact(scenario):
     play(engine, actions)
     kinds = [k for k, _, _ in engine.runner.moves]  # what this example exercised (--hypothesis-show-statistics)
     event(f"mode={setup['mode']} preempted={engine.scheduler.num_preemptions > 0} swapped={SWAP_OUT in kinds} "
-          f"copy-on-write={COPY in kinds} prefix-hit={engine.kv.prefix_cache_hits > 0}")
+          f"copy-on-write={COPY in kinds} prefix-hit={engine.kv.prefix_cache_hits > 0} "
+          f"host-tier-hit={engine.kv.offload.host_hits > 0} disk-tier-hit={engine.kv.offload.disk_hits > 0}")
+
+
+@settings(max_examples=40, deadline=None, derandomize=False,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios(tiers=True))
+def test_block_accounting_stays_exact_with_the_prefix_cache_tiers(scenario):
+    """The scenarios with the host tier (2-24 blocks) and the disk tier: the fake runner moves its simulated K/V
+    through both (real files), so a block restored with the wrong K/V fails the reads of its first step; every
+    host slot is free or holds one block, the directory's bytes are its files', after every action."""
+    setup, actions = scenario
+    engine = make_engine(**setup)
+    play(engine, actions)
+    event(f"host-tier-hit={engine.kv.offload.host_hits > 0} disk-tier-hit={engine.kv.offload.disk_hits > 0} "
+          f"stored={engine.kv.offload.stores > 0}")
 
 
 def _ends(finished: dict) -> dict:

@@ -131,7 +131,7 @@ def test_shapes_the_tpu_kernels_cannot_take_are_refused_at_start_up():
 def test_every_engine_option_is_in_the_engine_config():
     """What LLMEngine, its scheduler and its runner read comes from the EngineConfig: every EngineArgs option is
     a field of it but those spent on loading the model or sizing its pools (the host's swap space in blocks, and
-    with preemption_mode swap only)."""
+    with preemption_mode swap only; the prefix cache's host tier in blocks, its disk tier's cap in bytes)."""
     from jaxpage.config import EngineConfig
     from jaxpage.engine.arg_utils import EngineArgs
     from jaxpage.engine.config_builder import engine_config_from_args
@@ -141,7 +141,8 @@ def test_every_engine_option_is_in_the_engine_config():
     # max_loras and max_lora_rank, behind enable_lora: in those shapes)
     assert {f.name for f in args} - fields == {"cache_dir", "progress", "quantization", "kv_cache_memory",
                                                "gpu_memory_utilization", "swap_space", "enable_lora",
-                                               "max_loras", "max_lora_rank"}
+                                               "max_loras", "max_lora_rank", "kv_offloading_size",
+                                               "kv_offloading_backend", "kv_offloading_disk_size"}
     model = _smollm2_shape()
     per_block = bytes_per_block(model, 16, "float32")
     options = dict(num_kv_blocks=600, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)

@@ -9,7 +9,14 @@ import functools
 import jax
 import numpy as np
 
-from jaxpage.attention.kv_cache import jit_on_pool, pool_format
+from jaxpage.attention.kv_cache import NULL_BLOCK, jit_on_pool, pool_format
+
+
+def padded_ids(ids: list[int], size: int) -> np.ndarray:
+    """Block (or host slot) ids padded with the null block to a move call's fixed size."""
+    out = np.full(size, NULL_BLOCK, np.int32)
+    out[:len(ids)] = ids
+    return out
 
 
 def copy_blocks(pool, src: jax.Array, dst: jax.Array):

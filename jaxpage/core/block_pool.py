@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self.peak_used = 0
         self.num_shared = 0  # blocks with more than one holder
+        # called with (block, hash) as a cached block leaves the device cache (the prefix cache's host tier)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -95,6 +98,8 @@ class BlockPool:
         block_hash = self._hash_of.pop(block, None)
         if block_hash is not None:
             del self._cached[block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block, block_hash)
 
     def check(self, tables: list[list[int]]) -> None:
         """Asserts the accounting: references equal table entries (null ones, dead blocks of a sliding window,

@@ -8,6 +8,11 @@ at most ``p - W``, p being the first position of the next step (``num_computed_t
 see it again. Dead blocks go back to the pool (a shared one loses a reference) and NULL_BLOCK takes their place
 in the table; they always form a prefix of it. A sequence's hashes still cover every block (they come from its
 tokens), so blocks computed later are cached under the right chained hashes.
+
+The prefix cache's tiers (``host_tier``, ``disk_tier``): a cached block leaving the device cache is copied to the
+host tier (an OFFLOAD move, queued before any move or step that writes the block), the host tier's least
+recently used block to the disk tier (DISK_WRITE); a prefix block missing on the device but found in a tier gets a
+fresh device block and a RESTORE (or DISK_RESTORE) move, queued before the sequence's first step.
 """
 from __future__ import annotations
 
@@ -18,23 +23,34 @@ from collections.abc import Iterable
 
 from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.core.block_pool import BlockPool, hash_block
+from jaxpage.core.kv_disk_tier import DiskKVTier
+from jaxpage.core.kv_offload import (
+    DISK_RESTORE,
+    DISK_WRITE,
+    OFFLOAD,
+    RESTORE,
+    HostKVTier,
+    OffloadCounters,
+)
 from jaxpage.sequence import Sequence
 from jaxpage.utils import cdiv
 
 COPY, SWAP_OUT, SWAP_IN = "copy", "swap_out", "swap_in"
 NULL_HOST = -1  # a dead block in a swapped sequence's table of host slots (host slot 0 is a real one)
+IN_HOST, ON_DISK = "host", "disk"  # where match_prefix found a block that is not on the device
 
 
 @dataclasses.dataclass
 class DeviceOps:
     """Block moves to apply before the next step, in the order they were queued (a later op may read what an
-    earlier one wrote): (COPY, src block, dst block), (SWAP_OUT, block, host slot), (SWAP_IN, host slot, block)."""
+    earlier one wrote): (COPY, src block, dst block), (SWAP_OUT, block, host slot), (SWAP_IN, host slot, block),
+    and the prefix cache tiers' moves (core/kv_offload.py: OFFLOAD, RESTORE, DISK_WRITE, DISK_RESTORE)."""
 
-    moves: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    moves: list[tuple[str, object, object]] = dataclasses.field(default_factory=list)
 
-    def batches(self) -> list[tuple[str, list[int], list[int]]]:
+    def batches(self) -> list[tuple[str, list, list]]:
         """Consecutive moves of one kind, as (kind, sources, destinations)."""
-        out: list[tuple[str, list[int], list[int]]] = []
+        out: list[tuple[str, list, list]] = []
         for kind, src, dst in self.moves:
             if not out or out[-1][0] != kind:
                 out.append((kind, [], []))
@@ -44,7 +60,8 @@ class DeviceOps:
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int, window: int = 0):
+    def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int, window: int = 0,
+                 host_tier: HostKVTier | None = None, disk_tier: DiskKVTier | None = None):
         self.pool = block_pool
         self.block_size = block_size
         self.window = window  # 0: every block stays visible
@@ -52,7 +69,12 @@ class KVCacheManager:
         self.num_host_blocks = num_host_blocks
         self.ops = DeviceOps()
         self.prefix_cache_queries = 0  # prompt tokens looked up
-        self.prefix_cache_hits = 0  # prompt tokens found
+        self.prefix_cache_hits = 0  # prompt tokens found on the device
+        self.host_tier = host_tier
+        self.disk_tier = disk_tier if host_tier is not None else None
+        self.offload = OffloadCounters()
+        if host_tier is not None:
+            block_pool.on_evict = self._offload
 
     def take_ops(self) -> DeviceOps:
         ops, self.ops = self.ops, DeviceOps()
@@ -79,25 +101,87 @@ class KVCacheManager:
         return common + sum(cdiv(s.num_tokens, bs) - common for s in seqs)
 
     # --- admission and growth -------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> None:
+    def match_prefix(self, seq: Sequence, tiers: bool = True) -> None:
         """Reuses cached blocks for the longest cached prefix; the last token is always left to compute. With a
-        window, only the blocks the next step can see must be cached: the dead ones before them become null."""
+        window, only the blocks the next step can see must be cached: the dead ones before them become null.
+        Blocks found in the host or disk tier are restored into fresh blocks (tiers=False: the device's only,
+        the retry when the pool has too few free blocks for them)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         bs, tokens = self.block_size, seq.token_ids
         hashes, cached = [], []
         for i in range((seq.num_tokens - 1) // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], seq.lora_int_id))
-            cached.append(self.pool.lookup(hashes[-1]))
+            cached.append(self._find(hashes[-1], tiers))
             if cached[-1] is None and not self.window:
                 break
         hit = self._longest_hit(cached)
         dead = self.dead_blocks(hit * bs)
-        self.pool.share(cached[dead:hit])
-        seq.block_table = [NULL_BLOCK] * dead + cached[dead:hit]
+        live = cached[dead:hit]
+        on_device = [b for b in live if isinstance(b, int)]
+        self.pool.share(on_device)
+        if len(on_device) < len(live):
+            enough = len(live) - len(on_device) <= self.pool.num_free
+            restored = self._restore(live, hashes[dead:hit]) if enough else None
+            if restored is None:  # too few free blocks: the device's hits only; a bad disk file (now deleted)
+                self.pool.free(on_device[::-1])
+                return self.match_prefix(seq, tiers=enough)
+            live = restored
+        seq.block_table = [NULL_BLOCK] * dead + live
         seq.block_hashes = hashes[:hit]
         seq.num_computed_tokens = hit * bs
         self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += seq.num_computed_tokens
+        self.prefix_cache_hits += seq.num_computed_tokens - (len(live) - len(on_device)) * bs  # the device's
+
+    def _find(self, block_hash: bytes, tiers: bool) -> int | str | None:
+        """The device block holding a prefix block, or IN_HOST / ON_DISK, or None."""
+        block = self.pool.lookup(block_hash)
+        if block is not None or not tiers or self.host_tier is None:
+            return block
+        if block_hash in self.host_tier:
+            return IN_HOST
+        return ON_DISK if self.disk_tier is not None and self.disk_tier.contains(block_hash) else None
+
+    def _restore(self, live: list, hashes: list[bytes]) -> list[int] | None:
+        """Fresh device blocks for the entries found in a tier, their restores queued (one batched copy per
+        tier before the step); None, nothing changed, if a disk file is bad (the caller made sure the pool has
+        the blocks)."""
+        fresh = [i for i, b in enumerate(live) if not isinstance(b, int)]
+        source: dict[int, object] = {}
+        for i in fresh:  # disk files first: a bad one (logged and deleted) calls the whole restore off
+            if live[i] == ON_DISK:
+                source[i] = self.disk_tier.read(hashes[i])
+                if source[i] is None:
+                    return None
+        for i in fresh:  # the host slots may not be reused by the evictions that allocate() makes
+            if live[i] == IN_HOST:
+                source[i] = self.host_tier.pin(hashes[i])
+        blocks = self.pool.allocate(len(fresh))
+        self.host_tier.unpin_all()
+        table = list(live)
+        for i, block in zip(fresh, blocks):
+            self.ops.moves.append((DISK_RESTORE if live[i] == ON_DISK else RESTORE, source[i], block))
+            self.pool.cache(block, hashes[i])
+            table[i] = block
+        disk = sum(live[i] == ON_DISK for i in fresh)
+        self.offload.disk_hits += disk
+        self.offload.host_hits += len(fresh) - disk
+        self.offload.hit_tokens += len(fresh) * self.block_size
+        return table
+
+    def _offload(self, block: int, block_hash: bytes) -> None:
+        """A cached block leaving the device cache: copied into the host tier (unless it is there already), the
+        host tier's least recently used block written to the disk tier first if its slot is taken."""
+        if self.host_tier.lookup(block_hash) is not None:
+            return
+        taken = self.host_tier.add(block_hash)
+        if taken is None:
+            return  # every slot is pinned by a restore queued now
+        slot, evicted = taken
+        if evicted is not None and self.disk_tier is not None and not self.disk_tier.contains(evicted[0]):
+            self.ops.moves.append((DISK_WRITE, slot, evicted[0]))
+            self.offload.disk_writes += 1
+        self.ops.moves.append((OFFLOAD, block, slot))
+        self.offload.stores += 1
 
     def _longest_hit(self, cached: list[int | None]) -> int:
         """The most leading blocks whose live part (all of them without a window) is cached."""

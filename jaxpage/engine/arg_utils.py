@@ -24,6 +24,15 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def parse_gib(text: str) -> float:
+    """A size in GiB, vLLM's --kv-offloading-size: a plain number is GiB ("4", "0.5"); with a unit, bytes in
+    that unit ("4GiB", "512MiB")."""
+    try:
+        return float(text)
+    except ValueError:
+        return parse_bytes(text) / (1 << 30)
+
+
 def parse_json_object(text: str) -> dict:
     """A flag's JSON object (--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}')."""
     try:
@@ -97,6 +106,18 @@ class EngineArgs(CliArgs):
     swap_space: int = dataclasses.field(default=256 << 20, metadata=_option(
         "host memory for swapped-out KV blocks, in bytes as --kv-cache-memory (or with a unit: 4GiB); "
         "used with --preemption-mode swap", type=parse_bytes))
+    kv_offloading_size: float = dataclasses.field(default=0.0, metadata=_option(
+        "host memory in GiB (or with a unit: 512MiB, 4GiB) for the prefix cache's host tier: full cached blocks "
+        "evicted from the device pool are kept there and restored on a later prefix hit (0: off)", type=parse_gib))
+    kv_offloading_backend: str | None = dataclasses.field(default=None, metadata=_option(
+        "the host tier's implementation (vLLM's flag; jaxpage has its own, 'native', the one taken by default)",
+        choices=("native",)))
+    kv_offloading_dir: str | None = dataclasses.field(default=None, metadata=_option(
+        "a directory for the prefix cache's disk tier: blocks evicted from the host tier are written there (one "
+        "file per block, checked on read) and found again after a restart (needs --kv-offloading-size)"))
+    kv_offloading_disk_size: float = dataclasses.field(default=16.0, metadata=_option(
+        "the disk tier's cap in GiB (or with a unit); the least recently used files (by mtime) go first",
+        type=parse_gib))
     max_seqs_per_request: int | None = dataclasses.field(default=None, metadata=_option(
         "most sequences (n, best_of, beams) one request may hold, so that no request takes every batch slot "
         "(default: max-num-seqs; `serve`: half of it)"))

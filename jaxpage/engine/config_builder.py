@@ -45,7 +45,10 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         async_scheduling: bool = EngineArgs.async_scheduling, enable_lora: bool = False,
                         max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
                         max_cpu_loras: int | None = None,
-                        speculative_config: dict | SpeculativeConfig | None = None) -> EngineConfig:
+                        speculative_config: dict | SpeculativeConfig | None = None,
+                        kv_offloading_size: float = 0.0, kv_offloading_backend: str | None = None,
+                        kv_offloading_dir: str | None = None,
+                        kv_offloading_disk_size: float = EngineArgs.kv_offloading_disk_size) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
@@ -76,6 +79,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
         long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills, max_model_len)
     per_block = kv_cache.bytes_per_block(model, block_size, kv_dtype)
     num_host_blocks = swap_space // per_block if preemption_mode == "swap" else 0
+    num_offload_blocks = _num_offload_blocks(kv_offloading_size, kv_offloading_backend, kv_offloading_dir,
+                                             kv_offloading_disk_size, per_block, enable_prefix_caching)
     if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
     if speculative_config is not None and async_scheduling:
@@ -93,7 +98,9 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_num_partial_prefills=max_num_partial_prefills,
                           max_long_partial_prefills=max_long_partial_prefills, async_scheduling=async_scheduling,
-                          max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config)
+                          max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config,
+                          num_offload_blocks=num_offload_blocks, kv_offloading_dir=kv_offloading_dir,
+                          kv_offloading_disk_bytes=int(kv_offloading_disk_size * (1 << 30)))
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
 
@@ -115,7 +122,9 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config)
+        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
+        kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
+        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_disk_size=args.kv_offloading_disk_size)
 
 
 def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfig:
@@ -132,6 +141,8 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
             "a draft model runs with tensor_parallel_size=1 on one host only (not built beyond)")
     require(not draft.every_layer_windowed, name, config.speculative_config.model,
             "must attend to every position (a sliding-window draft is not built)")
+    require(not config.num_offload_blocks, "kv_offloading_size", config.num_offload_blocks,
+            "is not built with a draft model (speculative_config.model): its pool would need tiers of its own")
     budget = cdiv(config.max_num_batched_tokens + config.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
     return dataclasses.replace(config, model=draft, speculative_config=None, async_scheduling=False,
                                max_num_batched_tokens=budget, sampler_returns_probs=True)
@@ -148,6 +159,26 @@ def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int,
     require(jax.process_count() == 1, "enable_lora", True, "runs on one host only (the followers' replay "
             "carries no adapter slots yet)")
     return dataclasses.replace(model, max_loras=max_loras, max_lora_rank=max_lora_rank), max_cpu_loras
+
+
+def _num_offload_blocks(size_gib: float, backend: str | None, directory: str | None, disk_gib: float,
+                        per_block: int, enable_prefix_caching: bool) -> int:
+    """The host tier's blocks for kv_offloading_size GiB of blocks in the pool's format (scales included)."""
+    require(isinstance(size_gib, (int, float)) and size_gib >= 0, "kv_offloading_size", size_gib,
+            "must be a number of GiB >= 0 (0: off)")
+    require(backend in (None, "native"), "kv_offloading_backend", backend, "must be 'native' (or unset)")
+    require(disk_gib > 0, "kv_offloading_disk_size", disk_gib, "must be > 0 GiB")
+    require(directory is None or size_gib > 0, "kv_offloading_dir", directory,
+            "needs kv_offloading_size > 0 (blocks reach the disk tier from the host tier)")
+    if not size_gib:
+        return 0
+    require(enable_prefix_caching, "kv_offloading_size", size_gib,
+            "needs enable_prefix_caching (the tiers hold blocks by their prefix hash)")
+    require(jax.process_count() == 1, "kv_offloading_size", size_gib, "runs on one host only (the followers' "
+            "replay carries no offload moves yet)")
+    blocks = int(size_gib * (1 << 30)) // per_block
+    require(blocks >= 1, "kv_offloading_size", size_gib, f"must hold at least one block of {per_block} bytes")
+    return blocks
 
 
 def _long_prefill_token_threshold(threshold: int, max_partial: int, max_long: int, max_model_len: int) -> int:

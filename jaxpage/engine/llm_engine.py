@@ -8,10 +8,11 @@ import os
 import time
 from pathlib import Path
 
-from jaxpage.attention.kv_cache import NULL_BLOCK
+from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.config import EngineConfig
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.kv_offload import HostKVTier
 from jaxpage.core.scheduler import Scheduler
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import draft_engine_config, engine_config_from_args
@@ -81,7 +82,9 @@ class LLMEngine:
         self.model_name = model_name
         self.block_pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
         window = config.model.sliding_window if config.model.every_layer_windowed else 0
-        self.kv = KVCacheManager(self.block_pool, config.block_size, config.num_host_blocks, window)
+        host_tier = HostKVTier(config.num_offload_blocks) if config.num_offload_blocks else None
+        self.kv = KVCacheManager(self.block_pool, config.block_size, config.num_host_blocks, window, host_tier,
+                                 getattr(runner, "disk_tier", None))
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids, next_seq_id=self._seq_ids.__next__)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
@@ -365,4 +368,34 @@ class LLMEngine:
                           "e2e_latency": m.e2e_latency, "num_output_tokens": m.num_output_tokens}
                          for m in requests],
             **spec,  # speculative decoding's acceptance counters (jaxpage/spec_decode/metrics.py), when it is on
+            **self._offload_stats(),
+        }
+
+    def _offload_stats(self) -> dict:
+        """The prefix cache's host and disk tiers, when on: hits in blocks and bytes per tier, offloads and
+        restores (blocks, and the host's seconds spent on them), and vLLM's external_prefix_cache_* in tokens."""
+        kv, tiers = self.kv, getattr(self.runner, "tiers", None)
+        if kv.host_tier is None:
+            return {}
+        c, disk = kv.offload, kv.disk_tier
+        per_block = bytes_per_block(self.config.model, self.config.block_size, self.config.kv_dtype)
+        return {
+            "external_prefix_cache_queries": kv.prefix_cache_queries,
+            "external_prefix_cache_hits": c.hit_tokens,
+            "kv_offload_host_blocks": len(kv.host_tier),
+            "kv_offload_host_capacity_blocks": kv.host_tier.num_blocks,
+            "kv_offload_host_hits": c.host_hits,
+            "kv_offload_host_hit_bytes": c.host_hits * per_block,
+            "kv_offload_disk_hits": c.disk_hits,
+            "kv_offload_disk_hit_bytes": c.disk_hits * per_block,
+            "kv_offload_stores": c.stores,
+            "kv_offload_store_bytes": c.stores * per_block,
+            "kv_offload_restores": c.host_hits + c.disk_hits,
+            "kv_offload_disk_writes": c.disk_writes,
+            "kv_offload_disk_rejected": disk.rejected if disk is not None else 0,
+            "kv_offload_disk_bytes": disk.num_bytes if disk is not None else 0,
+            "kv_offload_store_seconds": tiers.store_seconds if tiers is not None else 0.0,
+            "kv_offload_restore_seconds": tiers.restore_seconds if tiers is not None else 0.0,
+            "kv_offload_disk_read_seconds": disk.read_seconds if disk is not None else 0.0,
+            "kv_offload_disk_write_seconds": disk.write_seconds if disk is not None else 0.0,
         }

@@ -12,17 +12,23 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jaxpage.attention.block_moves import BlockMoves
-from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, host_kv_pool, packs_kv
+from jaxpage.attention.block_moves import BlockMoves, padded_ids
+from jaxpage.attention.kv_cache import allocate_kv_pool, host_kv_pool, packs_kv
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq, num_sampled_rows
 from jaxpage.distributed.parallel import placement, put
-from jaxpage.lora.worker_manager import SlotWriter, WorkerLoRAManager, lora_mapping, with_empty_slots
+from jaxpage.lora.worker_manager import (
+    SlotWriter,
+    WorkerLoRAManager,
+    lora_mapping,
+    with_empty_slots,
+)
 from jaxpage.models import TokenBatch, unstack_layers
 from jaxpage.models.lora_slots import lora_buckets
 from jaxpage.models.placement import place_params, replicate_kv_heads
 from jaxpage.worker.input_batch import InputBatch, build_batch
+from jaxpage.worker.kv_tiers import TIER_MOVES, KVTierMoves, kv_identity
 from jaxpage.worker.layer_loop import LayerLoop
 from jaxpage.worker.sampler import SamplerOutput, SamplingBatch
 from jaxpage.worker.step import (
@@ -72,6 +78,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, params: dict):
         self.config = config
+        identity = kv_identity(config, params) if config.kv_offloading_dir else {}  # of the checkpoint's weights
         dtype = jnp.dtype(config.dtype)
         where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
         self.mesh = where if isinstance(where, Mesh) else None
@@ -101,6 +108,10 @@ class ModelRunner:
         self._lora_executables: dict[tuple[int, int], object] = {}
         self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
         self.block_moves = BlockMoves.jit(where, kv_dtype, packed)
+        # the prefix cache's host and disk tiers (the engine hands the disk tier to its KV manager)
+        self.tiers = (KVTierMoves(config, kv_dtype, self.block_moves, self._move_size, identity)
+                      if config.num_offload_blocks else None)
+        self.disk_tier = self.tiers.disk_tier if self.tiers is not None else None
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
         self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))
@@ -124,7 +135,7 @@ class ModelRunner:
             idle = np.zeros(self._move_size, np.int32)  # null block onto itself: compiles, changes nothing
             moves = self.block_moves
             self.kv_pool = moves.copy(self.kv_pool, idle, idle)
-            if self.host_pool is not None:
+            if self.host_pool is not None or self.tiers is not None:
                 self.kv_pool = moves.scatter(self.kv_pool, idle, moves.gather(self.kv_pool, idle))
             if self._lora_writer is not None:  # zeros into slot 0: compiles the slot write, changes nothing
                 self.params = self._lora_writer.write(self.params, 0, None)
@@ -154,8 +165,12 @@ class ModelRunner:
         """Carries out the queued block copies and swaps, in order, in padded fixed-size calls."""
         size = self._move_size
         for kind, src, dst in ops.batches():
+            if kind in TIER_MOVES:
+                self.kv_pool = self.tiers.apply(self.kv_pool, kind, src, dst)
+                continue
             for i in range(0, len(src), size):
-                self.move(kind, self._padded(src[i:i + size]), self._padded(dst[i:i + size]), len(src[i:i + size]))
+                n = len(src[i:i + size])
+                self.move(kind, padded_ids(src[i:i + size], size), padded_ids(dst[i:i + size], size), n)
 
     def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
         """One padded call: the first ``n`` of ``src`` -> ``dst`` (block ids, ``self._move_size`` of each)."""
@@ -167,11 +182,6 @@ class ModelRunner:
             self.kv_pool = self.block_moves.swap_in(self.kv_pool, self.host_pool, src, dst)
         else:
             raise ValueError(kind)
-
-    def _padded(self, ids: list[int]) -> np.ndarray:
-        out = np.full(self._move_size, NULL_BLOCK, np.int32)
-        out[:len(ids)] = ids
-        return out
 
     def execute(self, scheduled: list[ScheduledSeq], bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for each scheduled sequence, in order. bitmask
@@ -193,6 +203,8 @@ class ModelRunner:
         out = self.run(batch, sampling)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
+        if self.tiers is not None:
+            self.tiers.finish()  # the offloads' host-side stores, while the step runs
         return LaunchedStep(scheduled, out)
 
     def _with_lora_slots(self, scheduled: list[ScheduledSeq], batch: TokenBatch) -> TokenBatch:

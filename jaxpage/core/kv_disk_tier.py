@@ -1,0 +1,128 @@
+"""The prefix cache's disk tier: one file per block, named by its chained prefix hash, so a restarted engine with
+the same directory finds the blocks again. Each file is a header (magic, the identity of the model and the KV
+format it was written for, the payload's length and CRC-32) and the block's arrays. A file that is truncated,
+corrupt or written for another model or format is never served: it is logged and deleted. The directory keeps
+under its cap by deleting the least recently used files (mtime: a read touches it) on write."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"JAXPAGEKV1\n"
+SUFFIX = ".kvblock"
+
+
+class DiskKVTier:
+    """identity: what the K/V depend on (model, weights' fingerprint, dtype, block size, layout), stored in every
+    header and required equal on read; leaves: each array of a block, (dtype, shape), as the pool holds them."""
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int, identity: dict,
+                 leaves: list[tuple[np.dtype, tuple[int, ...]]]):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.leaves = [(np.dtype(d), tuple(s)) for d, s in leaves]
+        self.identity = {**identity, "leaves": [[d.str, list(s)] for d, s in self.leaves]}
+        self._header = json.dumps(self.identity, sort_keys=True).encode()
+        self.payload_bytes = sum(d.itemsize * int(np.prod(s)) for d, s in self.leaves)
+        self.file_bytes = len(MAGIC) + 4 + len(self._header) + 12 + self.payload_bytes
+        self.num_bytes = sum(p.stat().st_size for p in self.directory.glob("*" + SUFFIX))
+        self.rejected = 0  # files found bad (truncated, corrupt, foreign) and deleted
+        self.read_seconds = self.write_seconds = 0.0
+        self.writes = 0
+
+    def path(self, block_hash: bytes) -> Path:
+        return self.directory / (block_hash.hex() + SUFFIX)
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self.path(block_hash).is_file()
+
+    def read(self, block_hash: bytes) -> list[np.ndarray] | None:
+        """The block's arrays, checked; None (logged, the file deleted) if it is missing or bad."""
+        started, path = time.perf_counter(), self.path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        arrays, why = self._parse(data)
+        if why:
+            log.warning("KV disk tier: ignoring %s: %s", path, why)
+            self.rejected += 1
+            self._remove(path)
+        else:
+            os.utime(path)  # most recently used
+        self.read_seconds += time.perf_counter() - started
+        return arrays
+
+    def _parse(self, data: bytes) -> tuple[list[np.ndarray] | None, str]:
+        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+            return None, "not a KV block file"
+        at = len(MAGIC)
+        (header_len,) = struct.unpack_from("<I", data, at)
+        at += 4
+        header = data[at:at + header_len]
+        at += header_len
+        if header != self._header:
+            return None, "written for another model or KV format"
+        if len(data) != at + 12 + self.payload_bytes:
+            return None, f"{len(data)} bytes, {at + 12 + self.payload_bytes} expected (truncated?)"
+        length, crc = struct.unpack_from("<QI", data, at)
+        payload = memoryview(data)[at + 12:]
+        if length != self.payload_bytes or zlib.crc32(payload) != crc:
+            return None, "checksum mismatch (corrupt)"
+        arrays, offset = [], 0
+        for dtype, shape in self.leaves:
+            size = dtype.itemsize * int(np.prod(shape))
+            arrays.append(np.frombuffer(payload[offset:offset + size], dtype).reshape(shape))
+            offset += size
+        return arrays, ""
+
+    def write(self, block_hash: bytes, arrays: list[np.ndarray]) -> None:
+        """Writes a block (atomically: a temporary file renamed), then keeps the directory under its cap."""
+        started, path = time.perf_counter(), self.path(block_hash)
+        if path.is_file():
+            os.utime(path)
+            return
+        payload = b"".join(np.ascontiguousarray(a, d).tobytes() for a, (d, _) in zip(arrays, self.leaves))
+        assert len(payload) == self.payload_bytes
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(MAGIC + struct.pack("<I", len(self._header)) + self._header
+                        + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload)
+        os.replace(tmp, path)
+        self.num_bytes += self.file_bytes
+        self.writes += 1
+        if self.num_bytes > self.max_bytes:
+            self._trim()
+        self.write_seconds += time.perf_counter() - started
+
+    def _trim(self) -> None:
+        """Deletes the least recently used files until the directory holds at most 90 % of its cap."""
+        files = []
+        for p in self.directory.glob("*" + SUFFIX):
+            try:
+                files.append((p.stat().st_mtime, p))
+            except OSError:
+                pass
+        files.sort()
+        self.num_bytes = sum(p.stat().st_size for _, p in files if p.exists())
+        for _, p in files:
+            if self.num_bytes <= 0.9 * self.max_bytes:
+                break
+            self._remove(p)
+
+    def _remove(self, path: Path) -> None:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            self.num_bytes -= size
+        except OSError:
+            pass

@@ -1,0 +1,104 @@
+"""The runner's side of the prefix cache's host and disk tiers: the host arena (the device pool's format, an
+int8 pool's scales included), the disk tier's files, and the four tier moves the KV manager queues
+(core/kv_offload.py).
+
+An OFFLOAD gathers the evicted blocks on the device in one batched call, queued in device order before any
+later write into them (the step that reuses a block runs after the gather), and starts their copy to the host;
+the host-side store into the arena (and any DISK_WRITE after it) is left pending and done once the step is
+launched, so it overlaps the step. A RESTORE first finishes what is pending (it may read a slot just stored),
+then loads the slots into fresh blocks in one batched host-to-device scatter. Under tensor parallelism the
+gathered blocks and the loads are sharded as the pool is (``block_moves.store_blocks``/``load_blocks``)."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+
+import jax
+import numpy as np
+
+from jaxpage.attention.block_moves import BlockMoves, padded_ids, store_blocks
+from jaxpage.attention.kv_cache import host_kv_pool, kv_pool_shape, packs_kv
+from jaxpage.config import EngineConfig
+from jaxpage.core.kv_disk_tier import DiskKVTier
+from jaxpage.core.kv_offload import DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
+
+TIER_MOVES = (OFFLOAD, RESTORE, DISK_WRITE, DISK_RESTORE)
+
+
+def kv_identity(config: EngineConfig, params, model_name: str = "") -> dict:
+    """What a block's K/V depend on besides its tokens: the model (its config and a fingerprint of its weights:
+    every leaf's path, shape, dtype and first values), the KV dtype, the block size and the layout."""
+    h = hashlib.blake2b(digest_size=16)
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda kv: str(kv[0])):
+        head = np.asarray(leaf.reshape(-1)[:64] if hasattr(leaf, "reshape") else leaf)
+        h.update(f"{jax.tree_util.keystr(path)}{np.shape(leaf)}{head.dtype}".encode() + head.tobytes())
+    return {"model": model_name, "model_config": repr(config.model), "weights": h.hexdigest(),
+            "kv_dtype": config.kv_dtype, "block_size": config.block_size,
+            "layout": repr(kv_pool_shape(config.model, 0, config.block_size,
+                                         packs_kv(config.model, config.attention_backend)))}
+
+
+class KVTierMoves:
+    """The host arena of ``config.num_offload_blocks`` blocks and, with ``kv_offloading_dir``, the disk tier."""
+
+    def __init__(self, config: EngineConfig, kv_dtype, block_moves: BlockMoves, move_size: int, identity: dict):
+        self.arena = host_kv_pool(config.model, config.num_offload_blocks, config.block_size, kv_dtype,
+                                  packs_kv(config.model, config.attention_backend))
+        leaves = [(a.dtype, a.shape[:1] + a.shape[2:]) for a in jax.tree.leaves(self.arena)]
+        self.disk_tier = (DiskKVTier(config.kv_offloading_dir, config.kv_offloading_disk_bytes, identity, leaves)
+                          if config.kv_offloading_dir else None)
+        self.block_moves = block_moves
+        self.move_size = move_size
+        self._pending: list = []  # host-side work in queue order: stores into the arena, disk writes
+        self.store_seconds = self.restore_seconds = 0.0
+
+    def apply(self, pool, kind: str, src: list, dst: list):
+        """One run of consecutive moves of one kind, in calls of ``move_size`` blocks; returns the pool."""
+        size = self.move_size
+        for i in range(0, len(src), size):
+            s, d = src[i:i + size], dst[i:i + size]
+            if kind == OFFLOAD:
+                gathered = self.block_moves.gather(pool, padded_ids(s, size))
+                for leaf in jax.tree.leaves(gathered):
+                    leaf.copy_to_host_async()
+                self._pending.append(functools.partial(self._store, gathered, np.asarray(d)))
+            elif kind == DISK_WRITE:
+                self._pending.append(functools.partial(self._write, s, d))
+            elif kind == RESTORE:
+                self.finish()
+                started = time.perf_counter()
+                pool = self.block_moves.swap_in(pool, self.arena, padded_ids(s, size), padded_ids(d, size))
+                self.restore_seconds += time.perf_counter() - started
+            elif kind == DISK_RESTORE:
+                started = time.perf_counter()
+                pool = self.block_moves.swap_in(pool, self._stacked(s), np.arange(size), padded_ids(d, size))
+                self.restore_seconds += time.perf_counter() - started
+            else:
+                raise ValueError(kind)
+        return pool
+
+    def finish(self) -> None:
+        """Does the pending host-side work (after the step is launched, or before a restore reads the arena)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work()
+
+    def _store(self, gathered, slots: np.ndarray) -> None:
+        started = time.perf_counter()
+        jax.tree.map(functools.partial(store_blocks, blocks=slots), self.arena, gathered)
+        self.store_seconds += time.perf_counter() - started
+
+    def _write(self, slots: list[int], hashes: list[bytes]) -> None:
+        for slot, block_hash in zip(slots, hashes):
+            self.disk_tier.write(block_hash, [a[:, slot] for a in jax.tree.leaves(self.arena)])
+
+    def _stacked(self, blocks: list[list[np.ndarray]]):
+        """Blocks read from disk as an arena-like pytree of ``move_size`` blocks (the rest zeros)."""
+        out = []
+        for k, a in enumerate(jax.tree.leaves(self.arena)):
+            data = np.zeros((a.shape[0], self.move_size, *a.shape[2:]), a.dtype)
+            for j, arrays in enumerate(blocks):
+                data[:, j] = arrays[k]
+            out.append(data)
+        return jax.tree.unflatten(jax.tree.structure(self.arena), out)

@@ -1,0 +1,208 @@
+"""The prefix cache's host and disk tiers (kv_offloading_size, kv_offloading_dir): a tiny random Llama over a
+device pool too small for the conversations' prefixes gives the tokens of an engine without the tiers (greedy
+and seeded) while restoring blocks instead of computing them; a restarted engine finds the disk tier's blocks;
+truncated, corrupt and foreign files are never served. The accounting over every tier is in the property test
+(tests/test_block_accounting.py, tests/simulated_kv.py)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+
+import numpy as np
+import pytest
+
+from jaxpage.core.block_pool import hash_block
+from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.engine.config_builder import build_engine_config
+from jaxpage.models import config_from_hf
+from jaxpage.sampling_params import SamplingParams
+from tests.factories import engine_options, tiny_llama
+
+BLOCK_SIZE = 16
+BLOCK_BYTES = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4  # tiny Llama: 2 layers, K and V, 2 KV heads of 16, float32
+CONVERSATIONS, TURNS, MESSAGE, REPLY = 4, 3, 20, 8
+HOST_BLOCKS = 6  # the device pool holds 9 blocks: together not all the conversations' prefixes (4 x 4-5 blocks)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.reference import save_random_model
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_random_model(tiny_llama(), path, seed=random.randrange(2**31))
+    return str(path), str(tmp_path_factory.mktemp("cache")), tmp_path_factory.mktemp("kv-disk")
+
+
+def _llm(tiny, **options):
+    from jaxpage import LLM
+
+    path, cache, _ = tiny
+    return LLM(path, cache_dir=cache, **engine_options(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                                                       num_kv_blocks=10, **options))
+
+
+def _params(conversation: int, turn: int) -> SamplingParams:
+    if conversation % 2 == 0:
+        return SamplingParams(temperature=0.0, max_tokens=REPLY, ignore_eos=True)
+    return SamplingParams(temperature=0.8, top_k=5, seed=100 * conversation + turn, max_tokens=REPLY, ignore_eos=True)
+
+
+def _messages() -> list[list[list[int]]]:
+    rng = np.random.default_rng(11)
+    return [[[int(t) for t in rng.integers(0, 256, MESSAGE)] for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
+
+
+def _chat(llm) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """The conversations, interleaved turn by turn, one request at a time: each turn's prompt is the
+    conversation so far (prompts and replies) and a new message. Returns each turn's reply, and the last turn's
+    prompts."""
+    messages, history = _messages(), [[] for _ in range(CONVERSATIONS)]
+    replies = [[] for _ in range(CONVERSATIONS)]
+    last_prompts = []
+    for turn in range(TURNS):
+        for c in range(CONVERSATIONS):
+            prompt = history[c] + messages[c][turn]
+            if turn == TURNS - 1:
+                last_prompts.append(prompt)
+            (out,) = llm.generate([{"prompt_token_ids": prompt}], _params(c, turn), use_tqdm=False)
+            replies[c].append(list(out.outputs[0].token_ids))
+            history[c] = prompt + replies[c][-1]
+    return replies, last_prompts
+
+
+def _computed(stats: dict) -> int:
+    """Prompt tokens the engine computed: looked up, less those found on the device or in a tier."""
+    return stats["prefix_cache_queries"] - stats["prefix_cache_hits"] - stats.get("external_prefix_cache_hits", 0)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny):
+    """The conversations without tiers and with a host tier of 6 blocks over the disk tier (so both serve)."""
+    plain = _llm(tiny)
+    expected, last_prompts = _chat(plain)
+    tiered = _llm(tiny, kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, kv_offloading_dir=str(tiny[2]))
+    got, _ = _chat(tiered)
+    return expected, got, last_prompts, plain.stats(), tiered.stats()
+
+
+def test_tiers_give_the_same_tokens_and_compute_fewer_prompt_tokens(runs):
+    expected, got, _, plain, tiered = runs
+    assert got == expected  # greedy (even conversations) and seeded sampling (odd ones), turn by turn
+    assert tiered["kv_offload_host_hits"] > 0 and tiered["kv_offload_disk_hits"] > 0, tiered
+    assert tiered["kv_offload_restores"] == tiered["kv_offload_host_hits"] + tiered["kv_offload_disk_hits"]
+    assert tiered["kv_offload_host_hit_bytes"] == tiered["kv_offload_host_hits"] * BLOCK_BYTES
+    assert tiered["kv_offload_stores"] > 0 and tiered["kv_offload_disk_writes"] > 0
+    assert tiered["external_prefix_cache_hits"] == tiered["kv_offload_restores"] * BLOCK_SIZE
+    assert tiered["prefix_cache_queries"] == plain["prefix_cache_queries"]
+    assert _computed(tiered) == _computed(plain) - tiered["external_prefix_cache_hits"] < _computed(plain)
+    assert tiered["num_free_blocks"] == tiered["num_blocks"] and plain["num_free_blocks"] == plain["num_blocks"]
+
+
+def test_a_restarted_engine_finds_the_disk_tier_and_serves_no_bad_file(runs, tiny, caplog):
+    """A fresh engine over the same directory, sent each conversation's last prompt again: conversation 3's
+    restores its blocks from disk; conversations 0-2's first blocks are made corrupt, truncated and foreign
+    (another model's weights in the header): each is logged, deleted and computed instead (its block may be
+    written again later, from the recomputed K/V); every reply is the engine-without-tiers' one."""
+    expected, _, last_prompts, _, _ = runs
+    directory = tiny[2]
+    paths = [directory / (hash_block(None, p[:BLOCK_SIZE]).hex() + ".kvblock") for p in last_prompts]
+    assert all(p.is_file() for p in paths), "the first run left the conversations' first blocks on disk"
+    corrupt = bytearray(paths[0].read_bytes())
+    corrupt[-1] ^= 0xFF
+    paths[0].write_bytes(bytes(corrupt))
+    paths[1].write_bytes(paths[1].read_bytes()[:-100])
+    foreign = paths[2].read_bytes()
+    at = foreign.index(b'"weights": "') + len(b'"weights": "')
+    paths[2].write_bytes(foreign[:at] + (b"0" if foreign[at:at + 1] != b"0" else b"1") + foreign[at + 1:])
+    restarted = _llm(tiny, kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, kv_offloading_dir=str(directory))
+    with caplog.at_level(logging.WARNING, logger="jaxpage.core.kv_disk_tier"):
+        for c in range(CONVERSATIONS):
+            (out,) = restarted.generate([{"prompt_token_ids": last_prompts[c]}], _params(c, TURNS - 1),
+                                        use_tqdm=False)
+            assert list(out.outputs[0].token_ids) == expected[c][-1], c
+    stats = restarted.stats()
+    assert stats["kv_offload_disk_rejected"] == 3
+    reasons = [r.getMessage() for r in caplog.records]
+    assert any("checksum" in m for m in reasons) and any("truncated" in m for m in reasons)
+    assert any("another model" in m for m in reasons), reasons
+    disk = restarted.engine.kv.disk_tier  # a bad file was deleted; one there now was written afresh, and is good
+    hashes = [hash_block(None, p[:BLOCK_SIZE]) for p in last_prompts[:3]]
+    assert all(not p.exists() or disk.read(h) is not None for p, h in zip(paths, hashes))
+    assert disk.rejected == 3
+    assert stats["kv_offload_disk_hits"] >= 1  # conversation 3's blocks
+    assert stats["kv_offload_disk_hit_bytes"] == stats["kv_offload_disk_hits"] * BLOCK_BYTES
+
+
+def test_offloading_options_take_vllm_flags_and_refuse_bad_values():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "512MiB", "--kv-offloading-backend",
+                                                       "native", "--kv-offloading-dir", "/tmp/x"]))
+    assert args.kv_offloading_size == 0.5 and args.kv_offloading_dir == "/tmp/x"
+    assert EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "4"])).kv_offloading_size == 4.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-offloading-backend", "lmcache"])
+    model = config_from_hf(tiny_llama())
+    options = dict(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=None, num_kv_blocks=10, max_num_seqs=4,
+                   max_num_batched_tokens=32, max_model_len=128, gpu_memory_utilization=0.9)
+    config = build_engine_config(model, **options, kv_offloading_size=64 * BLOCK_BYTES / 2**30)
+    assert config.num_offload_blocks == 64 and config.kv_offloading_dir is None
+    for bad, field in ((dict(kv_offloading_dir="/tmp/x"), "kv_offloading_dir"),
+                       (dict(kv_offloading_size=-1.0), "kv_offloading_size"),
+                       (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "kv_offloading_size"),
+                       (dict(kv_offloading_size=1e-9), "kv_offloading_size")):
+        with pytest.raises(ValueError, match=field):
+            build_engine_config(model, **options, **bad)
+
+
+def test_disk_tier_keeps_its_cap_dropping_the_least_recently_used(tmp_path):
+    """Over its cap the directory loses its least recently used files (by mtime; a read touches its file)."""
+    import os
+
+    from jaxpage.core.kv_disk_tier import DiskKVTier
+
+    leaves = [(np.float32, (4, 8))]
+    probe = DiskKVTier(tmp_path / "probe", 1 << 20, {"model": "m"}, leaves)
+    tier = DiskKVTier(tmp_path / "d", int(3.5 * probe.file_bytes), {"model": "m"}, leaves)
+    blocks = [np.full((4, 8), i, np.float32) for i in range(4)]
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    for i in range(3):
+        tier.write(hashes[i], [blocks[i]])
+        os.utime(tier.path(hashes[i]), (1000.0 * (i + 1), 1000.0 * (i + 1)))
+    assert np.array_equal(tier.read(hashes[0])[0], blocks[0])  # now the most recently used
+    tier.write(hashes[3], [blocks[3]])
+    assert [tier.contains(h) for h in hashes] == [True, False, True, True]
+    assert tier.num_bytes == 3 * tier.file_bytes == sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
+    other = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "another"}, leaves)  # same directory, other model
+    assert other.read(hashes[0]) is None and not other.contains(hashes[0]) and other.rejected == 1
+
+
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fake_runner_restores_from_both_tiers_exactly(window, mode):
+    """Over the block-accounting fake runner (its simulated K/V checked at every read): prompts on three
+    prefixes of 3 blocks, sent round after round through a pool of 9 blocks, a host tier of 2 and the disk tier,
+    with every layer sliding (window 20) or not, swap preemption beside the tiers or not: both tiers serve,
+    the outputs are those of an engine without the tiers, and every block and host slot comes back."""
+    from tests.simulated_kv import check_all_free, make_engine, run_checked
+
+    rng = np.random.default_rng(3)
+    prefixes = [[int(t) for t in rng.integers(1, 24, 24)] for _ in range(3)]
+    rounds = [[p + [int(t) for t in rng.integers(1, 24, 5)] for p in prefixes] for _ in range(3)]
+    outputs = []
+    for tiers in (False, True):
+        engine = make_engine(num_kv_blocks=9, max_num_seqs=2, mode=mode, num_host_blocks=4 if mode == "swap" else 0,
+                             window=window, num_offload_blocks=2 if tiers else 0, offload_disk=tiers,
+                             async_scheduling=not tiers)
+        done = {}
+        for r, prompts in enumerate(rounds):
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{r}-{i}", {"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0.0, seed=1, max_tokens=6, ignore_eos=True))
+                done.update(run_checked(engine))
+        check_all_free(engine)
+        outputs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
+    assert outputs[1] == outputs[0]
+    c = engine.kv.offload
+    assert c.host_hits > 0 and c.disk_hits > 0 and c.stores > 0, c
