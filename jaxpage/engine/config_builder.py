@@ -13,6 +13,7 @@ from jaxpage.config import (
     KV_CACHE_DTYPES,
     EngineConfig,
     ModelConfig,
+    RoutingConfig,
     SpeculativeConfig,
     check_quantization,
     kv_storage_dtype,
@@ -45,7 +46,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         async_scheduling: bool = EngineArgs.async_scheduling, enable_lora: bool = False,
                         max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
                         max_cpu_loras: int | None = None,
-                        speculative_config: dict | SpeculativeConfig | None = None) -> EngineConfig:
+                        speculative_config: dict | SpeculativeConfig | None = None,
+                        routing: RoutingConfig | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
@@ -93,7 +95,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_num_partial_prefills=max_num_partial_prefills,
                           max_long_partial_prefills=max_long_partial_prefills, async_scheduling=async_scheduling,
-                          max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config)
+                          max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config,
+                          routing=routing or RoutingConfig())
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
 
@@ -115,7 +118,9 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config)
+        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
+        routing=RoutingConfig(args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold,
+                              args.balance_rel_threshold))
 
 
 def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfig:
