@@ -167,7 +167,9 @@ def test_multi_turn_quick_routes_each_second_turn_to_its_first_turns_replica(tmp
     # greedy: the same answers on one engine and on two replicas, whichever replica served a turn
     assert len({r["answers_digest"] for r in results.values()}) == 1
     routing = results["dp_cache_aware"]["routing"]
-    assert (routing["routed_cache_miss"], routing["routed_cache_hit"]) == (3, 3)  # first turns by load
+    assert routing["routed_load"] == 0 and routing["routed_cache_hit"] + routing["routed_cache_miss"] == 6
+    assert routing["routed_cache_hit"] >= 3  # every second turn, at least
     # each second turn (20 + 12 + 4 + 12 tokens) finds its first turn's 2 full blocks on its replica
-    assert results["dp_cache_aware"]["prefix_cache_hits"] == 3 * 32
+    assert results["dp_cache_aware"]["prefix_cache_hits"] >= 3 * 32
+    assert results["dp_cache_aware"]["prefix_cache_hits"] >= results["dp_load"]["prefix_cache_hits"]
     assert results["dp_load"]["routing"]["routed_load"] == 6
