@@ -15,8 +15,9 @@ conversations' prefixes. Each configuration runs in a fresh process:
 - ``dp_load``, ``dp_cache_aware``: 2 data-parallel replicas on 2 forced CPU devices (each with the pool above),
   ``2 x --concurrency`` turns in flight, routed by load or cache-aware (jaxpage/engine/routing.py).
 
-Reported per configuration, from the engine's stats: prompt tokens looked up and found in the prefix cache, the
-prompt tokens computed (the difference) and the hit rate, TTFT p50/p99, output tokens/s over the workload's wall
+Reported per configuration, from the engine's stats: prompt tokens looked up, found in the device's prefix cache
+and restored from the host or disk tier (``external_prefix_cache_hits``), the prompt tokens computed (the rest)
+and the hit rate (device and tiers), TTFT p50/p99, output tokens/s over the workload's wall
 time, the routers' decisions, any tier counters the engine reports, and whether the answers equal no_offload's
 (greedy: they must).
 
@@ -145,16 +146,17 @@ def run_config(name: str, args) -> dict:
         engine.shutdown()
     ttfts = [r["ttft"] for r in stats["requests"] if r["ttft"] is not None]
     output_tokens = sum(len(a) for conv in out["answers"] for a in conv)
-    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]  # hits: on the device
+    restored = stats.get("external_prefix_cache_hits", 0)  # vLLM's name: found in the host or disk tier
     result = {"options": options, "startup_s": startup_s, "seconds": seconds, "load_1min": load,
               "requests": len(stats["requests"]), "prompt_tokens": queries, "prefix_cache_hits": hits,
-              "prompt_tokens_computed": queries - hits, "prefix_hit_rate": hits / queries if queries else 0.0,
+              "tier_hits": restored, "prompt_tokens_computed": queries - hits - restored,
+              "prefix_hit_rate": (hits + restored) / queries if queries else 0.0,
               "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p99_s": float(np.percentile(ttfts, 99)),
               "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / seconds,
               "answers_digest": hashlib.sha256(json.dumps(out["answers"]).encode()).hexdigest()[:16],
               "num_preemptions": stats["num_preemptions"],
-              "tier_stats": {k: v for k, v in stats.items() if any(w in k for w in ("offload", "host", "disk",
-                                                                                     "tier", "restore"))}}
+              "tier_stats": {k: v for k, v in stats.items() if any(w in k for w in ("offload", "external", "disk"))}}
     if "routing" in stats:
         result["routing"] = stats["routing"]
         result["replica_hit_rates"] = [r["prefix_cache_hits"] / r["prefix_cache_queries"]

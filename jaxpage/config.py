@@ -133,7 +133,7 @@ class RoutingConfig:
     busier than the least loaded (more than balance_abs_threshold requests more and balance_rel_threshold times
     as many)."""
 
-    policy: str = "cache_aware"
+    policy: str = "load"  # cache_aware lost on benchmarks/multi_turn.py (RESULTS.md, "Multi-turn conversations")
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5

@@ -66,8 +66,8 @@ def test_two_jaxpage_servers_behind_vllm_router_answer_through_it(tmp_path):
         for i in range(2):
             port, http_port = free_port(), free_port()
             procs.append(spawn(["-m", "serving.cli", "serve", "--model", str(tmp_path / "llama"), "--port", str(port),
-                                "--http-port", str(http_port), "--metrics-port", "0", "--served-model-name", "tiny", "--cache-dir", str(tmp_path / "cache"),
-                                "--no-progress", *flags], tmp_path / f"worker{i}.log"))
+                                "--http-port", str(http_port), "--metrics-port", "0", "--served-model-name", "tiny",
+                                "--cache-dir", str(tmp_path / "cache"), "--no-progress", *flags], tmp_path / f"worker{i}.log"))
             wait_serving(f"127.0.0.1:{port}", procs[-1], 300, tmp_path / f"worker{i}.log")
             http_ports.append(http_port)
         direct = [completion(http_ports[0], p) for p in PROMPTS]
