@@ -142,7 +142,8 @@ if IN_CHILD:
                 == (2, 2, 0)
             assert routing["routed_matched_tokens"] == 2 * 32
             # any load difference is too much now: the second of two requests on one prefix gives way
-            engines["cache_aware"].router.config = RoutingConfig(balance_abs_threshold=0, balance_rel_threshold=1.0)
+            engines["cache_aware"].router.config = RoutingConfig("cache_aware", balance_abs_threshold=0,
+                                                                 balance_rel_threshold=1.0)
             both = {policy: routed(engine, [[a + y + z, a + y + w]]) for policy, engine in engines.items()}
             assert [rank for rank, _ in both["cache_aware"]] == [0, 1]
             assert [t for _, t in both["cache_aware"]] == [t for _, t in both["load"]]
