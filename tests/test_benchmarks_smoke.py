@@ -147,6 +147,9 @@ def test_device_check_fails_on_any_failed_self_check():
 
 
 # --- benchmarks/multi_turn.py --quick: conversations over a tiny random model, one engine and DP 2 ----------
+# Three fresh processes (one engine, DP 2 by load, DP 2 cache-aware): 116 s here at load 4-5, over the suite's
+# budget for one test, so it runs only when asked (JAXPAGE_MULTI_TURN_SMOKE=1).
+@pytest.mark.skipif(not os.environ.get("JAXPAGE_MULTI_TURN_SMOKE"), reason="minutes: set JAXPAGE_MULTI_TURN_SMOKE=1")
 def test_multi_turn_quick_routes_each_second_turn_to_its_first_turns_replica(tmp_path):
     from tests.factories import tiny_llama
     from tests.reference import save_random_model
