@@ -122,6 +122,32 @@ class SpeculativeConfig:
         return cls(method, k, hi, lo, model, draft_tp)
 
 
+ROUTING_POLICIES = ("load", "cache_aware")  # the data-parallel front end's (jaxpage/engine/routing.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+    """How the data-parallel front end picks a replica: ``load`` (the fewest requests in flight) or
+    ``cache_aware`` (sglang-router's policy and option names): the replica whose prompts so far share the longest
+    prefix with this one, when that prefix is at least cache_threshold of the prompt and the replica is not much
+    busier than the least loaded (more than balance_abs_threshold requests more and balance_rel_threshold times
+    as many)."""
+
+    policy: str = "load"  # cache_aware lost on benchmarks/multi_turn.py (RESULTS.md, "Multi-turn conversations")
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+
+    def __post_init__(self):
+        require(self.policy in ROUTING_POLICIES, "data_parallel_routing", self.policy,
+                f"must be one of {', '.join(map(repr, ROUTING_POLICIES))}")
+        require(0.0 <= self.cache_threshold <= 1.0, "cache_threshold", self.cache_threshold, "must be in [0, 1]")
+        require(type(self.balance_abs_threshold) is int and self.balance_abs_threshold >= 0,
+                "balance_abs_threshold", self.balance_abs_threshold, "must be an integer >= 0")
+        require(self.balance_rel_threshold >= 1.0, "balance_rel_threshold", self.balance_rel_threshold,
+                "must be >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine was asked for, resolved to concrete values once."""
@@ -139,6 +165,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see pallas_kernels.quant
     data_parallel_size: int = 1  # engine replicas, each on its own group of tensor_parallel_size devices
     data_parallel_rank: int = 0  # this replica's group: devices [rank * tp, (rank + 1) * tp) (parallel.device_group)
+    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)  # the data-parallel front end's choice
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (core.block_pool)
     preemption_mode: str = "recompute"  # a preempted request's blocks: recomputed later, or swapped to the host
     num_host_blocks: int = 0  # the host's swap space in KV blocks (swap_space's bytes with preemption_mode swap)

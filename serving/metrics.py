@@ -13,6 +13,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxpage.engine.routing import DECISIONS
+
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -74,6 +76,17 @@ class EngineStatsCollector:
                         lambda s: s["kv_offload_host_blocks"])
             yield gauge("kv_offload_disk_bytes", "Bytes of the prefix cache's disk tier's files.",
                         lambda s: s["kv_offload_disk_bytes"])
+        if "routing" in stats:  # the data-parallel front end's
+            yield routing_family(model_name, stats["routing"])
+
+
+def routing_family(model_name: str, routing: dict):
+    """The data-parallel router's decisions (jaxpage/engine/routing.py), by kind (label ``decision``)."""
+    f = CounterMetricFamily(PREFIX + "router_decisions", "Requests routed to a data-parallel replica, by how the "
+                            "replica was chosen.", labels=["model_name", "policy", "decision"])
+    for decision in DECISIONS:
+        f.add_metric([model_name, routing["policy"], decision], routing[f"routed_{decision}"])
+    return f
 
 
 KV_OFFLOAD_COUNTERS = (  # vLLM's external_prefix_cache_* (tokens), then the tiers' own (blocks, bytes, seconds)

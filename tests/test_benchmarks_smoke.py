@@ -144,3 +144,35 @@ def test_device_check_fails_on_any_failed_self_check():
     assert checks_ok(good)
     assert not checks_ok({**good, "ragged y": {"ok": False}})
     assert not checks_ok({**good, "decode y": {"auto_splits": {"ok": True}, "pages_per_split=4": {"ok": False}}})
+
+
+# --- benchmarks/multi_turn.py --quick: conversations over a tiny random model, one engine and DP 2 ----------
+# Three fresh processes (one engine, DP 2 by load, DP 2 cache-aware): 116 s here at load 4-5, over the suite's
+# budget for one test, so it runs only when asked (JAXPAGE_MULTI_TURN_SMOKE=1).
+@pytest.mark.skipif(not os.environ.get("JAXPAGE_MULTI_TURN_SMOKE"), reason="minutes: set JAXPAGE_MULTI_TURN_SMOKE=1")
+def test_multi_turn_quick_routes_each_second_turn_to_its_first_turns_replica(tmp_path):
+    from tests.factories import tiny_llama
+    from tests.reference import save_random_model
+
+    save_random_model(tiny_llama(), tmp_path / "llama", seed=3)
+    out = tmp_path / "multi_turn.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "benchmarks/multi_turn.py", "--quick", "--model", str(tmp_path / "llama"),
+                           "--max-model-len", "128", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"no_offload", "dp_load", "dp_cache_aware"}
+    for r in results.values():
+        assert r["requests"] == 3 * 2 and r["output_tokens"] == 3 * 2 * 4
+        assert r["prompt_tokens_computed"] == r["prompt_tokens"] - r["prefix_cache_hits"] >= 0
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+    # greedy: the same answers on one engine and on two replicas, whichever replica served a turn
+    assert len({r["answers_digest"] for r in results.values()}) == 1
+    routing = results["dp_cache_aware"]["routing"]
+    assert routing["routed_load"] == 0 and routing["routed_cache_hit"] + routing["routed_cache_miss"] == 6
+    assert routing["routed_cache_hit"] >= 3  # every second turn, at least
+    # each second turn (20 + 12 + 4 + 12 tokens) finds its first turn's 2 full blocks on its replica
+    assert results["dp_cache_aware"]["prefix_cache_hits"] >= 3 * 32
+    assert results["dp_cache_aware"]["prefix_cache_hits"] >= results["dp_load"]["prefix_cache_hits"]
+    assert results["dp_load"]["routing"]["routed_load"] == 6

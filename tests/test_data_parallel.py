@@ -5,6 +5,9 @@ child process with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; the c
 - DP 2 x TP 2: a mixed workload (prompts of 1 to 40 tokens, greedy and n=2 seeded sampling) sent at once gives
   the tokens of one engine on one device, both replicas take requests, and each replica's weights and KV pool
   sit on its own two devices;
+- DP 2 with cache-aware routing: a prompt whose prefix a replica was sent goes to that replica (load routing sends
+  it elsewhere), its blocks are found in that replica's cache, a much busier replica gives way to the least loaded,
+  and the tokens are those of DP 2 with load routing;
 - sizes that cannot work are refused by name;
 - `jaxpage serve --data-parallel-size 2` answers over gRPC and over the OpenAI-compatible HTTP API with one
   device's tokens, and its metrics carry a ``replica`` label per replica, each of which served requests: the
@@ -43,6 +46,7 @@ if IN_CHILD:
 
     from benchmarks.launch import free_port, spawn, wait_serving
     from jaxpage import LLM, SamplingParams
+    from jaxpage.config import RoutingConfig
     from jaxpage.engine.arg_utils import EngineArgs
     from jaxpage.engine.data_parallel import DataParallelEngine
     from serving import generation_pb2 as pb
@@ -103,6 +107,52 @@ if IN_CHILD:
         finally:
             engine.shutdown()
 
+    def routed(engine, rounds: list[list[list[int]]]) -> list[tuple[int, list[int]]]:
+        """(replica, greedy tokens) of each prompt; each round's prompts sent at once, in order."""
+        async def one(request_id, ids):
+            stream = await engine.add_request(request_id, {"prompt_token_ids": ids}, GREEDY)
+            rank, final = engine.replica_of(request_id), None
+            async for out in stream:
+                final = out
+            return rank, final.outputs[0].token_ids
+
+        async def run():
+            done = []
+            for i, prompts in enumerate(rounds):
+                done += await asyncio.gather(*(one(f"t{i}.{j}", ids) for j, ids in enumerate(prompts)))
+            return done
+        return asyncio.run(run())
+
+    def test_cache_aware_routing_sends_a_prefix_back_to_its_replica_with_load_routings_tokens():
+        rng = np.random.default_rng(1)
+        a, b, x, y, z, w = (rng.integers(1, VOCAB, n).tolist() for n in (40, 40, 10, 10, 10, 10))
+        turns = [[a, b], [b + x, a + y]]  # the second turn's order reversed: load routing swaps the replicas
+        engines = {policy: DataParallelEngine.from_args(EngineArgs(model=model_dir(), data_parallel_size=2,
+                                                                   data_parallel_routing=policy, **OPTIONS))
+                   for policy in ("load", "cache_aware")}
+        try:
+            got = {policy: routed(engine, turns) for policy, engine in engines.items()}
+            assert [rank for rank, _ in got["cache_aware"]] == [0, 1, 1, 0]
+            assert [rank for rank, _ in got["load"]] == [0, 1, 0, 1]
+            assert [t for _, t in got["cache_aware"]] == [t for _, t in got["load"]]
+            cache_aware = engines["cache_aware"].stats()
+            assert cache_aware["prefix_cache_hits"] == 2 * 32 and engines["load"].stats()["prefix_cache_hits"] == 0
+            routing = cache_aware["routing"]
+            assert (routing["routed_cache_miss"], routing["routed_cache_hit"], routing["routed_balance_fallback"]) \
+                == (2, 2, 0)
+            assert routing["routed_matched_tokens"] == 2 * 32
+            # any load difference is too much now: the second of two requests on one prefix gives way
+            engines["cache_aware"].router.config = RoutingConfig("cache_aware", balance_abs_threshold=0,
+                                                                 balance_rel_threshold=1.0)
+            both = {policy: routed(engine, [[a + y + z, a + y + w]]) for policy, engine in engines.items()}
+            assert [rank for rank, _ in both["cache_aware"]] == [0, 1]
+            assert [t for _, t in both["cache_aware"]] == [t for _, t in both["load"]]
+            assert engines["cache_aware"].stats()["routing"]["routed_balance_fallback"] == 1
+            assert engines["load"].stats()["routing"]["routed_load"] == 6
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
+
     def test_sizes_that_cannot_work_are_refused_by_name():
         with pytest.raises(ValueError, match="data_parallel_size=3 x tensor_parallel_size=2 = 6 devices exceeds "
                                              "the 4 devices available"):
@@ -159,6 +209,12 @@ if IN_CHILD:
             assert served["0"] + served["1"] == len(greedy) + 2 and min(served.values()) > 0, served
             assert min(metrics[("jaxpage:time_to_first_token_seconds_count", r)] for r in ("0", "1")) > 0
             assert min(metrics[("jaxpage:generation_tokens_total", r)] for r in ("0", "1")) > 0
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+            decisions = {s.labels["decision"]: s.value for family in text_string_to_metric_families(text)
+                         for s in family.samples if s.name == "jaxpage:router_decisions_total"
+                         and s.labels["policy"] == "load"}  # the default
+            assert set(decisions) == {"load", "cache_hit", "cache_miss", "balance_fallback"}, decisions
+            assert decisions["load"] == sum(decisions.values()) >= len(greedy) + 2, decisions
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0

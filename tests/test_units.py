@@ -132,17 +132,18 @@ def test_every_engine_option_is_in_the_engine_config():
     """What LLMEngine, its scheduler and its runner read comes from the EngineConfig: every EngineArgs option is
     a field of it but those spent on loading the model or sizing its pools (the host's swap space in blocks, and
     with preemption_mode swap only; the prefix cache's host tier in blocks, its disk tier's cap in bytes)."""
-    from jaxpage.config import EngineConfig
+    from jaxpage.config import EngineConfig, RoutingConfig
     from jaxpage.engine.arg_utils import EngineArgs
     from jaxpage.engine.config_builder import engine_config_from_args
 
     args, fields = dataclasses.fields(EngineArgs), {f.name for f in dataclasses.fields(EngineConfig)}
     # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization and the LoRA slots,
-    # max_loras and max_lora_rank, behind enable_lora: in those shapes)
+    # max_loras and max_lora_rank, behind enable_lora: in those shapes; the data-parallel router's, in routing)
+    routing = {"data_parallel_routing", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold"}
     assert {f.name for f in args} - fields == {"cache_dir", "progress", "quantization", "kv_cache_memory",
                                                "gpu_memory_utilization", "swap_space", "enable_lora",
                                                "max_loras", "max_lora_rank", "kv_offloading_size",
-                                               "kv_offloading_backend", "kv_offloading_disk_size"}
+                                               "kv_offloading_backend", "kv_offloading_disk_size", *routing}
     model = _smollm2_shape()
     per_block = bytes_per_block(model, 16, "float32")
     options = dict(num_kv_blocks=600, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
@@ -150,7 +151,11 @@ def test_every_engine_option_is_in_the_engine_config():
                                                 swap_space=10 * per_block + 1, max_seqs_per_request=3), model)
     assert (config.enable_prefix_caching, config.preemption_mode, config.num_host_blocks,
             config.seqs_per_request) == (False, "swap", 10, 3)
+    routed = engine_config_from_args(EngineArgs(**options, data_parallel_routing="load", cache_threshold=0.5,
+                                                balance_abs_threshold=8, balance_rel_threshold=1.25), model)
+    assert routed.routing == RoutingConfig("load", 0.5, 8, 1.25)
     default = engine_config_from_args(EngineArgs(**options), model)
+    assert default.routing == RoutingConfig()
     assert (default.enable_prefix_caching, default.preemption_mode, default.num_host_blocks,
             default.seqs_per_request) == (True, "recompute", 0, 8)
     assert engine_config_from_args(EngineArgs(**options, swap_space=10 * per_block), model).num_host_blocks == 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -16,6 +16,16 @@ def hash_block(parent: bytes | None, token_ids: list[int], lora_int_id: int = 0)
     h = hashlib.blake2b(parent or (b"lora%d" % lora_int_id if lora_int_id else b"root"), digest_size=16)
     h.update(np.asarray(token_ids, np.int64).tobytes())
     return h.digest()
+
+
+def hash_blocks(token_ids: list[int], block_size: int, lora_int_id: int = 0) -> Iterator[bytes]:
+    """The chain of hash_block keys of token_ids' full blocks, first to last, each computed when it is taken (a
+    caller that stops at its first miss hashes no further). The engine's prefix lookup and the data-parallel
+    router's both walk this one chain."""
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size], lora_int_id)
+        yield parent
 
 
 class BlockPool:

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterable
 
 from jaxpage.attention.kv_cache import NULL_BLOCK
-from jaxpage.core.block_pool import BlockPool, hash_block
+from jaxpage.core.block_pool import BlockPool, hash_block, hash_blocks
 from jaxpage.core.kv_disk_tier import DiskKVTier
 from jaxpage.core.kv_offload import (
     DISK_RESTORE,
@@ -109,8 +109,8 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         bs, tokens = self.block_size, seq.token_ids
         hashes, cached = [], []
-        for i in range((seq.num_tokens - 1) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], seq.lora_int_id))
+        for block_hash in hash_blocks(tokens[:(seq.num_tokens - 1) // bs * bs], bs, seq.lora_int_id):
+            hashes.append(block_hash)
             cached.append(self._find(hashes[-1], tiers))
             if cached[-1] is None and not self.window:
                 break

@@ -9,7 +9,13 @@ import re
 import typing
 
 from jaxpage.attention.backends import BACKENDS
-from jaxpage.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from jaxpage.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    ROUTING_POLICIES,
+    RoutingConfig,
+)
 from jaxpage.core.scheduler import PREEMPTION_MODES
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -98,8 +104,20 @@ class EngineArgs(CliArgs):
     tensor_parallel_size: int = dataclasses.field(default=1, metadata=_option(
         "devices the weights and the KV pool are split over, by attention head (a mesh axis 'model')"))
     data_parallel_size: int = dataclasses.field(default=1, metadata=_option(
-        "engine replicas (`serve`), each on its own tensor-parallel-size devices; a request goes to the one with "
-        "the fewest running and waiting requests"))
+        "engine replicas (`serve`), each on its own tensor-parallel-size devices; a request goes to the one "
+        "--data-parallel-routing picks"))
+    data_parallel_routing: str = dataclasses.field(default=RoutingConfig.policy, metadata=_option(
+        "how a request's replica is picked: load (the fewest running and waiting requests) or cache_aware "
+        "(sglang-router's: the one sent the longest prefix of it, when that is at least --cache-threshold of the "
+        "prompt and the replica is not much busier than the least loaded; else by load)",
+        choices=ROUTING_POLICIES))
+    cache_threshold: float = dataclasses.field(default=RoutingConfig.cache_threshold, metadata=_option(
+        "cache_aware routing: the least fraction of the prompt a replica's prefix must match to be chosen for it"))
+    balance_abs_threshold: int = dataclasses.field(default=RoutingConfig.balance_abs_threshold, metadata=_option(
+        "cache_aware routing: the prefix's replica gives way to the least loaded when it has more than this many "
+        "requests in flight more than that one, and more than --balance-rel-threshold times as many"))
+    balance_rel_threshold: float = dataclasses.field(default=RoutingConfig.balance_rel_threshold, metadata=_option(
+        "cache_aware routing: see --balance-abs-threshold"))
     preemption_mode: str = dataclasses.field(default="recompute", metadata=_option(
         "what a preempted request's KV blocks become: recomputed later, or swapped to host memory",
         choices=PREEMPTION_MODES))

@@ -13,6 +13,7 @@ from jaxpage.config import (
     KV_CACHE_DTYPES,
     EngineConfig,
     ModelConfig,
+    RoutingConfig,
     SpeculativeConfig,
     check_quantization,
     kv_storage_dtype,
@@ -48,7 +49,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         speculative_config: dict | SpeculativeConfig | None = None,
                         kv_offloading_size: float = 0.0, kv_offloading_backend: str | None = None,
                         kv_offloading_dir: str | None = None,
-                        kv_offloading_disk_size: float = EngineArgs.kv_offloading_disk_size) -> EngineConfig:
+                        kv_offloading_disk_size: float = EngineArgs.kv_offloading_disk_size,
+                        routing: RoutingConfig | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap)."""
     dtype = resolve_dtype(dtype)
@@ -100,7 +102,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           max_long_partial_prefills=max_long_partial_prefills, async_scheduling=async_scheduling,
                           max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config,
                           num_offload_blocks=num_offload_blocks, kv_offloading_dir=kv_offloading_dir,
-                          kv_offloading_disk_bytes=int(kv_offloading_disk_size * (1 << 30)))
+                          kv_offloading_disk_bytes=int(kv_offloading_disk_size * (1 << 30)),
+                          routing=routing or RoutingConfig())
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
 
@@ -124,7 +127,9 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
         kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
-        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_disk_size=args.kv_offloading_disk_size)
+        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_disk_size=args.kv_offloading_disk_size,
+        routing=RoutingConfig(args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold,
+                              args.balance_rel_threshold))
 
 
 def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfig:

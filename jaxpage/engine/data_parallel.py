@@ -2,9 +2,11 @@
 ``tensor_parallel_size`` devices (``parallel.device_group``), behind one front end with AsyncEngine's interface
 (vLLM's data-parallel load balancing in one process).
 
-A request goes to the replica with the fewest requests running or waiting (as this front end counts them: from
-dispatch until its stream ends; ties to the lowest rank), and its abort to the replica that holds it. Stats add
-up over the replicas, each replica's own under ``"replicas"`` (the metrics label them by rank); the front end
+A request goes to the replica its ``Router`` picks (jaxpage/engine/routing.py: by load, the fewest requests
+running or waiting as this front end counts them, from dispatch until the stream ends, ties to the lowest rank;
+or cache-aware, by the prefix each replica was sent), and its abort to the replica that holds it. A text prompt
+is tokenized here first when the router needs its token ids. Stats add up over the replicas, each replica's own
+under ``"replicas"`` (the metrics label them by rank), the router's decisions under ``"routing"``; the front end
 runs while every replica does.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from jaxpage.distributed.parallel import device_group
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.async_engine import AsyncEngine
 from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.engine.routing import Router
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 
@@ -33,6 +36,8 @@ class DataParallelEngine:
         self.replicas = replicas
         self._owner: dict[str, int] = {}  # request id -> the rank of the replica that has it
         self.load = [0] * len(replicas)  # per replica: requests dispatched whose streams have not ended
+        config = replicas[0].engine.config
+        self.router = Router(config.routing, len(replicas), config.block_size, config.num_kv_blocks - 1)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "DataParallelEngine":
@@ -62,9 +67,11 @@ class DataParallelEngine:
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
+        if self.router.config.policy == "cache_aware" and isinstance(prompt, str) and prompt:
+            prompt = {"prompt": prompt, "prompt_token_ids": await self.replicas[0].tokenize(prompt)}
         if request_id in self._owner:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        rank = min(range(len(self.replicas)), key=lambda r: (self.load[r], r))
+        rank = self.router.choose(self.load, _token_ids(prompt), lora_request.lora_int_id if lora_request else 0)
         self._owner[request_id] = rank
         self.load[rank] += 1
         try:
@@ -108,11 +115,17 @@ class DataParallelEngine:
             self.replicas[rank].abort(request_id)
 
     def stats(self) -> dict:
-        return merge_stats([r.stats() for r in self.replicas])
+        return {**merge_stats([r.stats() for r in self.replicas]), "routing": self.router.stats()}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         for replica in self.replicas:
             replica.shutdown(timeout)
+
+
+def _token_ids(prompt) -> list[int]:
+    """The prompt's token ids for routing; none for a prompt the replica will refuse (it says why)."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    return list(ids) if isinstance(ids, (list, tuple)) and all(type(t) is int for t in ids) else []
 
 
 def merge_stats(replicas: list[dict]) -> dict:
