@@ -115,7 +115,8 @@ class FakeRunner:
             ids = s.seq.token_ids
             at = [i for i, t in enumerate(ids) if t == PLACEHOLDER_TOKEN_ID]
             if at:
-                assert previous is not None and at == [len(ids) - 1] and s.num_new_tokens == 1, (
+                one = s.num_new_tokens == 1 + len(s.spec_token_ids)  # its last token, then any drafts
+                assert previous is not None and at == [len(ids) - 1] and one, (
                     f"seq {s.seq.seq_id} has placeholders at {at} of {len(ids)} in a step without the one before")
                 ids[-1] = int(previous.out.tokens[prev_rows[id(s.seq)]])
                 filled.append(ids)

@@ -58,7 +58,7 @@ def test_speculative_config_flag_and_vllm_defaults():
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "[1]"])
     engine = make_engine(num_kv_blocks=20, speculative=2)
-    assert not engine.async_scheduling and engine.config.speculative_config.num_speculative_tokens == 2
+    assert engine.async_scheduling and engine.config.speculative_config.num_speculative_tokens == 2
     assert make_engine(num_kv_blocks=20).scheduler.proposer is None  # off by default
 
 
@@ -238,3 +238,53 @@ def test_metrics_carry_the_acceptance_counters():
                 f'{float(n)}') in text
     assert s["spec_decode_num_drafts"] > 0 and "spec_decode" not in generate_latest(
         Metrics(make_engine(num_kv_blocks=20).stats, lambda: "m").registry).decode()
+
+
+# --- async scheduling with speculation ------------------------------------------------------------------
+def test_async_scheduling_runs_plain_steps_ahead_and_drafts_one_step_late():
+    """With speculation, async scheduling stays on: a step without drafts is left in flight and the next one
+    scheduled meanwhile, its drafts proposed one step late (the proposal after the tokens before the one in
+    flight, its first token the guess of that one); a step with drafts is read before the next is built. Over
+    the fake runner (drafts right for a while, then wrong): both kinds of steps launched ahead happen, the
+    tokens, finish reasons and log-probabilities equal a synchronous run without speculation's, and every block
+    comes back."""
+    requests = [([1 + (i * 7 + j) % (VOCAB - 1) for j in range(5 + i)],
+                 SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=30 + i, ignore_eos=i != 3, seed=i))
+                for i in range(5)]
+    expected, _ = _run(0, requests)
+    engine = make_engine(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, speculative=3)
+    engine.tokenizer = engine.output_processor.tokenizer = LetterTokenizer()
+    assert engine.async_scheduling
+    drafts = engine.scheduler.proposer.propose  # no draft after every third length: plain steps happen too
+    engine.scheduler.proposer.propose = lambda seq, k: drafts(seq, k) if len(seq.token_ids) % 3 else []
+    ahead = []  # for each step launched while the one before ran: whether it carries drafts
+    launch = engine.runner.launch
+
+    def recording(scheduled, bitmask=None, previous=None):
+        if previous is not None:
+            ahead.append(any(s.spec_token_ids for s in scheduled))
+        return launch(scheduled, bitmask, previous)
+    engine.runner.launch = recording
+    for i, (prompt, p) in enumerate(requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
+    done = run_checked(engine)
+    check_all_free(engine)
+    got = {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+                 for c in out.outputs] for rid, out in done.items()}
+    assert got == expected
+    assert True in ahead and False in ahead, ahead
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_data_parallel_stats_sum_the_acceptance_per_position():
+    """The data-parallel front end's stats add each replica's accepted tokens position by position (and
+    concatenate the requests' latencies)."""
+    from jaxpage.engine.data_parallel import merge_stats
+
+    replicas = [_run(3, [([1, 2, 3, 4, 5][:n], SamplingParams(temperature=0.0, max_tokens=20 + n,
+                                                               ignore_eos=True))])[1].stats() for n in (3, 5)]
+    merged = merge_stats(replicas)
+    key = "spec_decode_num_accepted_tokens_per_pos"
+    assert merged[key] == [a + b for a, b in zip(replicas[0][key], replicas[1][key])] and len(merged[key]) == 3
+    assert merged["spec_decode_num_drafts"] == sum(r["spec_decode_num_drafts"] for r in replicas)
+    assert len(merged["requests"]) == 2

@@ -1,6 +1,7 @@
 """Scheduler: iteration-level (continuous) batching under a token budget, with chunked prefill and preemption."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -102,35 +103,51 @@ class Scheduler:
         if self.waiting and budget > 0 and not self.swapped:
             self._admit_waiting(scheduled, budget, limits)
         scheduled.extend(self._forks(scheduled))
+        plain = scheduled
         if self.proposer is not None:
-            self._add_drafts(scheduled)
+            scheduled = self._with_drafts(scheduled)
         if not scheduled and not self.running and (self.waiting or self.swapped):
             self._fail_head()
-        elif not self.waiting and not self.swapped and not self._failed and self.proposer is None:
-            self._decode = self._decode_rows(scheduled)  # with speculation every step proposes afresh
+        elif not self.waiting and not self.swapped and not self._failed:
+            self._decode = self._decode_rows(plain)  # its rows without drafts: the next step proposes afresh
         return SchedulerOutput(scheduled, self.kv.take_ops())
 
-    def _add_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+    def _with_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Speculative decoding: each decode row that may speculate (``_speculates``) gets the proposer's draft
         tokens, as many as what is left of the step's token budget, of its rows (a draft token's position is a
         sampled row: at most max_num_seqs rows a step) and of the free blocks allow; the row then computes its
-        last token and the drafts. No draft runs past the sequence's max_len, and none preempts anything."""
+        last token and the drafts (a copy of the row: ``scheduled`` stays as it was, for the decode fast path).
+        ``scheduled`` itself when no row got a draft. No draft runs past the sequence's max_len, and none
+        preempts anything."""
         spec = self.config.speculative_config
         budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         rows = self.config.max_num_seqs - len(scheduled)
         parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}  # forks sample their last token
-        for s in scheduled:
+        out = scheduled
+        for i, s in enumerate(scheduled):
             if min(budget, rows) <= 0:
-                return
+                break
             seq = s.seq
             k = min(spec.num_speculative_tokens, budget, rows, seq.max_len - seq.num_tokens - 1)
             if k <= 0 or not self._speculates(s) or id(seq) in parents:
                 continue
-            draft = self.proposer.propose(seq, k)[:k]
+            draft = self._draft(seq, k)
             if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
-                s.num_new_tokens, s.spec_token_ids = 1 + len(draft), tuple(draft)
+                out = list(scheduled) if out is scheduled else out
+                out[i] = dataclasses.replace(s, num_new_tokens=1 + len(draft), spec_token_ids=tuple(draft))
                 budget -= len(draft)
                 rows -= len(draft)
+        return out
+
+    def _draft(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k draft tokens after ``seq``. When its last token is still on the device (a placeholder: this
+        step is scheduled while the one before runs), one step late: the proposal after the tokens before it,
+        its first token taken as the guess of the one in flight and the rest as the drafts (verified against
+        the real token all the same: a wrong guess only costs acceptance)."""
+        if seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+            return self.proposer.propose(seq, k)[:k]
+        known = dataclasses.replace(seq, token_ids=seq.token_ids[:-1])
+        return self.proposer.propose(known, k + 1)[1:k + 1]
 
     @staticmethod
     def _speculates(s: ScheduledSeq) -> bool:
@@ -222,8 +239,9 @@ class Scheduler:
     def _decode_again(self, rows: list[ScheduledSeq]) -> SchedulerOutput | None:
         """The decode fast path: when nothing has changed since the last step but a token sampled for each row
         (no request queued, finished or preempted since), that step's rows are this step's too, as the full
-        scheduling pass would rebuild them, the blocks a row now needs allocated in the same order. None (and
-        nothing changed) when anything differs, or when a row cannot get its block without a preemption."""
+        scheduling pass would rebuild them, the blocks a row now needs allocated in the same order, then the
+        drafts proposed (speculative decoding). None (and nothing changed) when anything differs, or when a row
+        cannot get its block without a preemption."""
         if self.waiting or self.swapped or self._failed or self.kv.has_shared_blocks():
             return None  # admission, swap-in or copy-on-write: the full pass
         if len(rows) > self.config.max_num_batched_tokens:
@@ -240,20 +258,23 @@ class Scheduler:
             return None  # the full pass preempts
         for seq in grow:
             self.kv.reserve(seq, 1)
-        return SchedulerOutput(rows, self.kv.take_ops())
+        scheduled = self._with_drafts(rows) if self.proposer is not None else rows
+        return SchedulerOutput(scheduled, self.kv.take_ops())
 
     # --- async scheduling: the next step scheduled while this one runs ------------------------------------
     def runs_ahead(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step after ``scheduled`` (just launched) may be scheduled before its tokens are known: it
-        can be the decode fast path's (see _decode_rows; no beams), and no row needs its token on the host before
-        the next step is built (penalties upload the history; structured outputs advance their matcher)."""
+        can be the decode fast path's (see _decode_rows; no beams, no drafts: the step after a verification
+        starts where its accepted tokens end), and no row needs its token on the host before the next step is
+        built (penalties upload the history; structured outputs advance their matcher)."""
         return self._decode is scheduled and not any(
             s.group.params.has_penalties or s.group.params.structured_outputs is not None for s in scheduled)
 
     def schedule_ahead(self) -> SchedulerOutput | None:
         """The next step while the last one runs (its rows hold placeholders, see add_placeholders): the decode
-        fast path, or None (nothing changed) when anything else would be scheduled; the engine then waits for the
-        last step's tokens and schedules in full."""
+        fast path (with speculation, its drafts proposed one step late: see _draft), or None (nothing changed)
+        when anything else would be scheduled; the engine then waits for the last step's tokens and schedules
+        in full."""
         return self._decode_again(self._decode) if self._decode is not None else None
 
     def add_placeholders(self, rows: list[ScheduledSeq]) -> None:

@@ -35,3 +35,13 @@ class SchedulerOutput:
 def num_sampled_rows(scheduled: list[ScheduledSeq]) -> int:
     """The rows a step samples: one per scheduled row, then one per draft token (speculative decoding)."""
     return len(scheduled) + sum(len(s.spec_token_ids) for s in scheduled)
+
+
+def sampled_rows(scheduled: list[ScheduledSeq], rows: list[int]) -> list[int]:
+    """The sampled rows of the scheduled rows ``rows`` (in order), as a step of those rows alone lays them out:
+    the rows, then their draft positions' rows."""
+    at, drafts = len(scheduled), {}
+    for row, s in enumerate(scheduled):
+        drafts[row] = range(at, at + len(s.spec_token_ids))
+        at += len(s.spec_token_ids)
+    return list(rows) + [d for row in rows for d in drafts[row]]

@@ -85,10 +85,6 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                                              kv_offloading_disk_size, per_block, enable_prefix_caching)
     if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
-    if speculative_config is not None and async_scheduling:
-        log.info("speculative decoding (%s): async scheduling is off (a step's drafts are proposed from the "
-                 "tokens the step before sampled, read on the host)", speculative_config.method)
-        async_scheduling = False
     config = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,

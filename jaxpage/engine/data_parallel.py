@@ -24,6 +24,7 @@ from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 
 _RATIOS = ("kv_waste", "kv_waste_at_peak")  # not summed: recomputed, or the worst replica's
+_PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos",)  # lists of counts: summed position by position
 
 
 def make_async_engine(args: EngineArgs):
@@ -129,14 +130,17 @@ def _token_ids(prompt) -> list[int]:
 
 
 def merge_stats(replicas: list[dict]) -> dict:
-    """The replicas' stats together: counts summed, latencies concatenated, KV waste over all stored tokens (at
-    peak: the worst replica's); each replica's own under ``"replicas"``."""
+    """The replicas' stats together: counts summed (per draft position too), latencies concatenated, KV waste
+    over all stored tokens (at peak: the worst replica's); each replica's own under ``"replicas"``."""
     merged: dict = {}
     for key, value in replicas[0].items():
         if key in _RATIOS:
             continue
         values = [r[key] for r in replicas]
-        merged[key] = [x for v in values for x in v] if isinstance(value, list) else sum(values)
+        if key in _PER_POSITION:
+            merged[key] = [sum(counts) for counts in zip(*values, strict=True)]
+        else:
+            merged[key] = [x for v in values for x in v] if isinstance(value, list) else sum(values)
     allocated = merged["kv_slots_allocated"]
     merged["kv_waste"] = 1 - merged["kv_tokens_stored"] / allocated if allocated else 0.0
     merged["kv_waste_at_peak"] = max(r["kv_waste_at_peak"] for r in replicas)

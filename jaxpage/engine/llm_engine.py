@@ -14,6 +14,7 @@ from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.kv_offload import HostKVTier
 from jaxpage.core.scheduler import Scheduler
+from jaxpage.core.scheduler_output import sampled_rows
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import draft_engine_config, engine_config_from_args
 from jaxpage.engine.output_processor import OutputProcessor
@@ -257,7 +258,10 @@ class LLMEngine:
                 self.runner.apply(ahead.ops)
                 launched = self.runner.launch(ahead.scheduled, previous=self._in_flight.launched)
                 outputs += self._finish_in_flight()
-                self._hold(launched)
+                if self.scheduler.runs_ahead(ahead.scheduled):
+                    self._hold(launched)
+                else:  # it verifies drafts: the step after starts where its accepted tokens end
+                    outputs += self._finish(launched, self._live_rows(launched))
                 return outputs
             outputs += self._finish_in_flight()
         out = self.scheduler.schedule()
@@ -289,20 +293,28 @@ class LLMEngine:
 
     def _hold(self, launched) -> None:
         """Leaves a launched decode step in flight: its live rows' sequences get placeholders for their tokens."""
-        rows = [i for i, s in enumerate(launched.scheduled) if s.seq.finish_reason is None]
+        rows = self._live_rows(launched)
         self.scheduler.add_placeholders([launched.scheduled[i] for i in rows])
         self._in_flight = InFlight(launched, rows) if rows else None
 
+    @staticmethod
+    def _live_rows(launched) -> list[int]:
+        """The rows of a launched step whose sequence has not ended since its launch."""
+        return [i for i, s in enumerate(launched.scheduled) if s.seq.finish_reason is None]
+
     def _finish_in_flight(self) -> list[RequestOutput]:
-        """The step in flight's tokens read (a row whose sequence ended since its launch computed a token that
-        is dropped), taken by the scheduler as a synchronous step's."""
+        """The step in flight's tokens read and taken by the scheduler as a synchronous step's."""
         flight, self._in_flight = self._in_flight, None
-        sampled = self.runner.fetch(flight.launched)
-        rows = flight.rows
-        scheduled = [flight.launched.scheduled[i] for i in rows]
-        if len(rows) != len(flight.launched.scheduled):
-            sampled = sampled.rows(rows)
-        self.scheduler.remove_placeholders(scheduled)
+        self.scheduler.remove_placeholders([flight.launched.scheduled[i] for i in flight.rows])
+        return self._finish(flight.launched, flight.rows)
+
+    def _finish(self, launched, rows: list[int]) -> list[RequestOutput]:
+        """A launched step's tokens read, those of ``rows`` taken (a row whose sequence ended since its launch
+        computed tokens that are dropped)."""
+        sampled = self.runner.fetch(launched)
+        scheduled = [launched.scheduled[i] for i in rows]
+        if len(rows) != len(launched.scheduled):
+            sampled = sampled.rows(sampled_rows(launched.scheduled, rows))
         return self._update(scheduled, sampled, {})
 
     def _update(self, scheduled, sampled, failed: dict[str, Exception]) -> list[RequestOutput]:

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from jaxpage.attention.block_moves import BlockMoves, padded_ids
 from jaxpage.attention.kv_cache import allocate_kv_pool, host_kv_pool, packs_kv
-from jaxpage.config import EngineConfig
+from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq, num_sampled_rows
 from jaxpage.distributed.parallel import placement, put
@@ -57,16 +57,16 @@ class LaunchedStep:
     out: SamplerOutput
 
 
-def placeholder_rows(scheduled: list[ScheduledSeq], previous: list[ScheduledSeq], num_tokens: int) -> np.ndarray:
-    """For each token of a decode batch of ``scheduled`` (row i's token is token i), the row of its sequence in
-    the ``previous`` step, whose sampled token replaces a placeholder there (padded with 0, [num_tokens])."""
-    rows = np.zeros(num_tokens, np.int32)
-    if scheduled is previous:  # the decode fast path: the same rows
+def placeholder_rows(scheduled: list[ScheduledSeq], previous: list[ScheduledSeq], token_rows: np.ndarray) -> np.ndarray:
+    """For each token of a batch of ``scheduled`` (``token_rows``: each token's row, as TokenBatch.token_seq), the
+    row of its sequence in the ``previous`` step, whose sampled token replaces a placeholder there (padding
+    tokens: 0)."""
+    if scheduled is previous:  # the decode fast path: the same rows, row i's token is token i
+        rows = np.zeros(len(token_rows), np.int32)
         rows[:len(scheduled)] = np.arange(len(scheduled))
-    else:
-        where = {id(s.seq): row for row, s in enumerate(previous)}
-        rows[:len(scheduled)] = [where.get(id(s.seq), 0) for s in scheduled]
-    return rows
+        return rows
+    where = {id(s.seq): row for row, s in enumerate(previous)}
+    return np.asarray([where.get(id(s.seq), 0) for s in scheduled], np.int32)[np.asarray(token_rows)]
 
 
 class ModelRunner:
@@ -130,7 +130,8 @@ class ModelRunner:
                         self._lora_executables[num_tokens, num_loras] = self._compile(num_tokens, num_loras)
                     # several processes must make the same device calls: the leader's steps stay synchronous
                     if self.config.async_scheduling and self.supports_async_scheduling and jax.process_count() == 1:
-                        self._compile_substitute(num_tokens)
+                        for previous in self._previous_buckets(num_tokens):
+                            self._compile_substitute(num_tokens, previous)
                 bar.update()
             idle = np.zeros(self._move_size, np.int32)  # null block onto itself: compiles, changes nothing
             moves = self.block_moves
@@ -152,14 +153,24 @@ class ModelRunner:
         jax.block_until_ready(out)
         return compiled
 
-    def _compile_substitute(self, num_tokens: int) -> None:
-        """Compiles the placeholder substitution of one bucket (the previous step of the same bucket) ahead of
+    def _previous_buckets(self, num_tokens: int) -> list[int]:
+        """The buckets of the step before that a step of this bucket may take placeholders from: the same (the
+        decode fast path's rows again); with speculative decoding also any smaller decode step's (the same rows
+        and their drafts, proposed one step late)."""
+        if self.config.speculative_config is None:
+            return [num_tokens]
+        decode = pick_bucket(self.config.token_buckets(), self.config.max_num_seqs)
+        return [b for b in self.config.token_buckets() if b <= min(num_tokens, decode)]
+
+    def _compile_substitute(self, num_tokens: int, previous: int) -> None:
+        """Compiles the placeholder substitution of one bucket, the step before of bucket ``previous``, ahead of
         time, so that nothing (not even jax.clear_caches) makes serving compile it again."""
         ids, rows = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-        sampled = put(np.zeros(self.config.num_seqs_for(num_tokens), np.int32), replicated(self.config))
+        num_sampled = self.config.num_seqs_for(previous)
+        sampled = put(np.zeros(num_sampled, np.int32), replicated(self.config))
         compiled = self._substitute.lower(ids, sampled, rows).compile()
         jax.block_until_ready(compiled(ids, sampled, rows))
-        self._substitutes[num_tokens] = compiled
+        self._substitutes[num_tokens, num_sampled] = compiled
 
     def apply(self, ops: DeviceOps) -> None:
         """Carries out the queued block copies and swaps, in order, in padded fixed-size calls."""
@@ -197,8 +208,9 @@ class ModelRunner:
         if self.lora is not None:
             batch = self._with_lora_slots(scheduled, batch)
         if previous is not None:
-            rows = placeholder_rows(scheduled, previous.scheduled, batch.token_ids.shape[0])
-            substitute = self._substitutes.get(batch.token_ids.shape[0], self._substitute)
+            rows = placeholder_rows(scheduled, previous.scheduled, batch.token_seq)
+            key = (batch.token_ids.shape[0], previous.out.tokens.shape[0])
+            substitute = self._substitutes.get(key, self._substitute)
             batch = dataclasses.replace(batch, token_ids=substitute(batch.token_ids, previous.out.tokens, rows))
         out = self.run(batch, sampling)
         for leaf in jax.tree.leaves(out):
