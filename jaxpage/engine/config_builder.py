@@ -85,6 +85,10 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                                              kv_offloading_disk_size, per_block, enable_prefix_caching)
     if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
+    if speculative_config is not None and speculative_config.method == "draft_model" and async_scheduling:
+        log.info("speculative decoding (draft_model): async scheduling is off (the draft model computes each "
+                 "step's tokens from the host's view of them)")
+        async_scheduling = False
     config = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
