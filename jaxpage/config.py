@@ -65,7 +65,7 @@ class ModelConfig:
         return bool(self.layer_windows().min() > 0)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # vLLM's method names that jaxpage implements (jaxpage/spec_decode/)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")  # vLLM's method names jaxpage implements (spec_decode/)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     model: str | None = None  # draft_model: the draft's path
     draft_tensor_parallel_size: int = 1  # draft_model: only 1 (the draft runs on one device)
+    # suffix: vLLM's names and defaults (Arctic Inference's SuffixDecodingCache)
+    suffix_decoding_max_tree_depth: int = 24  # the longest match and draft the trees hold
+    suffix_decoding_max_cached_requests: int = 10000  # earlier requests' outputs in the global tree (0: none)
+    suffix_decoding_max_spec_factor: float = 1.0  # a draft is at most this times its match's length
+    suffix_decoding_min_token_prob: float = 0.1  # each draft token's estimated probability at least this
 
     @classmethod
     def from_dict(cls, options: dict) -> "SpeculativeConfig":
@@ -96,8 +101,7 @@ class SpeculativeConfig:
         require(not unknown, "speculative_config", unknown, f"has unknown keys; known: {', '.join(sorted(fields))}")
         method = options.get("method", "ngram")
         require(method in SPECULATIVE_METHODS, "speculative_config.method", method,
-                f"must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} (suffix and EAGLE heads are not "
-                "built yet)")
+                f"must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} (EAGLE heads are not built yet)")
         require("num_speculative_tokens" in options, "speculative_config.num_speculative_tokens", None,
                 "must be given")
         k = options["num_speculative_tokens"]
@@ -119,7 +123,22 @@ class SpeculativeConfig:
         else:
             require(model is None, "speculative_config.model", model,
                     f"is only for method 'draft_model', not {method!r}")
-        return cls(method, k, hi, lo, model, draft_tp)
+        return cls(method, k, hi, lo, model, draft_tp, **_suffix_options(options))
+
+
+def _suffix_options(options: dict) -> dict:
+    """The suffix_decoding_* fields given, each checked (a ValueError naming it)."""
+    out = {k: v for k, v in options.items() if k.startswith("suffix_decoding_")}
+    for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+        value = out.get(name, 1)
+        require(type(value) is int and value >= (name.endswith("depth")), f"speculative_config.{name}", value,
+                f"must be an integer >= {int(name.endswith('depth'))}")
+    factor, prob = out.get("suffix_decoding_max_spec_factor", 1.0), out.get("suffix_decoding_min_token_prob", 0.1)
+    require(isinstance(factor, (int, float)) and factor > 0, "speculative_config.suffix_decoding_max_spec_factor",
+            factor, "must be a number > 0")
+    require(isinstance(prob, (int, float)) and 0 <= prob <= 1, "speculative_config.suffix_decoding_min_token_prob",
+            prob, "must be a number in [0, 1]")
+    return out
 
 
 ROUTING_POLICIES = ("load", "cache_aware")  # the data-parallel front end's (jaxpage/engine/routing.py)

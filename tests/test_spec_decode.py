@@ -33,6 +33,7 @@ from tests.simulated_kv import (
 )
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 
 
 # --- the config -----------------------------------------------------------------------------------
@@ -43,6 +44,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max"),
     ({"num_speculative_tokens": 2, "draft": 1}, "speculative_config"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 0},
+     "suffix_decoding_max_tree_depth"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},
+     "suffix_decoding_min_token_prob"),
 ])
 def test_bad_speculative_config_is_refused_naming_the_field(options, field):
     with pytest.raises(ValueError, match=field):
@@ -111,8 +116,8 @@ def test_rejection_sampling_gives_the_target_distribution():
 # --- a tiny random Llama, with and without speculation ------------------------------------------------
 @pytest.fixture(scope="module")
 def llms(tmp_path_factory):
-    """Two engines over the same tiny random Llama: without speculation (async scheduling, the default) and
-    with n-gram speculation of 3 tokens."""
+    """Three engines over the same tiny random Llama: without speculation, with n-gram speculation of 3 tokens
+    and with suffix decoding of up to 3 (async scheduling, the default, in each)."""
     from jaxpage import LLM
     from tests.reference import save_random_model
 
@@ -120,8 +125,9 @@ def llms(tmp_path_factory):
     save_random_model(tiny_llama(), path, seed=random.randrange(2**31))
     cache = str(tmp_path_factory.mktemp("cache"))
     options = engine_options(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=40)
-    return LLM(str(path), cache_dir=cache, **options), LLM(str(path), cache_dir=cache, speculative_config=NGRAM,
-                                                            **options)
+    return (LLM(str(path), cache_dir=cache, **options),
+            LLM(str(path), cache_dir=cache, speculative_config=NGRAM, **options),
+            LLM(str(path), cache_dir=cache, speculative_config=SUFFIX, **options))
 
 
 def _prompts() -> list[dict]:
@@ -134,8 +140,9 @@ def _prompts() -> list[dict]:
     return out
 
 
-def test_greedy_and_seeded_tokens_equal_those_without_speculation(llms):
-    plain, spec = llms
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_and_seeded_tokens_equal_those_without_speculation(llms, method):
+    plain, spec = llms[0], llms[1 if method == "ngram" else 2]
     before = spec.stats()
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     seeded = [SamplingParams(temperature=0.8, top_k=3, seed=i, max_tokens=16, ignore_eos=True, logprobs=1)
@@ -151,6 +158,22 @@ def test_greedy_and_seeded_tokens_equal_those_without_speculation(llms):
     assert 0 < accepted < drafted, (accepted, drafted)  # some drafts accepted, some rejected
     assert sum(after["spec_decode_num_accepted_tokens_per_pos"]) == after["spec_decode_num_accepted_tokens"]
     assert after["num_free_blocks"] == after["num_blocks"]
+
+
+def test_suffix_decoding_drafts_from_an_earlier_requests_output(llms):
+    """Suffix decoding's global tree: a prompt without repeats asked again drafts the first answer's tokens from
+    the tree of earlier outputs, so the second run accepts more drafts than the first, its tokens the same
+    (greedy) as without speculation."""
+    plain, _, suffix = llms
+    prompt = {"prompt_token_ids": [int(t) for t in np.random.default_rng(11).permutation(256)[:20]]}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = plain.generate([prompt], params)[0].outputs[0].token_ids
+    accepted = []
+    for _ in range(2):
+        before = suffix.stats()["spec_decode_num_accepted_tokens"]
+        assert suffix.generate([prompt], params)[0].outputs[0].token_ids == expected
+        accepted.append(suffix.stats()["spec_decode_num_accepted_tokens"] - before)
+    assert accepted[1] > accepted[0] and accepted[1] >= 8, accepted
 
 
 # --- the fake runner: stop rules inside accepted runs, rollbacks, accounting ------------------------------

@@ -146,8 +146,11 @@ class Scheduler:
         the real token all the same: a wrong guess only costs acceptance)."""
         if seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
             return self.proposer.propose(seq, k)[:k]
-        known = dataclasses.replace(seq, token_ids=seq.token_ids[:-1])
-        return self.proposer.propose(known, k + 1)[1:k + 1]
+        placeholder = seq.token_ids.pop()  # the proposer sees the sequence as the host knows it
+        try:
+            return self.proposer.propose(seq, k + 1)[1:k + 1]
+        finally:
+            seq.token_ids.append(placeholder)
 
     @staticmethod
     def _speculates(s: ScheduledSeq) -> bool:

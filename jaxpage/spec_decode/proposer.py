@@ -25,4 +25,8 @@ def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
         from jaxpage.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer()
+    if config.method == "suffix":
+        from jaxpage.spec_decode.suffix_proposer import SuffixProposer
+
+        return SuffixProposer(config)
     raise ValueError(f"speculative_config.method={config.method!r} has no proposer")
