@@ -203,7 +203,8 @@ class ModelRunner:
                previous: LaunchedStep | None = None) -> LaunchedStep:
         """Builds the batch and starts the step without waiting for it (async scheduling); the sampled tokens
         start their way to the host. previous: the step before, still running, whose sampled tokens take the
-        place of this batch's placeholder token ids on the device (a decode batch: token i is row i's)."""
+        place of this batch's placeholder token ids on the device (each row's first token: its last token, then
+        any drafts)."""
         batch, sampling = build_batch(self.config, scheduled, self.eos_token_ids, self.input_batch, bitmask)
         if self.lora is not None:
             batch = self._with_lora_slots(scheduled, batch)
