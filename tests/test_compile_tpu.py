@@ -83,9 +83,11 @@ def least_pool_bytes(config) -> int:
 def check_step(chip, model, num_tokens, config):
     r = ct.compile_step(chip, model, num_tokens, config)
     assert r.ok, f"{chip} {model} T{num_tokens}: {r.error}"
-    # the pool is donated and aliased, never copied: temporaries far below its size (it was 6x, once)
+    # the pool is donated and aliased, never copied: temporaries below half its size (a copy is all of it; it was
+    # 6x, once). Not less: the packed head_dim-64 pool is half the bytes, and a T512 step's own activations on
+    # newer libtpu (v5p, 151 MB) pass an eighth of SmolLM2's packed pool
     assert r.memory["alias"] >= least_pool_bytes(config), r.memory
-    assert r.memory["temp"] < pool_bytes(config) / 8, r.memory
+    assert r.memory["temp"] < pool_bytes(config) / 2, r.memory
     return r
 
 

@@ -128,10 +128,11 @@ class ModelRunner:
                 for num_loras in lora_buckets(self.config.model.max_loras):
                     if (num_tokens, num_loras) not in self._lora_executables:
                         self._lora_executables[num_tokens, num_loras] = self._compile(num_tokens, num_loras)
-                    # several processes must make the same device calls: the leader's steps stay synchronous
-                    if self.config.async_scheduling and self.supports_async_scheduling and jax.process_count() == 1:
-                        for previous in self._previous_buckets(num_tokens):
-                            self._compile_substitute(num_tokens, previous)
+                # several processes must make the same device calls: the leader's steps stay synchronous
+                if self.config.async_scheduling and self.supports_async_scheduling and jax.process_count() == 1:
+                    previous = self._previous_buckets(num_tokens)
+                    for num_sampled in sorted({self.config.num_seqs_for(b) for b in previous}):
+                        self._compile_substitute(num_tokens, num_sampled)
                 bar.update()
             idle = np.zeros(self._move_size, np.int32)  # null block onto itself: compiles, changes nothing
             moves = self.block_moves
@@ -154,19 +155,18 @@ class ModelRunner:
         return compiled
 
     def _previous_buckets(self, num_tokens: int) -> list[int]:
-        """The buckets of the step before that a step of this bucket may take placeholders from: the same (the
-        decode fast path's rows again); with speculative decoding also any smaller decode step's (the same rows
-        and their drafts, proposed one step late)."""
+        """The buckets of the step before that a step of this bucket may take placeholders from: any, without
+        speculative decoding (a decode step after a step of prompt chunks of the same rows is smaller); with it,
+        any smaller decode step's (the same rows and their drafts, proposed one step late)."""
         if self.config.speculative_config is None:
-            return [num_tokens]
+            return self.config.token_buckets()
         decode = pick_bucket(self.config.token_buckets(), self.config.max_num_seqs)
         return [b for b in self.config.token_buckets() if b <= min(num_tokens, decode)]
 
-    def _compile_substitute(self, num_tokens: int, previous: int) -> None:
-        """Compiles the placeholder substitution of one bucket, the step before of bucket ``previous``, ahead of
-        time, so that nothing (not even jax.clear_caches) makes serving compile it again."""
+    def _compile_substitute(self, num_tokens: int, num_sampled: int) -> None:
+        """Compiles the placeholder substitution of one bucket, the step before sampling ``num_sampled`` rows,
+        ahead of time, so that nothing (not even jax.clear_caches) makes serving compile it again."""
         ids, rows = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-        num_sampled = self.config.num_seqs_for(previous)
         sampled = put(np.zeros(num_sampled, np.int32), replicated(self.config))
         compiled = self._substitute.lower(ids, sampled, rows).compile()
         jax.block_until_ready(compiled(ids, sampled, rows))
