@@ -20,14 +20,12 @@ import dataclasses
 import glob
 import json
 import re
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 
-from benchmarks.step_parts import greedy_padding
+from benchmarks.step_parts import greedy_padding, median_ms
 from jaxpage import LLM
 from jaxpage.models import top_weights
 
@@ -39,16 +37,6 @@ KINDS = (("jaxpage_onednn_matmul", "oneDNN matmul (FFI)"), ("jaxpage_write_kv", 
          ("jaxpage_gather_rows", "page gather (FFI)"), ("ynn", "XLA dot (YNNPACK)"), (" dot(", "XLA dot (Eigen)"),
          (" while(", "attention: the while loop over page chunks (all of its body)"),
          ("scatter(", "XLA scatter"), ("gather(", "XLA gather"), ("sort(", "sort"))
-
-
-def median_ms(fn, repeats: int = 7) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def thunk_ms(fn, calls: int) -> dict[str, float]:

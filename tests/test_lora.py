@@ -73,6 +73,15 @@ def _greedy(llm, prompts, loras):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _assert_each_matches_its_model(llm, base, adapters, prompts, loras):
+    """Each prompt's greedy tokens and logits equal its own reference: the base model or its adapter's PEFT model."""
+    ours = _greedy(llm, prompts, loras)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        model = base if lora is None else adapters[lora.lora_int_id][1]
+        ref, ref_logits = hf_greedy(model, prompt, NEW_TOKENS)
+        assert_greedy_matches(ours[i], ref, ref_logits, f"seed {SEED}, prompt {i}, adapter {lora}")
+
+
 def _assert_all_blocks_free(llm):
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"], f"blocks leaked: {stats['num_free_blocks']} free"
@@ -101,11 +110,7 @@ def test_the_base_model_and_several_adapters_in_one_batch(setup):
     rng = random.Random(SEED + 10)
     loras = [adapters[1][0], None, adapters[2][0], adapters[1][0], None, adapters[2][0]]
     prompts = [_prompt(rng, rng.randrange(3, 20)) for _ in loras]
-    ours = _greedy(llm, prompts, loras)
-    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
-        model = base if lora is None else adapters[lora.lora_int_id][1]
-        ref, ref_logits = hf_greedy(model, prompt, NEW_TOKENS)
-        assert_greedy_matches(ours[i], ref, ref_logits, f"seed {SEED}, prompt {i}, adapter {lora}")
+    _assert_each_matches_its_model(llm, base, adapters, prompts, loras)
     _assert_all_blocks_free(llm)
 
 
@@ -134,11 +139,7 @@ def test_steps_take_only_their_own_adapters_slots(setup, monkeypatch):
     for loras in ([None, None, None], [None, adapters[1][0], None, adapters[1][0]]):
         steps.clear()
         prompts = [_prompt(rng, rng.randrange(3, 20)) for _ in loras]
-        ours = _greedy(llm, prompts, loras)
-        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
-            model = base if lora is None else adapters[lora.lora_int_id][1]
-            ref, ref_logits = hf_greedy(model, prompt, NEW_TOKENS)
-            assert_greedy_matches(ours[i], ref, ref_logits, f"seed {SEED}, prompt {i}, adapter {lora}")
+        _assert_each_matches_its_model(llm, base, adapters, prompts, loras)
         if all(lora is None for lora in loras):
             assert steps and all(step is None for step in steps), steps
         else:
