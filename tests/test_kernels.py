@@ -501,14 +501,17 @@ def test_ragged_reference_is_the_engines_attention(kv):
     np.testing.assert_allclose(np.asarray(ref_out), np.asarray(engine_out), rtol=1e-5, atol=1e-5, err_msg=msg)
 
 
-@pytest.mark.parametrize("pairs_per_chunk", [None, 7])
-def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, monkeypatch):
-    """Decodes of very different lengths plus prompt chunks: the (token, page) pairs span many loop chunks,
-    and (7 pairs per chunk) a token's pages are split across chunk boundaries; equal to the reference."""
+@pytest.mark.parametrize("pairs_per_chunk,query_tile", [(None, None), (7, None), (7, 3), (None, 1)])
+def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, query_tile, monkeypatch):
+    """Decodes of very different lengths plus prompt chunks: the (tile, page) pairs span many loop chunks,
+    (7 pairs per chunk) a tile's pages are split across chunk boundaries, (tiles of 3) tiles hold several
+    sequences' tokens and padding rows, (1) every token is its own tile; equal to the reference."""
     import jaxpage.attention.backends as attention
 
     if pairs_per_chunk:
         monkeypatch.setattr(attention, "PAIRS_PER_CHUNK", pairs_per_chunk)
+    if query_tile:
+        monkeypatch.setattr(attention, "QUERY_TILE", query_tile)
     rng, msg = fresh_rng()
     bs, width, kv_heads, ratio, head_dim = 16, 40, 2, 3, 64
     decodes = [(int(n), 1) for n in np.minimum(rng.lognormal(4.5, 1.0, 12).astype(int), width * bs - 1)]

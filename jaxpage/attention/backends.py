@@ -80,20 +80,37 @@ def _write_kv_for_platform(pool, layer, k, v, slot_mapping):
 
 
 _MASKED = -1e30
-PAIRS_PER_CHUNK = 64  # (token, page) pairs read per loop iteration: 1.5 MiB of float32 K/V for SmolLM2
+PAIRS_PER_CHUNK = 64  # most (tile, page) pairs read per loop iteration: 1.5 MiB of float32 K/V for SmolLM2
+QUERY_TILE = 16  # query tokens of one sequence that share each page read, in steps with prompt chunks
+
+
+def query_tile(num_tokens: int, num_seqs: int) -> int:
+    """Tokens per query tile for a step of ``num_tokens`` slots and ``num_seqs`` block-table rows: QUERY_TILE in
+    the buckets with more slots than rows (they carry prompt chunks), one where a step of decodes alone fits (a
+    tile's other rows would be other sequences', computed for nothing)."""
+    return QUERY_TILE if num_tokens > num_seqs else 1
+
+
+def pairs_per_chunk(num_tokens: int) -> int:
+    """Pairs a loop iteration reads: fewer for few tokens (one stream's dozen pages would otherwise fill a
+    chunk of 64 with padding that is gathered and computed all the same)."""
+    return min(PAIRS_PER_CHUNK, 16 * num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
 class PagePairs:
-    """The ragged list of (token, page) pairs the XLA attention walks, token t owning its pages from the one
-    holding its window's first key to ``positions[t] // block_size``, in token order; padded to a static
-    ``T * W + PAIRS_PER_CHUNK`` entries.
+    """The ragged list of (tile, page) pairs the XLA attention walks. The step's tokens are cut into query tiles
+    of ``query_tile(T, S)`` slots (tile i holds tokens i*Q .. i*Q+Q-1); the tokens of one sequence inside one tile
+    (a sub-tile) own the pages from the one holding their window's first key to their last position's, and
+    every such page is one pair, read once for all of them. Pairs in token order, padded to a static
+    ``T * W + pairs_per_chunk(T)`` entries.
 
-    token: the query token of each pair; page: its index in the token's block-table row; block: the physical
-    block (0 past the end); valid: inside the real list; num_chunks: chunks of PAIRS_PER_CHUNK to walk.
+    tile: the pair's query tile; seq: its sub-tile's row of the block tables; page: the page's index in that
+    row; block: the physical block (0 past the end); valid: inside the real list; num_chunks: loop iterations.
     """
 
-    token: jax.Array
+    tile: jax.Array
+    seq: jax.Array
     page: jax.Array
     block: jax.Array
     valid: jax.Array
@@ -104,21 +121,37 @@ jax.tree_util.register_dataclass(
     PagePairs, data_fields=[f.name for f in dataclasses.fields(PagePairs)], meta_fields=[])
 
 
+def _sub_tiles(token_seq, positions, tile_size: int, first_page, last_page):
+    """(first token, first page, last page, exists) of each of the step's (at most T) sub-tiles."""
+    index = jnp.arange(positions.shape[0])
+    if tile_size == 1:  # every token its own sub-tile
+        return index, first_page, last_page, jnp.ones_like(index, bool)
+    sub = jnp.cumsum((index % tile_size == 0) | (token_seq != jnp.roll(token_seq, 1))) - 1
+    segment = dict(segment_ids=sub, num_segments=positions.shape[0], indices_are_sorted=True)
+    return (jax.ops.segment_min(index, **segment), jax.ops.segment_min(first_page, **segment),
+            jax.ops.segment_max(last_page, **segment), index <= sub[-1])
+
+
 def page_pairs(token_seq: jax.Array, positions: jax.Array, block_tables: jax.Array, block_size: int,
                window=0) -> PagePairs:
     """The step's attention plan for the XLA path: the same for every layer of one window, so the model makes
     it once per window (``page_pairs_by_window`` for several, ``select_pairs`` to pick a layer's)."""
     token_seq, positions, block_tables = (jnp.asarray(a) for a in (token_seq, positions, block_tables))
     num_tokens, width = positions.shape[0], block_tables.shape[1]
-    first_page = window_start(positions, window) // block_size
-    num_pages = positions // block_size + 1 - first_page
+    tile_size, chunk = query_tile(num_tokens, jnp.shape(block_tables)[0]), pairs_per_chunk(num_tokens)
+    first_token, first_page, last_page, exists = _sub_tiles(token_seq, positions, tile_size,
+                                                            window_start(positions, window) // block_size,
+                                                            positions // block_size)
+    num_pages = jnp.where(exists, last_page + 1 - first_page, 0)
     ends = jnp.cumsum(num_pages)
-    pair = jnp.arange(num_tokens * width + PAIRS_PER_CHUNK)  # static bound on the pairs, plus a chunk of slack
-    token = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_tokens - 1).astype(jnp.int32)
-    page = jnp.clip(pair - (ends - num_pages)[token] + first_page[token], 0, width - 1)
+    pair = jnp.arange(num_tokens * width + chunk)  # static bound on the pairs, plus a chunk of slack
+    owner = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_tokens - 1).astype(jnp.int32)
     valid = pair < ends[-1]
-    block = jnp.where(valid, block_tables[token_seq[token], page], 0)
-    return PagePairs(token, page, block, valid, (ends[-1] + PAIRS_PER_CHUNK - 1) // PAIRS_PER_CHUNK)
+    token = jnp.where(valid, first_token[owner], num_tokens - 1)
+    seq = token_seq[token]
+    page = jnp.clip(pair - (ends - num_pages)[owner] + first_page[owner], 0, width - 1)
+    block = jnp.where(valid, block_tables[seq, page], 0)
+    return PagePairs(token // tile_size, seq, page, block, valid, (ends[-1] + chunk - 1) // chunk)
 
 
 def page_pairs_by_window(token_seq, positions, block_tables, block_size: int, windows) -> PagePairs:
@@ -155,16 +188,18 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     positions ``<= positions[t]`` and, with ``window`` W > 0 (an int32 scalar, traced or not), ``> positions[t] - W``;
     logits are soft-capped when ``soft_cap`` is set. ``pairs`` must be a plan for the same window. Returns ``[T, num_heads, head_dim]`` in q's dtype.
 
-    The work is the ragged list of (token, page) pairs (``page_pairs``; pass it to share it between layers),
-    walked in chunks up to its real length (a dynamic trip count): the cost is the sum of the tokens' contexts,
-    not the number of tokens times the longest context, which on a heavy-tailed batch is several times less.
-    Each chunk gathers its pages as rows of the flat pool, computes per-pair softmax partials and merges them
-    into the tokens' running (max, sum, output) with segment reductions (pairs of one token are contiguous).
+    The work is the ragged list of (query tile, page) pairs (``page_pairs``; pass it to share it between layers),
+    walked in chunks up to its real length (a dynamic trip count): the cost is the sum of the tiles' contexts,
+    not the number of tokens times the longest context, and a prompt chunk reads each page once per tile of
+    tokens, not once per token. Each chunk gathers its pages as rows of the flat pool, computes per-pair softmax
+    partials for the tile's rows and merges them into the tiles' running (max, sum, output) with segment
+    reductions (pairs of one tile are contiguous).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_blocks, _, kv_heads, block_size, _ = pool.shape
     group = num_heads // kv_heads
-    chunk = PAIRS_PER_CHUNK
+    tile_size, chunk = query_tile(num_tokens, jnp.shape(block_tables)[0]), pairs_per_chunk(num_tokens)
+    num_tiles = -(-num_tokens // tile_size)
     positions = jnp.asarray(positions)
     if pairs is None:
         pairs = page_pairs(token_seq, positions, block_tables, block_size, window)
@@ -172,33 +207,39 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     values, scales = pool_parts(pool)
     pages = values.reshape(num_layers * num_blocks, 2, kv_heads, block_size, head_dim)
     page_scales = None if scales is None else scales.reshape(num_layers * num_blocks, 2, kv_heads, block_size)
-    q_g = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * scale
+    pad = num_tiles * tile_size - num_tokens  # padding rows: no sequence, so no key is visible to them
+    q_t = jnp.pad(q.astype(jnp.float32) * scale, ((0, pad), (0, 0), (0, 0)))
+    q_t = q_t.reshape(num_tiles, tile_size, kv_heads, group, head_dim)
+    seq_t = jnp.pad(jnp.asarray(token_seq), (0, pad), constant_values=-1).reshape(num_tiles, tile_size)
+    pos_t = jnp.pad(positions, (0, pad)).reshape(num_tiles, tile_size)
 
     def body(c, carry):
         m, l, acc = carry
-        rows, tok, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
-                                  for a in (pair_row, pairs.token, pairs.page, pairs.valid))
+        rows, tile, seq, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
+                                        for a in (pair_row, pairs.tile, pairs.seq, pairs.page, pairs.valid))
         kv = dequantize(take_pages(pages, rows),  # [C, 2, kvh, bs, hd]
                         None if scales is None else jnp.take(page_scales, rows, axis=0, mode="clip"), jnp.float32)
-        scores = soft_cap_logits(jnp.einsum("ckgd,ckbd->ckgb", q_g[tok], kv[:, 0]), soft_cap)
-        key_pos = page[:, None] * block_size + jnp.arange(block_size)
-        pos = positions[tok][:, None]
-        visible = ((key_pos <= pos) & (key_pos >= window_start(pos, window)) & valid[:, None])[:, None, None, :]
+        scores = soft_cap_logits(jnp.einsum("cqkgd,ckbd->cqkgb", q_t[tile], kv[:, 0]), soft_cap)
+        key_pos = (page[:, None] * block_size + jnp.arange(block_size))[:, None, :]  # [C, 1, bs]
+        pos = pos_t[tile][..., None]  # [C, Q, 1]
+        mine = (seq_t[tile] == seq[:, None]) & valid[:, None]
+        visible = (key_pos <= pos) & (key_pos >= window_start(pos, window)) & mine[..., None]
+        visible = visible[:, :, None, None, :]
         scores = jnp.where(visible, scores, _MASKED)
         m_pair = scores.max(axis=-1)
         p = jnp.where(visible, jnp.exp(scores - m_pair[..., None]), 0.0)
-        segment = dict(segment_ids=tok, num_segments=num_tokens, indices_are_sorted=True)
+        segment = dict(segment_ids=tile, num_segments=num_tiles, indices_are_sorted=True)
         m_new = jnp.maximum(m, jax.ops.segment_max(m_pair, **segment))
-        weight = jnp.exp(m_pair - m_new[tok])
+        weight = jnp.exp(m_pair - m_new[tile])
         correction = jnp.exp(m - m_new)
         l = l * correction + jax.ops.segment_sum(p.sum(axis=-1) * weight, **segment)
-        pv = jnp.einsum("ckgb,ckbd->ckgd", p, kv[:, 1]) * weight[..., None]
+        pv = jnp.einsum("cqkgb,ckbd->cqkgd", p, kv[:, 1]) * weight[..., None]
         acc = acc * correction[..., None] + jax.ops.segment_sum(pv, **segment)
         return m_new, l, acc
 
-    init = (jnp.full((num_tokens, kv_heads, group), _MASKED, jnp.float32),
-            jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
-            jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32))
+    stats = (num_tiles, tile_size, kv_heads, group)
+    init = (jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (head_dim,), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, pairs.num_chunks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    out = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(num_tiles * tile_size, num_heads, head_dim)
+    return out[:num_tokens].astype(q.dtype)
