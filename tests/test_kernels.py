@@ -501,11 +501,13 @@ def test_ragged_reference_is_the_engines_attention(kv):
     np.testing.assert_allclose(np.asarray(ref_out), np.asarray(engine_out), rtol=1e-5, atol=1e-5, err_msg=msg)
 
 
-@pytest.mark.parametrize("pairs_per_chunk,query_tile", [(None, None), (7, None), (7, 3), (None, 1)])
-def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, query_tile, monkeypatch):
+@pytest.mark.parametrize("pairs_per_chunk,query_tile,shuffled",
+                         [(None, None, False), (7, None, False), (7, 3, False), (None, 1, False), (None, None, True)])
+def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, query_tile, shuffled, monkeypatch):
     """Decodes of very different lengths plus prompt chunks: the (tile, page) pairs span many loop chunks,
     (7 pairs per chunk) a tile's pages are split across chunk boundaries, (tiles of 3) tiles hold several
-    sequences' tokens and padding rows, (1) every token is its own tile; equal to the reference."""
+    sequences' tokens and padding rows, (1) every token is its own tile, (shuffled) one tile holds tokens of
+    one sequence apart from each other (as the engine's padding tokens read row 0); equal to the reference."""
     import jaxpage.attention.backends as attention
 
     if pairs_per_chunk:
@@ -520,6 +522,9 @@ def test_engine_attention_on_a_heavy_tailed_batch(pairs_per_chunk, query_tile, m
     tables, _, num_blocks = assign_pages(rng, [c + n for c, n in seqs], bs, width)
     token_seq = np.concatenate([np.full(n, row) for row, (_, n) in enumerate(seqs)]).astype(np.int32)
     positions = np.concatenate([np.arange(c, c + n) for c, n in seqs]).astype(np.int32)
+    if shuffled:
+        order = rng.permutation(len(token_seq))
+        token_seq, positions = token_seq[order], positions[order]
     pool = rng.standard_normal((NUM_LAYERS, num_blocks, 2, kv_heads, bs, head_dim)).astype(np.float32)
     q = rng.standard_normal((len(token_seq), kv_heads * ratio, head_dim)).astype(np.float32)
     k, v = (rng.standard_normal((len(token_seq), kv_heads, head_dim)).astype(np.float32) for _ in range(2))

@@ -105,16 +105,19 @@ class PagePairs:
     every such page is one pair, read once for all of them. Pairs in token order, padded to a static
     ``T * W + pairs_per_chunk(T)`` entries.
 
-    tile: the pair's query tile; seq: its sub-tile's row of the block tables; page: the page's index in that
-    row; block: the physical block (0 past the end); valid: inside the real list; num_chunks: loop iterations.
+    tile: the pair's query tile; sub: its sub-tile; page: the page's index in the sub-tile's block-table row;
+    block: the physical block (0 past the end); valid: inside the real list; num_chunks: loop iterations;
+    token_sub: each token's sub-tile (a tile can hold two sub-tiles of one sequence, e.g. its tokens and the
+    padding that reads row 0, so a pair's rows are its sub-tile's, not its sequence's).
     """
 
     tile: jax.Array
-    seq: jax.Array
+    sub: jax.Array
     page: jax.Array
     block: jax.Array
     valid: jax.Array
     num_chunks: jax.Array
+    token_sub: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -122,13 +125,14 @@ jax.tree_util.register_dataclass(
 
 
 def _sub_tiles(token_seq, positions, tile_size: int, first_page, last_page):
-    """(first token, first page, last page, exists) of each of the step's (at most T) sub-tiles."""
+    """(each token's sub-tile; and the first token, first page, last page and existence of each of the step's
+    at most T sub-tiles)."""
     index = jnp.arange(positions.shape[0])
     if tile_size == 1:  # every token its own sub-tile
-        return index, first_page, last_page, jnp.ones_like(index, bool)
+        return index, index, first_page, last_page, jnp.ones_like(index, bool)
     sub = jnp.cumsum((index % tile_size == 0) | (token_seq != jnp.roll(token_seq, 1))) - 1
     segment = dict(segment_ids=sub, num_segments=positions.shape[0], indices_are_sorted=True)
-    return (jax.ops.segment_min(index, **segment), jax.ops.segment_min(first_page, **segment),
+    return (sub, jax.ops.segment_min(index, **segment), jax.ops.segment_min(first_page, **segment),
             jax.ops.segment_max(last_page, **segment), index <= sub[-1])
 
 
@@ -139,9 +143,8 @@ def page_pairs(token_seq: jax.Array, positions: jax.Array, block_tables: jax.Arr
     token_seq, positions, block_tables = (jnp.asarray(a) for a in (token_seq, positions, block_tables))
     num_tokens, width = positions.shape[0], block_tables.shape[1]
     tile_size, chunk = query_tile(num_tokens, jnp.shape(block_tables)[0]), pairs_per_chunk(num_tokens)
-    first_token, first_page, last_page, exists = _sub_tiles(token_seq, positions, tile_size,
-                                                            window_start(positions, window) // block_size,
-                                                            positions // block_size)
+    token_sub, first_token, first_page, last_page, exists = _sub_tiles(
+        token_seq, positions, tile_size, window_start(positions, window) // block_size, positions // block_size)
     num_pages = jnp.where(exists, last_page + 1 - first_page, 0)
     ends = jnp.cumsum(num_pages)
     pair = jnp.arange(num_tokens * width + chunk)  # static bound on the pairs, plus a chunk of slack
@@ -151,7 +154,7 @@ def page_pairs(token_seq: jax.Array, positions: jax.Array, block_tables: jax.Arr
     seq = token_seq[token]
     page = jnp.clip(pair - (ends - num_pages)[owner] + first_page[owner], 0, width - 1)
     block = jnp.where(valid, block_tables[seq, page], 0)
-    return PagePairs(token // tile_size, seq, page, block, valid, (ends[-1] + chunk - 1) // chunk)
+    return PagePairs(token // tile_size, owner, page, block, valid, (ends[-1] + chunk - 1) // chunk, token_sub)
 
 
 def page_pairs_by_window(token_seq, positions, block_tables, block_size: int, windows) -> PagePairs:
@@ -210,19 +213,19 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_s
     pad = num_tiles * tile_size - num_tokens  # padding rows: no sequence, so no key is visible to them
     q_t = jnp.pad(q.astype(jnp.float32) * scale, ((0, pad), (0, 0), (0, 0)))
     q_t = q_t.reshape(num_tiles, tile_size, kv_heads, group, head_dim)
-    seq_t = jnp.pad(jnp.asarray(token_seq), (0, pad), constant_values=-1).reshape(num_tiles, tile_size)
+    sub_t = jnp.pad(pairs.token_sub, (0, pad), constant_values=-1).reshape(num_tiles, tile_size)
     pos_t = jnp.pad(positions, (0, pad)).reshape(num_tiles, tile_size)
 
     def body(c, carry):
         m, l, acc = carry
-        rows, tile, seq, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
-                                        for a in (pair_row, pairs.tile, pairs.seq, pairs.page, pairs.valid))
+        rows, tile, sub, page, valid = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
+                                        for a in (pair_row, pairs.tile, pairs.sub, pairs.page, pairs.valid))
         kv = dequantize(take_pages(pages, rows),  # [C, 2, kvh, bs, hd]
                         None if scales is None else jnp.take(page_scales, rows, axis=0, mode="clip"), jnp.float32)
         scores = soft_cap_logits(jnp.einsum("cqkgd,ckbd->cqkgb", q_t[tile], kv[:, 0]), soft_cap)
         key_pos = (page[:, None] * block_size + jnp.arange(block_size))[:, None, :]  # [C, 1, bs]
         pos = pos_t[tile][..., None]  # [C, Q, 1]
-        mine = (seq_t[tile] == seq[:, None]) & valid[:, None]
+        mine = (sub_t[tile] == sub[:, None]) & valid[:, None]
         visible = (key_pos <= pos) & (key_pos >= window_start(pos, window)) & mine[..., None]
         visible = visible[:, :, None, None, :]
         scores = jnp.where(visible, scores, _MASKED)
