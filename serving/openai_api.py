@@ -263,9 +263,14 @@ class OpenAIServing:
                               prompt: str | dict) -> CompletionRendering:
         """How one prompt's choices are rendered."""
         echo = None
-        if body.echo:
-            echo = prompt if isinstance(prompt, str) else self._engine().engine.tokenizer.decode(
-                prompt["prompt_token_ids"])
+        if body.echo and isinstance(prompt, str):
+            echo = prompt
+        elif body.echo:  # decoded here, before the engine checks the ids: a tokenizer raises on a negative one
+            engine, ids = self._engine().engine, prompt["prompt_token_ids"]
+            vocab = engine.config.model.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise OpenAIError(400, f"prompt: token ids must be integers in [0, {vocab})", "prompt")
+            echo = engine.tokenizer.decode(ids)
         return CompletionRendering(request_id, model, self._decode, body.logprobs, body.return_token_ids,
                                    body.prompt_logprobs, echo=echo)
 

@@ -106,4 +106,5 @@ def test_every_operation_answers_as_its_schema_says(api_schema):
 def test_no_block_leaked_after_the_fuzz(fuzzed_server):
     assert fuzzed_server.all_blocks_free()
     after = fuzzed_server.metrics()
-    assert after["jaxpage:num_requests_running"] == 0 and after["jaxpage:num_requests_in_flight"] == 0
+    # a labelled gauge has no series until a request reaches admission (the fuzz may admit none)
+    assert after["jaxpage:num_requests_running"] == 0 and after.get("jaxpage:num_requests_in_flight", 0) == 0
