@@ -267,9 +267,10 @@ class OpenAIServing:
             echo = prompt
         elif body.echo:  # decoded here, before the engine checks the ids: a tokenizer raises on a negative one
             engine, ids = self._engine().engine, prompt["prompt_token_ids"]
-            vocab = engine.config.model.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise OpenAIError(400, f"prompt: token ids must be integers in [0, {vocab})", "prompt")
+            try:
+                engine.check_token_ids(ids)
+            except ValueError as e:
+                raise OpenAIError(400, f"prompt: {e}", "prompt") from None
             echo = engine.tokenizer.decode(ids)
         return CompletionRendering(request_id, model, self._decode, body.logprobs, body.return_token_ids,
                                    body.prompt_logprobs, echo=echo)

@@ -202,6 +202,12 @@ class LLMEngine:
                 f"sequence(s) of up to {max_len} tokens, {bs} tokens a block); the pool has {pool}: "
                 "shorten the prompt or lower max_tokens or n")
 
+    def check_token_ids(self, ids: list) -> None:
+        """ValueError unless every id is an integer in the model's vocabulary."""
+        vocab = self.config.model.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+
     def _prompt_tokens(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
@@ -214,9 +220,7 @@ class LLMEngine:
             if not ids:
                 raise ValueError("prompt_token_ids is empty")
             self._check_length(len(ids))  # before the per-token check: this runs on the engine thread
-            vocab = self.config.model.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+            self.check_token_ids(ids)
             return prompt.get("prompt"), ids
         raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
