@@ -124,14 +124,14 @@ jax.tree_util.register_dataclass(
     PagePairs, data_fields=[f.name for f in dataclasses.fields(PagePairs)], meta_fields=[])
 
 
-def _sub_tiles(token_seq, positions, tile_size: int, first_page, last_page):
+def _sub_tiles(token_seq, tile_size: int, first_page, last_page):
     """(each token's sub-tile; and the first token, first page, last page and existence of each of the step's
     at most T sub-tiles)."""
-    index = jnp.arange(positions.shape[0])
+    index = jnp.arange(token_seq.shape[0])
     if tile_size == 1:  # every token its own sub-tile
         return index, index, first_page, last_page, jnp.ones_like(index, bool)
     sub = jnp.cumsum((index % tile_size == 0) | (token_seq != jnp.roll(token_seq, 1))) - 1
-    segment = dict(segment_ids=sub, num_segments=positions.shape[0], indices_are_sorted=True)
+    segment = dict(segment_ids=sub, num_segments=token_seq.shape[0], indices_are_sorted=True)
     return (sub, jax.ops.segment_min(index, **segment), jax.ops.segment_min(first_page, **segment),
             jax.ops.segment_max(last_page, **segment), index <= sub[-1])
 
@@ -144,7 +144,7 @@ def page_pairs(token_seq: jax.Array, positions: jax.Array, block_tables: jax.Arr
     num_tokens, width = positions.shape[0], block_tables.shape[1]
     tile_size, chunk = query_tile(num_tokens, jnp.shape(block_tables)[0]), pairs_per_chunk(num_tokens)
     token_sub, first_token, first_page, last_page, exists = _sub_tiles(
-        token_seq, positions, tile_size, window_start(positions, window) // block_size, positions // block_size)
+        token_seq, tile_size, window_start(positions, window) // block_size, positions // block_size)
     num_pages = jnp.where(exists, last_page + 1 - first_page, 0)
     ends = jnp.cumsum(num_pages)
     pair = jnp.arange(num_tokens * width + chunk)  # static bound on the pairs, plus a chunk of slack
