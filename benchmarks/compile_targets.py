@@ -240,7 +240,9 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
     shapes = MODELS[model]()
     if num_layers:
         shapes = dataclasses.replace(shapes, num_layers=num_layers, layer_types=shapes.layer_types[:num_layers])
-    return build_engine_config(shapes, **{**kw, **options})
+    config = build_engine_config(shapes, **{**kw, **options})
+    # built on this CPU for a TPU: the CPU's packed bfloat16 weights (weight_packing) are not the chip's
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, onednn_packed_weights=False))
 
 
 def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:

@@ -1,4 +1,4 @@
-"""SmolLM2 (float32) on whatever jaxpage is importable, by phase: decode tokens/s at 1 and 8 streams (64-token
+"""SmolLM2 (float32, or --dtype) on whatever jaxpage is importable, by phase: decode tokens/s at 1 and 8 streams (64-token
 prompts, greedy) and the seconds of one 1,024-token prompt's prefill (one output token). To compare two trees,
 run it under each one's PYTHONPATH, alternating, on the same machine load:
 
@@ -13,20 +13,21 @@ import time
 
 import numpy as np
 
-PHASES = (("decode1", 1, 64, 48), ("decode8", 8, 64, 48), ("prefill1024", 1, 1024, 1))  # name, streams, prompt, new
+PHASES = (("decode1", 1, 64, 48), ("decode8", 8, 64, 48), ("decode32", 32, 64, 32), ("prefill1024", 1, 1024, 1))  # name, streams, prompt, new
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     from jaxpage import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, dtype="float32",
+    llm = LLM(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, dtype=args.dtype,
               kv_cache_memory=1 << 30, progress=False)
-    row = {"start_s": round(time.perf_counter() - start, 1), "load_average": list(os.getloadavg())}
+    row = {"dtype": args.dtype, "start_s": round(time.perf_counter() - start, 1), "load_average": list(os.getloadavg())}
     rng = np.random.default_rng(0)
     for r in range(args.rounds):
         for name, streams, prompt_len, new in PHASES:

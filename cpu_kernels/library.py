@@ -63,21 +63,26 @@ def build(prefix: Path) -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the library is built, loaded and its targets registered with XLA (once per process)."""
+def library() -> ctypes.CDLL | None:
+    """The library, built, loaded and its targets registered with XLA (once per process); None where it cannot
+    be (then callers keep XLA's ops)."""
     if os.environ.get("JAXPAGE_ONEDNN", "1") == "0" or jax.default_backend() != "cpu":
-        return False  # a GPU or TPU host never runs them: no build at its first trace
+        return None  # a GPU or TPU host never runs them: no build at its first trace
     prefix = onednn_prefix()
     if prefix is None:
         log.info("oneDNN not installed: the CPU kernels stay XLA's ops")
-        return False
+        return None
     try:
-        library = ctypes.cdll.LoadLibrary(str(build(prefix)))
+        loaded = ctypes.cdll.LoadLibrary(str(build(prefix)))
     except (OSError, subprocess.CalledProcessError) as e:
         log.warning("the CPU kernels could not be built (%s): XLA's ops are used instead",
                     getattr(e, "stderr", None) or e)
-        return False
+        return None
     for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-    return True
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)), platform="cpu")
+    return loaded
 
+
+def available() -> bool:
+    """Whether the library's FFI targets are registered with XLA."""
+    return library() is not None

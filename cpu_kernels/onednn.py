@@ -1,20 +1,53 @@
-"""oneDNN's matmul as an XLA FFI call on the CPU, for bfloat16 weights.
+"""oneDNN's matmul as an XLA FFI call on the CPU, for bfloat16 weights, and the weights' packed layout.
 
 XLA:CPU has no native bfloat16 dot: it converts both operands to float32 for every call (a [32, 576] x [576, 1536]
 bfloat16 dot ran at ~2x float32's time here), where oneDNN's avx512_bf16 brgemm kernels read bfloat16 directly.
+With plain weights the kernel reorders them into its own blocked layout inside every call; weights packed once
+into that layout (``pack``, as vLLM's CPU backend prepacks its oneDNN weights) skip it.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import jax
+import numpy as np
 
-from cpu_kernels.library import available
+from cpu_kernels.library import available, library
 
-__all__ = ["available", "matmul"]
+__all__ = ["available", "matmul", "pack", "packs"]
 
 
-def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """x [..., K] . w [K, N] (or w [N, K] with ``transposed``) -> [..., N] in x's dtype, float32 accumulation.
-    CPU only, and only where ``available()``."""
+def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool = False) -> jax.Array:
+    """x [..., K] . w [K, N] (or w [N, K] with ``transposed``) -> [..., N] in x's dtype, float32 accumulation;
+    ``packed``: w holds ``pack``'s bytes (its shape and ``transposed`` still name K and N). CPU only, and only
+    where ``available()``."""
     n = w.shape[0] if transposed else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
-    return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed))
+    return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed), packed=int(packed))
+
+
+@functools.cache
+def packs(k: int, n: int, dtype) -> bool:
+    """Whether [k, n] weights of ``dtype`` are packed: bfloat16, where the library is available and the packed
+    layout pads nothing (so a packed kernel keeps its array's shape and dtype)."""
+    lib = library()
+    if lib is None or np.dtype(dtype) != jax.numpy.bfloat16:
+        return False
+    lib.jaxpage_onednn_packed_bytes.restype = ctypes.c_int64
+    size = lib.jaxpage_onednn_packed_bytes(ctypes.c_int64(k), ctypes.c_int64(n), 1)
+    return size == k * n * np.dtype(dtype).itemsize
+
+
+def pack(w: np.ndarray, *, transposed: bool = False) -> np.ndarray:
+    """Plain bfloat16 weights (2-D: [K, N], or [N, K] with ``transposed``) in the packed layout: a new array of
+    the same shape and dtype whose bytes only ``matmul(..., packed=True)`` reads."""
+    w = np.ascontiguousarray(w)
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    assert packs(k, n, w.dtype), (w.shape, w.dtype)
+    out = np.empty_like(w)
+    status = library().jaxpage_onednn_pack(w.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                                           ctypes.c_int64(k), ctypes.c_int64(n), 1, int(transposed))
+    if status:
+        raise RuntimeError(f"oneDNN could not pack weights of shape {w.shape}")
+    return out

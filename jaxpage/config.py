@@ -52,6 +52,8 @@ class ModelConfig:
     # each checkpoint KV head repeated this many times to fill a tensor-parallel mesh (vLLM's
     # num_kv_head_replicas; jaxpage.distributed.parallel.model_for_tp): num_kv_heads counts the repeats
     num_kv_head_replicas: int = 1
+    # bfloat16 Linear kernels packed for oneDNN's CPU matmul (the engine's: jaxpage.models.weight_packing)
+    onednn_packed_weights: bool = False
 
     def layer_windows(self) -> np.ndarray:
         """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""

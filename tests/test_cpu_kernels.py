@@ -39,6 +39,35 @@ def test_onednn_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape,
 
 
 @needs_onednn
+@pytest.mark.parametrize("x_shape,k_shape,num_in", [((5, 576), (576, 9, 64), 1), ((3, 9, 64), (9, 64, 576), 2),
+                                                    ((40, 1536), (1536, 576), 1), ((1, 576), (576, 3072), 1)])
+def test_packed_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape, num_in):
+    """Weights packed once into oneDNN's blocked layout (weight_packing): the packed matmul reads them as the
+    plain kernel's values (float32 math on the plain kernel is the reference), at every row count."""
+    from jaxpage.models.weight_packing import pack_kernel
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
+    kernel = np.asarray(jnp.asarray(rng.standard_normal(k_shape), jnp.bfloat16))
+    packed = pack_kernel(kernel[None], num_in, len(k_shape) - num_in)[0]  # one layer of a stack
+    assert packed.shape == kernel.shape and packed.dtype == kernel.dtype
+    assert np.mean(packed.view(np.uint16) != kernel.view(np.uint16)) > 0.5  # the bytes did move
+    y = np.asarray(jax.jit(lambda x, k: dense(x, k, num_in, packed=True))(x, jnp.asarray(packed)), np.float32)
+    ref = np.tensordot(np.asarray(x, np.float32), np.asarray(kernel, np.float32), axes=num_in)
+    np.testing.assert_allclose(y, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max(initial=1))
+
+
+@needs_onednn
+def test_linears_pack_only_where_the_layout_pads_nothing():
+    """A kernel whose packed layout would pad (a 1000-wide output, an 8-wide one) stays plain: a packed kernel
+    keeps its shape, so its bytes must fit it exactly."""
+    from jaxpage.models.weight_packing import linear_packs
+
+    assert linear_packs((576,), (3, 5, 64)) and linear_packs((1536,), (576,))
+    assert not linear_packs((576,), (1000,)) and not linear_packs((64,), (8,))
+
+
+@needs_onednn
 def test_other_platforms_lower_xla_dot():
     x, kernel = jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 8), jnp.bfloat16)
     for platform in ("cuda", "tpu"):
@@ -77,15 +106,20 @@ MAX_KL_BF16 = 0.005
 
 
 def test_smollm2_bfloat16_teacher_forced_quality_against_float32(hf_smollm2):
-    """bfloat16 weights, activations and KV pool (oneDNN matmuls where available) against transformers float32,
-    teacher-forced over the quantization tests' 2,048 tokens of varied text."""
+    """bfloat16 weights, activations and KV pool (oneDNN matmuls on weights packed at load, as the engine runs
+    them, where available) against transformers float32, teacher-forced over the quantization tests' 2,048
+    tokens of varied text."""
+    import dataclasses
+
     from benchmarks.quality import SEGMENT, SOURCES, agreement_with_transformers
     from jaxpage.models import cast_weights, config_from_hf
     from jaxpage.models.loader import default_cache_dir, load_model
+    from jaxpage.models.weights import pack_params
 
     model, tokenizer = hf_smollm2
     loaded = load_model(None, default_cache_dir(), None)
-    cfg, params = config_from_hf(loaded.hf_config), cast_weights(loaded.params, "bfloat16")
+    cfg = dataclasses.replace(config_from_hf(loaded.hf_config), onednn_packed_weights=onednn.available())
+    params = cast_weights(pack_params(cfg, loaded.params), "bfloat16")
     top1, kl, top1s, kls = agreement_with_transformers(model, tokenizer, cfg, params, jnp.bfloat16)
     print(f"bfloat16 vs float32 over {SEGMENT * len(SOURCES)} tokens: top-1 {top1:.4f}, mean KL {kl:.5f} "
           f"(per source: {[round(t, 4) for t in top1s]}, {[round(k, 5) for k in kls]})")

@@ -23,6 +23,7 @@ from jaxpage.config import (
 from jaxpage.core.scheduler import PREEMPTION_MODES
 from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
 from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.models.weight_packing import packs_weights
 from jaxpage.utils import cdiv
 from pallas_kernels.kv_write_tpu import tile_rows
 
@@ -66,6 +67,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     backend = resolve_backend(attention_backend)
     _check_tpu_tiles(backend, kv_dtype, block_size, max_num_batched_tokens)
+    model = dataclasses.replace(model, onednn_packed_weights=packs_weights(
+        dtype, backend, quantization, tensor_parallel_size, group))
     require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
     require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
             f"must be >= max_num_seqs={max_num_seqs}")
@@ -149,6 +152,7 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
     require(not config.num_offload_blocks, "kv_offloading_size", config.num_offload_blocks,
             "is not built with a draft model (speculative_config.model): its pool would need tiers of its own")
     budget = cdiv(config.max_num_batched_tokens + config.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
+    draft = dataclasses.replace(draft, onednn_packed_weights=config.model.onednn_packed_weights)
     return dataclasses.replace(config, model=draft, speculative_config=None, async_scheduling=False,
                                max_num_batched_tokens=budget, sampler_returns_probs=True)
 

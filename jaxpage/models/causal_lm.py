@@ -26,11 +26,12 @@ from jaxpage.models.layers import Embedding, Linear, RMSNorm, embed_scale, soft_
 from jaxpage.models.lora_slots import building_slots
 from jaxpage.models.quant import building, weight_dtype
 from jaxpage.models.registry import architecture
+from jaxpage.models.weight_packing import packing
 
 
 class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, unrolled: bool = False):
-        with building(cfg.quantization):
+        with building(cfg.quantization), packing(cfg.onednn_packed_weights):
             self._build(cfg, unrolled)
 
     def _build(self, cfg: ModelConfig, unrolled: bool) -> None:

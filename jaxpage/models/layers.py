@@ -17,6 +17,7 @@ from cpu_kernels import onednn
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.lora_slots import LoRAMapping, lora_delta, slots_being_built
 from jaxpage.models.quant import int8_dot, quantization_being_built
+from jaxpage.models.weight_packing import linear_packs, packing_being_built
 
 
 def param(shape: tuple[int, ...], names: tuple, dtype=jnp.float32) -> nnx.Param:
@@ -38,23 +39,28 @@ class RMSNorm(nnx.Module):
         return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = False) -> jax.Array:
+def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = False,
+          packed: bool = False) -> jax.Array:
     """x [..., *in] . kernel [*in, *out] (kernel [out, in] with ``transposed``, one axis each): on the CPU,
     bfloat16 runs oneDNN's matmul (cpu_kernels.onednn: XLA:CPU converts bfloat16 dots to float32 every call);
-    every other platform and dtype, XLA's dot."""
+    every other platform and dtype, XLA's dot. ``packed``: the kernel holds oneDNN's packed bytes
+    (jaxpage.models.weight_packing), which only the CPU's matmul reads."""
     in_axes = (1,) if transposed else tuple(range(num_in))
     dims = ((tuple(range(x.ndim - num_in, x.ndim)), in_axes), ((), ()))
     xla = functools.partial(jax.lax.dot_general, dimension_numbers=dims)
     if not (x.dtype == kernel.dtype == jnp.bfloat16 and onednn.available()):
+        assert not packed, "packed weights need oneDNN's bfloat16 matmul"
         return xla(x, kernel)
 
     def cpu(x, kernel):
         out_shape = kernel.shape[:1] if transposed else kernel.shape[num_in:]
         k, n = math.prod(x.shape[x.ndim - num_in:]), math.prod(out_shape)
         flat = kernel.reshape((n, k) if transposed else (k, n))
-        y = onednn.matmul(x.reshape(-1, k), flat, transposed=transposed)
+        y = onednn.matmul(x.reshape(-1, k), flat, transposed=transposed, packed=packed)
         return y.reshape(*x.shape[:x.ndim - num_in], *out_shape)
 
+    if packed:
+        return cpu(x, kernel)  # packed only on one CPU device (weight_packing.packs_weights)
     return jax.lax.platform_dependent(x, kernel, cpu=cpu, default=xla)
 
 
@@ -69,6 +75,8 @@ class Linear(nnx.Module):
                  parts: int = 1):
         quantized = quantization_being_built() is not None
         self.kernel = param((*in_shape, *out_shape), names, jnp.int8 if quantized else jnp.float32)
+        # bfloat16 packed for oneDNN (weight_packing): pack_params packs exactly the Linears that say so
+        self.packed = packing_being_built() and not quantized and linear_packs(in_shape, out_shape)
         in_names, out_names = names[:len(in_shape)], names[len(in_shape):]
         if quantized:
             self.scale = param(out_shape, out_names)
@@ -88,7 +96,7 @@ class Linear(nnx.Module):
         if kernel.dtype == jnp.int8:
             y = int8_dot(x, kernel, self.scale[...], self.num_in)
         else:
-            y = dense(x, kernel, self.num_in)
+            y = dense(x, kernel, self.num_in, packed=self.packed)
         if self.lora_a is not None and lora is not None:
             y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora, self.num_in).astype(y.dtype)
         return y if self.bias is None else y + self.bias[...]

@@ -45,6 +45,25 @@ def quantize_params(cfg: ModelConfig, params: dict) -> dict:
     return params
 
 
+def pack_params(cfg: ModelConfig, params: dict) -> dict:
+    """Float weights (``params_from_hf_state``'s layout) with every packed Linear's kernel in bfloat16, packed
+    for oneDNN (jaxpage.models.weight_packing); unchanged unless ``cfg.onednn_packed_weights``."""
+    from flax import nnx
+
+    from jaxpage.models.causal_lm import _abstract_model
+    from jaxpage.models.layers import Linear
+    from jaxpage.models.weight_packing import pack_kernel
+
+    if not cfg.onednn_packed_weights:
+        return params
+    params = {**params}
+    for path, module in nnx.iter_graph(_abstract_model(cfg)):
+        if isinstance(module, Linear) and module.packed:
+            linear = _get(params, path)
+            linear["kernel"] = pack_kernel(linear["kernel"], module.num_in, module.num_out)
+    return params
+
+
 def _get(tree: dict, path: tuple) -> dict:
     """The sub-dict at ``path``, copied along the way so the caller's tree stays unchanged."""
     for key in path:

@@ -27,6 +27,7 @@ from jaxpage.lora.worker_manager import (
 from jaxpage.models import TokenBatch, unstack_layers
 from jaxpage.models.lora_slots import lora_buckets
 from jaxpage.models.placement import place_params, replicate_kv_heads
+from jaxpage.models.weights import pack_params
 from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.kv_tiers import TIER_MOVES, KVTierMoves, kv_identity
 from jaxpage.worker.layer_loop import LayerLoop
@@ -87,6 +88,7 @@ class ModelRunner:
         unrolled = host_loop or not config.scan_layers
         # LoRA: the adapters on the host and in the device slots (all zeros until an adapter is written in)
         self.lora = WorkerLoRAManager(config) if config.model.max_loras else None
+        params = pack_params(config.model, params)
         if self.lora is not None:
             params = with_empty_slots(config, params)
         if unrolled:
