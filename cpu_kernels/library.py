@@ -1,6 +1,6 @@
 """The CPU kernels' shared library: built on first use, loaded and registered with XLA as FFI targets.
 
-The sources (onednn_matmul.cc, kv_write.cc, gather_rows.cc) are compiled with the system's C++ compiler against the oneDNN wheels
+The sources (onednn_matmul.cc, kv_write.cc, gather_rows.cc, block_moves.cc) are compiled with the system's C++ compiler against the oneDNN wheels
 (PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN version; without a
 compiler or oneDNN, or with ``JAXPAGE_ONEDNN=0``, ``available()`` is False and callers keep XLA's ops.
 """
@@ -21,9 +21,11 @@ import jax
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("onednn_matmul.cc", "kv_write.cc", "gather_rows.cc"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("onednn_matmul.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc"))
 TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
-           "jaxpage_gather_rows": "JaxpageGatherRows"}
+           "jaxpage_gather_rows": "JaxpageGatherRows", "jaxpage_take_blocks": "JaxpageTakeBlocks",
+           "jaxpage_put_blocks": "JaxpagePutBlocks"}
 
 
 def onednn_prefix() -> Path | None:

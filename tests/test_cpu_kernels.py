@@ -99,6 +99,36 @@ def test_bfloat16_kv_write_keeps_the_pool_bfloat16():
     assert np.count_nonzero(out) == np.count_nonzero(np.asarray(k)) + np.count_nonzero(np.asarray(v))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_block_moves_of_a_narrow_float_pool_copy_blocks_in_place(dtype):
+    """Copy-on-write copies, swap-out gathers and swap-in scatters of a bfloat16/float8 pool: exactly numpy's
+    moves, and no float32 (or integer) copy of the whole pool in the compiled moves (XLA:CPU made one per call)."""
+    from jaxpage.attention.block_moves import BlockMoves
+
+    device = jax.devices()[0]
+    moves = BlockMoves.jit(device, jnp.dtype(dtype))
+    rng = np.random.default_rng(4)
+    shape = (3, 12, 2, 2, 16, 8)  # layers, blocks, k/v, kv heads, block size, head dim
+    ref = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    src, dst = np.asarray([5, 7, 0, 0], np.int32), np.asarray([9, 2, 0, 0], np.int32)  # padded with the null block
+    for fn, args in ((moves.copy, (src, dst)), (moves.gather, (src,))):
+        text = fn.lower(jnp.asarray(ref), *args).compile().as_text()
+        assert ("jaxpage_take_blocks" in text) == kv_write.available()
+        assert not any(f"{t}[3,12,2,2,16,8]" in text.replace(f"{jnp.dtype(dtype).name}[3,12", "")
+                       for t in ("f32", "u16", "u8", "s8"))
+    gathered = np.asarray(moves.gather(jnp.asarray(ref), src))
+    np.testing.assert_array_equal(gathered.view(np.uint8), ref[:, src].view(np.uint8))
+    expected = ref.copy()
+    expected[:, dst] = ref[:, src]  # the null block onto itself changes nothing
+    copied = np.asarray(moves.copy(jnp.asarray(ref), src, dst))
+    np.testing.assert_array_equal(copied.view(np.uint8), expected.view(np.uint8))
+    data = rng.standard_normal((3, 4, 2, 2, 16, 8)).astype(np.float32).astype(dtype)
+    scattered = np.asarray(moves.scatter(jnp.asarray(ref), np.asarray([3, 4, 11, 0], np.int32), jnp.asarray(data)))
+    expected = ref.copy()
+    expected[:, [3, 4, 11, 0]] = data
+    np.testing.assert_array_equal(scattered.view(np.uint8), expected.view(np.uint8))
+
+
 # --- bfloat16 SmolLM2 against transformers float32 ---------------------------------------------------------------
 # measured 2026-12-01: top-1 0.963, KL 0.0012 (int8 weights: 0.872, 0.047); the bars leave room for rounding
 MIN_TOP1_BF16 = 0.94

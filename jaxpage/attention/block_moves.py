@@ -8,7 +8,9 @@ import functools
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from cpu_kernels import kv_write
 from jaxpage.attention.kv_cache import NULL_BLOCK, jit_on_pool, pool_format
 
 
@@ -19,17 +21,39 @@ def padded_ids(ids: list[int], size: int) -> np.ndarray:
     return out
 
 
-def copy_blocks(pool, src: jax.Array, dst: jax.Array):
+def _kernel(a: jax.Array, one_device: bool) -> bool:
+    """Whether a pool leaf's moves take the CPU's FFI copies: an 8- or 16-bit float pool (XLA:CPU's gather and
+    scatter converted the whole pool to float32, ~0.75 s for SmolLM2's 1 GiB) on one device (a mesh's pool is
+    split; the FFI call would see it whole)."""
+    return one_device and kv_write.needs_kernel(a.dtype) and kv_write.available()
+
+
+def take(a: jax.Array, blocks: jax.Array, one_device: bool = False) -> jax.Array:
+    """Blocks [n] of every layer of one pool leaf [L, NB, ...] -> [L, n, ...]."""
+    if not _kernel(a, one_device):
+        return a[:, blocks]
+    return jax.lax.platform_dependent(a, blocks, cpu=kv_write.take_blocks, default=lambda a, b: a[:, b])
+
+
+def put(a: jax.Array, blocks: jax.Array, data: jax.Array, one_device: bool = False) -> jax.Array:
+    """One pool leaf with ``data`` [L, n, ...] written into its ``blocks`` (in place when donated)."""
+    if not _kernel(a, one_device):
+        return a.at[:, blocks].set(data)
+    return jax.lax.platform_dependent(a, blocks, data, cpu=kv_write.put_blocks,
+                                      default=lambda a, b, d: a.at[:, b].set(d))
+
+
+def copy_blocks(pool, src: jax.Array, dst: jax.Array, one_device: bool = False):
     """Copies whole pages ``src[i] -> dst[i]`` (with their scales) in every layer (copy-on-write, swap-in)."""
-    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), pool)
+    return jax.tree.map(lambda a: put(a, dst, take(a, src, one_device), one_device), pool)
 
 
-def _gather_blocks(pool, blocks: jax.Array):
-    return jax.tree.map(lambda a: a[:, blocks], pool)  # an int8 pool's scales move with their blocks
+def _gather_blocks(pool, blocks: jax.Array, one_device: bool = False):
+    return jax.tree.map(lambda a: take(a, blocks, one_device), pool)  # an int8 pool's scales move with their blocks
 
 
-def _scatter_blocks(pool, blocks: jax.Array, data):
-    return jax.tree.map(lambda a, d: a.at[:, blocks].set(d), pool, data)
+def _scatter_blocks(pool, blocks: jax.Array, data, one_device: bool = False):
+    return jax.tree.map(lambda a, d: put(a, blocks, d, one_device), pool, data)
 
 
 def store_blocks(host: np.ndarray, gathered: jax.Array, blocks: np.ndarray) -> None:
@@ -64,8 +88,11 @@ class BlockMoves:
         sharding = jax.tree.map(lambda f: f.sharding, pool_format(where, dtype, packed),
                                 is_leaf=lambda x: hasattr(x, "sharding"))
         on_pool = functools.partial(jit_on_pool, where=where, dtype=dtype, packed=packed)
-        return cls(on_pool(copy_blocks, 3, 0, "pool"), on_pool(_gather_blocks, 2, 0, "blocks"),
-                   on_pool(_scatter_blocks, 3, 0, "pool", arg_shardings={2: sharding}), sharding)
+        mode = {"one_device": not isinstance(where, Mesh)}
+        return cls(on_pool(functools.partial(copy_blocks, **mode), 3, 0, "pool"),
+                   on_pool(functools.partial(_gather_blocks, **mode), 2, 0, "blocks"),
+                   on_pool(functools.partial(_scatter_blocks, **mode), 3, 0, "pool", arg_shardings={2: sharding}),
+                   sharding)
 
     def swap_out(self, pool, host, src: np.ndarray, dst: np.ndarray) -> None:
         """Device blocks ``src`` (padded) into the host pool's blocks ``dst`` (as many as are real)."""
