@@ -19,7 +19,7 @@ from jaxpage.config import SpeculativeConfig
 from jaxpage.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch, sample
-from tests.factories import engine_options, tiny_llama
+from tests.factories import TINY_LLAMA, engine_options, tiny_llama
 
 K = 3
 
@@ -91,19 +91,22 @@ def models(tmp_path_factory):
 
 
 OPTIONS = engine_options(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=40)
+# kv_cache_memory of the engines with a draft: blocks of both pools (the bad draft's: 12 of 8 + 4 KiB, few enough
+# to preempt; the perfect draft's: 42 of 2 x 8 KiB, where the target alone would get 85)
+BUDGETS = {"bad": 150_000, "perfect": 700_000}
 
 
 @pytest.fixture(scope="module")
 def llms(models):
     """Engines over the target: without speculation, with the bad draft (a pool small enough to preempt), with
-    itself as the draft."""
+    itself as the draft; those two sized by kv_cache_memory (BUDGETS)."""
     from jaxpage import LLM
 
     target, draft, _, cache = models
     plain = LLM(str(target), cache_dir=cache, **OPTIONS)
-    bad = LLM(str(target), cache_dir=cache, speculative_config=draft_config(draft),
-              **{**OPTIONS, "num_kv_blocks": 12})
-    perfect = LLM(str(target), cache_dir=cache, speculative_config=draft_config(target), **OPTIONS)
+    bad, perfect = (LLM(str(target), cache_dir=cache, speculative_config=draft_config(path),
+                        **{**OPTIONS, "num_kv_blocks": None, "kv_cache_memory": BUDGETS[name]})
+                    for name, path in (("bad", draft), ("perfect", target)))
     return plain, bad, perfect
 
 
@@ -119,6 +122,24 @@ def test_a_draft_of_another_vocabulary_or_path_is_refused(models):
     for path, message in ((other, "vocabulary"), (target / "missing", "does not exist")):
         with pytest.raises(ValueError, match=f"speculative_config.model.*{message}"):
             LLM(str(target), cache_dir=cache, speculative_config=draft_config(path), **OPTIONS)
+
+
+def _block_bytes(num_layers: int) -> int:
+    """A float32 block of 16 tokens of a tiny Llama of that many layers: K and V of each KV head."""
+    head_dim = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
+    return num_layers * 2 * TINY_LLAMA["num_key_value_heads"] * 16 * head_dim * 4
+
+
+def test_the_drafts_pool_counts_in_kv_cache_memory(llms):
+    """With a draft model, kv_cache_memory holds blocks of both pools (the draft's has the target's block ids):
+    the device holds no more KV bytes than the budget."""
+    _, bad, perfect = llms
+    for llm, budget, draft_layers in ((bad, BUDGETS["bad"], 1), (perfect, BUDGETS["perfect"], 2)):
+        engine, per_block = llm.engine, _block_bytes(2) + _block_bytes(draft_layers)
+        assert engine.config.num_kv_blocks == budget // per_block
+        pools = (engine.runner.kv_pool, engine.drafter.runner.kv_pool)
+        held = sum(a.nbytes for pool in pools for a in jax.tree.leaves(pool))
+        assert held == engine.config.num_kv_blocks * per_block <= budget
 
 
 def _counts(llm) -> tuple[int, int]:

@@ -71,6 +71,93 @@ def test_budget_too_small_for_one_sequence_says_how_much_is_needed():
         _engine(model, num_kv_blocks=10)
 
 
+def _tiny_llama_shape() -> ModelConfig:
+    from tests.factories import TINY_LLAMA
+
+    return config_from_hf(LlamaConfig(**TINY_LLAMA))
+
+
+def _llama_block_bytes(model: ModelConfig, block_size: int, itemsize: int) -> int:
+    return model.num_layers * 2 * model.num_kv_heads * block_size * model.head_dim * itemsize
+
+
+def _llama_weight_bytes(hf: LlamaConfig, dtype_bytes: int, int8: bool = False) -> int:
+    """An untied Llama's weights from its config: embedding, LM head, final norm, and per layer the q/k/v and o
+    projections, gate/up and down, two norms; int8: every matrix but the embedding int8 with a float32 scale per
+    output channel."""
+    d, i, v, hd = hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.hidden_size // hf.num_attention_heads
+    qkv_out = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hd
+    matrices = [(d, v), (d, qkv_out), (hf.num_attention_heads * hd, d), (d, 2 * i), (i, d)]  # (in, out)
+    counts = [1] + [hf.num_hidden_layers] * 4
+    vectors = (v * d + d + 2 * d * hf.num_hidden_layers) * dtype_bytes  # embedding and norms
+    if int8:
+        return vectors + sum(n * (a * b + 4 * b) for n, (a, b) in zip(counts, matrices))
+    return vectors + sum(n * a * b for n, (a, b) in zip(counts, matrices)) * dtype_bytes
+
+
+class _FakeDevice:
+    def __init__(self, bytes_limit: int, bytes_in_use: int):
+        self.stats = {"bytes_limit": bytes_limit, "bytes_in_use": bytes_in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+@pytest.mark.parametrize("quantization, dtype, dtype_bytes", [(None, "float32", 4), ("int8", "bfloat16", 2)])
+def test_gpu_memory_utilization_leaves_out_the_weights_of_target_and_draft(monkeypatch, quantization, dtype,
+                                                                          dtype_bytes):
+    """As vLLM means it: the KV pool gets gpu_memory_utilization of the device memory less what is in use and
+    less the weights still to be placed (the target's, int8 as int8, and a draft model's), at the bytes of a block
+    of both pools; too little memory is refused naming gpu_memory_utilization."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jaxpage.engine import config_builder
+    from tests.factories import TINY_LLAMA
+
+    hf = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                     tie_word_embeddings=False)
+    target, draft = config_from_hf(hf), _tiny_llama_shape()
+    weights = _llama_weight_bytes(hf, dtype_bytes, quantization == "int8")
+    draft_weights = _llama_weight_bytes(LlamaConfig(**TINY_LLAMA), dtype_bytes)  # the draft is not quantized
+    target_block, draft_block = (_llama_block_bytes(m, 16, dtype_bytes) for m in (target, draft))
+    limit = 8 << 30
+    # in use: what leaves the pool 4,000 blocks of both models less one byte, so the draft's weights (less than
+    # a block) decide the last block
+    in_use = int(0.9 * limit) - (weights + draft_weights + 4000 * (target_block + draft_block) - 1)
+    device = _FakeDevice(limit, in_use)
+    mesh = SimpleNamespace(devices=np.array([device]))  # the one device the pool is sized for
+    monkeypatch.setattr(config_builder, "make_mesh", lambda tp, group: mesh)
+    free = int(0.9 * limit) - in_use
+    options = dict(dtype=dtype, quantization=quantization)
+    assert _engine(target, **options).num_kv_blocks == (free - weights) // target_block
+    with_draft = _engine(target, **options, draft_model=draft,
+                         speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 2})
+    assert with_draft.num_kv_blocks == (free - weights - draft_weights) // (target_block + draft_block) == 3999
+    device.stats["bytes_limit"] = int((weights + in_use) / 0.9)  # no byte left for the pool
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.9: .* raise gpu_memory_utilization"):
+        _engine(target, **options)
+
+
+def test_a_draft_models_pool_counts_in_kv_cache_memory_and_swap_space(caplog):
+    """kv_cache_memory and swap_space hold blocks of both pools (the draft's has the target's block ids); the
+    pool's bytes, each model's, are logged at start-up."""
+    import logging
+
+    target, draft = _smollm2_shape(), _tiny_llama_shape()
+    per_block = _llama_block_bytes(target, 16, 4) + _llama_block_bytes(draft, 16, 4)
+    budget = 600 * per_block + per_block // 2
+    spec = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="jaxpage.engine.config_builder"):
+        config = _engine(target, kv_cache_memory=budget, draft_model=draft, speculative_config=spec,
+                         preemption_mode="swap", swap_space=10 * per_block + 1)
+    assert (config.num_kv_blocks, config.num_host_blocks) == (600, 10)
+    assert (f"KV pool: 600 blocks of 16 tokens, {600 * _llama_block_bytes(target, 16, 4)} bytes for the target "
+            f"model, {600 * _llama_block_bytes(draft, 16, 4)} bytes for the draft model") in caplog.messages
+
+
 def test_unsupported_architecture_is_refused_and_windows_are_read():
     with pytest.raises(ValueError, match="'gpt2'"):
         config_from_hf(GPT2Config())

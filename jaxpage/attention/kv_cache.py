@@ -79,32 +79,48 @@ def memory_lanes() -> int:
     return 128 if jax.default_backend() == "tpu" else 1
 
 
-def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype, budget_bytes: int,
-                          max_model_len: int, shards: int = 1, packed: bool = False) -> int:
-    """How many blocks (null block included) a byte budget holds; refuses one too small for a full sequence.
-    shards: the devices the pool is split over by KV head (the budget is each one's); packed: the layout."""
-    per_block = bytes_per_block(model, block_size, dtype, memory_lanes(), packed) // shards
+def device_bytes_per_block(model: ModelConfig, block_size: int, dtype, packed: bool = False, shards: int = 1) -> int:
+    """A block's bytes on each device in the device's memory layout (``memory_lanes``); shards: the devices the
+    pool is split over by KV head."""
+    return bytes_per_block(model, block_size, dtype, memory_lanes(), packed) // shards
+
+
+def num_blocks_for_budget(per_block: int, block_size: int, budget_bytes: int, max_model_len: int,
+                          budget_name: str = "kv_cache_memory", per_device: bool = False) -> int:
+    """How many blocks (null block included) a byte budget holds at ``per_block`` bytes a block (every pool's
+    that has these block ids: the target's and a draft model's); refuses one too small for a full sequence.
+    budget_name: the option the budget came from; per_device: it is each device's of a sharded pool."""
     needed_blocks = cdiv(max_model_len, block_size) + 1
     num_blocks = int(budget_bytes // per_block)
     if num_blocks < needed_blocks:
         raise ValueError(
-            f"kv_cache_memory={budget_bytes} bytes{' per device' if shards > 1 else ''} holds {num_blocks} KV blocks, but one sequence of "
-            f"max_model_len={max_model_len} tokens needs {needed_blocks} (null block included), that is "
-            f"{needed_blocks * per_block} bytes ({per_block} bytes per block of {block_size} tokens); "
-            f"raise kv_cache_memory or lower max_model_len")
+            f"{budget_name}: a KV budget of {budget_bytes} bytes{' per device' if per_device else ''} holds "
+            f"{num_blocks} KV blocks, but one sequence of max_model_len={max_model_len} tokens needs "
+            f"{needed_blocks} (null block included), that is {needed_blocks * per_block} bytes ({per_block} bytes "
+            f"per block of {block_size} tokens); raise {budget_name} or lower max_model_len")
     return num_blocks
 
 
-def device_kv_budget(memory_fraction: float, devices=None) -> int | None:
-    """A fraction of the memory still free after the weights on each of ``devices`` (default: device 0), the
-    least of them: a sharded pool takes the same bytes on every device. None where a device does not say."""
-    free = []
+def device_kv_budget(memory_fraction: float, weight_bytes: int, devices=None) -> int | None:
+    """The KV pool's bytes on each of ``devices`` (default: device 0) for ``gpu_memory_utilization``, as vLLM
+    means it: that fraction of the device's memory (JAX's ``bytes_limit``) less what is in use there and less
+    the weights still to be placed on it (``weight_bytes``, each device's); the least over the devices (a
+    sharded pool takes the same bytes on each). None where a device does not say; a ValueError naming
+    gpu_memory_utilization where nothing is left."""
+    budgets = []
     for device in devices or jax.devices()[:1]:
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:
             return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return int(min(free) * memory_fraction)
+        limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        budget = int(limit * memory_fraction) - in_use - weight_bytes
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={memory_fraction}: {memory_fraction} of the device's {limit} bytes leaves "
+                f"nothing for the KV cache after the {weight_bytes} bytes of weights and the {in_use} bytes in use; "
+                f"raise gpu_memory_utilization or set kv_cache_memory")
+        budgets.append(budget)
+    return min(budgets)
 
 
 def _shardings(where, dtype=None, packed: bool = False) -> tuple[object, object]:

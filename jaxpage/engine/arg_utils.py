@@ -89,8 +89,9 @@ class EngineArgs(CliArgs):
         "the KV cache's dtype: auto (dtype's), int8 (a scale per token and KV head) or fp8 (e4m3, scale 1)",
         choices=KV_CACHE_DTYPES))
     gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata=_option(
-        "fraction of the device memory free after the weights that the KV pool takes (without "
-        "--kv-cache-memory or --num-kv-blocks, on a device that reports its memory)"))
+        "fraction of the device memory the engine takes (vLLM's): the KV pool gets it less the weights (a "
+        "draft model's too) and what is in use (without --kv-cache-memory or --num-kv-blocks, on a device "
+        "that reports its memory)"))
     enable_prefix_caching: bool = dataclasses.field(default=True, metadata=_option(
         "reuse the KV blocks of prompt prefixes seen before"))
     attention_backend: str = dataclasses.field(default="auto", metadata=_option(

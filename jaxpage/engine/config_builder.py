@@ -23,6 +23,7 @@ from jaxpage.config import (
 from jaxpage.core.scheduler import PREEMPTION_MODES
 from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
 from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.models.causal_lm import weight_bytes
 from jaxpage.models.weight_packing import packs_weights
 from jaxpage.utils import cdiv
 from pallas_kernels.kv_write_tpu import tile_rows
@@ -51,9 +52,14 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         kv_offloading_size: float = 0.0, kv_offloading_backend: str | None = None,
                         kv_offloading_dir: str | None = None,
                         kv_offloading_disk_size: float = EngineArgs.kv_offloading_disk_size,
-                        routing: RoutingConfig | None = None) -> EngineConfig:
+                        routing: RoutingConfig | None = None,
+                        draft_model: ModelConfig | None = None) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
-    preemption_mode swap)."""
+    preemption_mode swap). draft_model: the draft's shapes with speculative decoding's draft_model method (its
+    pool has the target's block ids, so each block's bytes are both models')"""
+    speculative_config = speculative_config_of(speculative_config)
+    assert (draft_model is not None) == (speculative_config is not None
+                                         and speculative_config.method == "draft_model"), "draft_model: its shapes"
     dtype = resolve_dtype(dtype)
     check_quantization(quantization)
     model = dataclasses.replace(model, quantization=quantization)
@@ -76,18 +82,24 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     max_model_len = max_model_len or limit
     require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
             f"must be between 1 and the model's max_position_embeddings={limit}")
-    num_kv_blocks = _num_kv_blocks(model, block_size, kv_dtype, max_model_len, num_kv_blocks, kv_cache_memory,
-                                   gpu_memory_utilization, tensor_parallel_size, group,
-                                   kv_cache.packs_kv(model, backend))
+    models = (model,) if draft_model is None else (model, draft_model)  # a draft runs on the target's first device
+    per_block = [kv_cache.device_bytes_per_block(m, block_size, kv_dtype, kv_cache.packs_kv(m, backend), shards)
+                 for m, shards in zip(models, (tensor_parallel_size, 1))]
+    if num_kv_blocks is None:
+        num_kv_blocks = _blocks_for_memory(models, dtype, block_size, sum(per_block), max_model_len,
+                                           kv_cache_memory, gpu_memory_utilization, tensor_parallel_size, group)
+    else:
+        _check_num_kv_blocks(num_kv_blocks, block_size, max_model_len)
+    log.info("KV pool: %d blocks of %d tokens, %s", num_kv_blocks, block_size, ", ".join(
+        f"{num_kv_blocks * b} bytes{' per device' if tensor_parallel_size > 1 and not i else ''} for the "
+        f"{('target', 'draft')[i]} model" for i, b in enumerate(per_block)))
     require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode, "must be 'recompute' or 'swap'")
     long_prefill_token_threshold = _long_prefill_token_threshold(
         long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills, max_model_len)
-    per_block = kv_cache.bytes_per_block(model, block_size, kv_dtype)
-    num_host_blocks = swap_space // per_block if preemption_mode == "swap" else 0
+    host_per_block = sum(kv_cache.bytes_per_block(m, block_size, kv_dtype) for m in models)  # each model swaps
+    num_host_blocks = swap_space // host_per_block if preemption_mode == "swap" else 0
     num_offload_blocks = _num_offload_blocks(kv_offloading_size, kv_offloading_backend, kv_offloading_dir,
-                                             kv_offloading_disk_size, per_block, enable_prefix_caching)
-    if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
-        speculative_config = SpeculativeConfig.from_dict(speculative_config)
+                                             kv_offloading_disk_size, host_per_block, enable_prefix_caching)
     if speculative_config is not None and speculative_config.method == "draft_model" and async_scheduling:
         log.info("speculative decoding (draft_model): async scheduling is off (the draft model computes each "
                  "step's tokens from the host's view of them)")
@@ -111,9 +123,18 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     return config
 
 
-def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_rank: int = 0) -> EngineConfig:
-    """The EngineConfig of every engine option in ``args``, for ``model`` (the shapes of the loaded checkpoint);
-    data_parallel_rank: which of ``args.data_parallel_size`` replicas it is."""
+def speculative_config_of(options: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """The speculative_config option as a SpeculativeConfig (vLLM's dict checked), or None."""
+    if options is None or isinstance(options, SpeculativeConfig):
+        return options
+    return SpeculativeConfig.from_dict(options)
+
+
+def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_rank: int = 0,
+                            draft_model: ModelConfig | None = None) -> EngineConfig:
+    """The EngineConfig of every engine option in ``args``, for ``model`` (the shapes of the loaded checkpoint;
+    draft_model: the draft's, with speculative decoding's draft_model method); data_parallel_rank: which of
+    ``args.data_parallel_size`` replicas it is."""
     return build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
@@ -132,7 +153,7 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
         kv_offloading_dir=args.kv_offloading_dir, kv_offloading_disk_size=args.kv_offloading_disk_size,
         routing=RoutingConfig(args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold,
-                              args.balance_rel_threshold))
+                              args.balance_rel_threshold), draft_model=draft_model)
 
 
 def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfig:
@@ -212,19 +233,26 @@ def _check_tpu_tiles(backend: str, kv_dtype, block_size: int, max_num_batched_to
                 "must be a multiple of 8 on TPU (the attention kernel takes tokens in blocks of 8 or 16)")
 
 
-def _num_kv_blocks(model: ModelConfig, block_size: int, kv_dtype, max_model_len: int, num_kv_blocks: int | None,
-                   kv_cache_memory: int | None, gpu_memory_utilization: float, tensor_parallel_size: int,
-                   group, packed: bool = False) -> int:
-    """The pool's blocks (null block included): num_kv_blocks if given (checked), else what the byte budget
-    holds: kv_cache_memory, or that fraction of the free device memory, or on a device that does not say, 1 GiB."""
-    if num_kv_blocks is not None:
-        needed = cdiv(max_model_len, block_size) + 1
-        require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
-                f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
-                f"blocks of {block_size} tokens, plus the null block")
-        return num_kv_blocks
-    devices = make_mesh(tensor_parallel_size, group).devices.flat
-    budget = kv_cache_memory or kv_cache.device_kv_budget(gpu_memory_utilization, devices)
-    budget = budget or DEFAULT_CPU_KV_CACHE_MEMORY
-    return kv_cache.num_blocks_for_budget(model, block_size, kv_dtype, budget, max_model_len, tensor_parallel_size,
-                                          packed)
+def _check_num_kv_blocks(num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
+    needed = cdiv(max_model_len, block_size) + 1
+    require(num_kv_blocks >= needed, "num_kv_blocks", num_kv_blocks,
+            f"must be >= {needed}: one sequence of max_model_len={max_model_len} needs that many "
+            f"blocks of {block_size} tokens, plus the null block")
+
+
+def _blocks_for_memory(models: tuple[ModelConfig, ...], dtype, block_size: int, per_block: int, max_model_len: int,
+                       kv_cache_memory: int | None, gpu_memory_utilization: float, tensor_parallel_size: int,
+                       group) -> int:
+    """The blocks (null block included) of ``per_block`` device bytes (every model's pool) the byte budget
+    holds: kv_cache_memory, or gpu_memory_utilization of the device memory less the weights of ``models``
+    (the target split over the tensor-parallel group, a draft on its first device), or on a device that does
+    not say, 1 GiB."""
+    name, budget = "kv_cache_memory", kv_cache_memory
+    if not budget:
+        devices = make_mesh(tensor_parallel_size, group).devices.flat
+        weights = sum(weight_bytes(m, dtype, shards) for m, shards in zip(models, (tensor_parallel_size, 1)))
+        name, budget = "gpu_memory_utilization", kv_cache.device_kv_budget(gpu_memory_utilization, weights, devices)
+    if budget is None:
+        name, budget = "kv_cache_memory", DEFAULT_CPU_KV_CACHE_MEMORY
+    return kv_cache.num_blocks_for_budget(per_block, block_size, budget, max_model_len, name,
+                                          per_device=tensor_parallel_size > 1)

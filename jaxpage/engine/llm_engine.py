@@ -9,14 +9,14 @@ import time
 from pathlib import Path
 
 from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
-from jaxpage.config import EngineConfig
+from jaxpage.config import EngineConfig, ModelConfig
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.kv_offload import HostKVTier
 from jaxpage.core.scheduler import Scheduler
 from jaxpage.core.scheduler_output import sampled_rows
 from jaxpage.engine.arg_utils import EngineArgs
-from jaxpage.engine.config_builder import draft_engine_config, engine_config_from_args
+from jaxpage.engine.config_builder import draft_engine_config, engine_config_from_args, speculative_config_of
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.models import config_from_hf
 from jaxpage.models.loader import default_cache_dir, load_model
@@ -43,11 +43,12 @@ class InFlight:
     rows: list[int]
 
 
-def _draft_runner(config: EngineConfig, cache_dir: Path, target) -> DraftRunner | None:
-    """The draft model's runner when speculative decoding's method is draft_model (else None): loaded from
-    ``speculative_config.model``, checked to share the target's vocabulary (and its tokenizer's, when both have
-    one); a bad draft is a ValueError naming speculative_config.model."""
-    spec = config.speculative_config
+def _load_draft(args: EngineArgs, cache_dir: Path, target):
+    """The draft model (a LoadedModel) when speculative decoding's method is draft_model (else None): loaded
+    from ``speculative_config.model``, checked to share the target's tokenizer's vocabulary (when both have one);
+    a bad draft is a ValueError naming speculative_config.model. Loaded before the KV pool is sized: its pool
+    has the target's block ids, and its bytes and weights count in the budget."""
+    spec = speculative_config_of(args.speculative_config)
     if spec is None or spec.method != "draft_model":
         return None
     try:
@@ -57,8 +58,14 @@ def _draft_runner(config: EngineConfig, cache_dir: Path, target) -> DraftRunner 
     tokenizers = (target.tokenizer, loaded.tokenizer)
     if None not in tokenizers and tokenizers[0].get_vocab() != tokenizers[1].get_vocab():
         raise ValueError(f"speculative_config.model={spec.model!r}: its tokenizer is not the target's")
-    drafter = DraftRunner(draft_engine_config(config, config_from_hf(loaded.hf_config)), loaded.params)
-    drafter.runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
+    return loaded
+
+
+def _draft_runner(config: EngineConfig, draft_model: ModelConfig, draft) -> DraftRunner:
+    """The draft's runner (``draft``: the LoadedModel, ``draft_model``: its shapes) over its own pool of the
+    target's geometry (``draft_engine_config`` checks the draft against the target: vocabulary, positions)."""
+    drafter = DraftRunner(draft_engine_config(config, draft_model), draft.params)
+    drafter.runner.eos_token_ids = tuple(sorted(draft.eos_token_ids))
     return drafter
 
 
@@ -112,10 +119,12 @@ class LLMEngine:
         started = time.perf_counter()
         loaded = load_model(args.model, cache_dir, args.quantization)
         load_seconds = time.perf_counter() - started
-        config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0)
+        draft = _load_draft(args, cache_dir, loaded)
+        draft_model = config_from_hf(draft.hf_config) if draft is not None else None
+        config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0, draft_model)
         runner = runner_class()(config, loaded.params)  # process 0 of several: broadcasts
         runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
-        drafter = _draft_runner(config, cache_dir, loaded)
+        drafter = _draft_runner(config, draft_model, draft) if draft is not None else None
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                      model_name=loaded.name, drafter=drafter)
         started = time.perf_counter()

@@ -11,6 +11,7 @@ per config (``model_graph``). The layout of the pure dict (paths as ``nnx.state`
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from flax import nnx
 
 from jaxpage.attention.kv_cache import pool_block_size
 from jaxpage.config import ModelConfig
-from jaxpage.distributed.parallel import MODEL_AXIS
+from jaxpage.distributed.parallel import MODEL_AXIS, spec_fitting
 from jaxpage.models.attention import LayerConstants, StepContext, layer_constants
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import Embedding, Linear, RMSNorm, embed_scale, soft_cap
@@ -186,6 +187,20 @@ def abstract_params(cfg: ModelConfig, dtype) -> dict:
     state = nnx.state(_abstract_model(cfg))
     return jax.tree_util.tree_map_with_path(lambda p, a: jax.ShapeDtypeStruct(a.shape, weight_dtype(p, a, dtype)),
                                             nnx.to_pure_dict(state))
+
+
+def weight_bytes(cfg: ModelConfig, dtype, tp: int = 1) -> int:
+    """The weights' bytes on each device of a tensor-parallel group of ``tp`` as placed in an engine of ``dtype``
+    (int8 weights and their scales as stored; a dimension the model axis does not divide stays whole), from the
+    shapes alone: what the KV budget leaves for them before they are placed."""
+    def shard_bytes(spec, leaf):
+        split = tuple(spec_fitting(spec, leaf.shape, tp))
+        return math.prod(d // tp if i < len(split) and split[i] == MODEL_AXIS else d
+                         for i, d in enumerate(leaf.shape)) * leaf.dtype.itemsize
+
+    shards = jax.tree.map(shard_bytes, partition_specs(cfg), abstract_params(cfg, dtype),
+                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return sum(jax.tree.leaves(shards))
 
 
 def cast_weights(params: dict, dtype) -> dict:
