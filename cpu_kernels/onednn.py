@@ -15,7 +15,7 @@ import numpy as np
 
 from cpu_kernels.library import available, library
 
-__all__ = ["available", "matmul", "pack", "packs"]
+__all__ = ["available", "fast_bfloat16", "matmul", "pack", "packs"]
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool = False) -> jax.Array:
@@ -25,6 +25,20 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
     n = w.shape[0] if transposed else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
     return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed), packed=int(packed))
+
+
+@functools.cache
+def fast_bfloat16() -> bool:
+    """Whether bfloat16 runs faster than float32 here: oneDNN's matmul available on a CPU with bfloat16 dot
+    instructions (avx512_bf16 or AMX; Linux's /proc/cpuinfo flags)."""
+    if not available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {word for line in f if line.startswith("flags") for word in line.split()}
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 @functools.cache

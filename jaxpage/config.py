@@ -54,6 +54,7 @@ class ModelConfig:
     num_kv_head_replicas: int = 1
     # bfloat16 Linear kernels packed for oneDNN's CPU matmul (the engine's: jaxpage.models.weight_packing)
     onednn_packed_weights: bool = False
+    checkpoint_dtype: str | None = None  # the checkpoint's float dtype where its config names one ("float32", ...)
 
     def layer_windows(self) -> np.ndarray:
         """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""
@@ -264,12 +265,13 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = (None, "int8")  # the weights': jaxpage.models.quant
 
 
-def resolve_dtype(dtype: str) -> str:
-    """'auto' is float32 on the CPU (exactness first) and bfloat16 on accelerators."""
+def resolve_dtype(dtype: str, cpu_bfloat16: bool = False) -> str:
+    """'auto' is bfloat16 on accelerators; on the CPU, bfloat16 where ``cpu_bfloat16`` (the engine's choice:
+    bfloat16 serves faster there and the checkpoint is not float32), else float32."""
     import jax
 
     if dtype == "auto":
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return "float32" if jax.default_backend() == "cpu" and not cpu_bfloat16 else "bfloat16"
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
     return dtype

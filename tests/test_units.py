@@ -300,3 +300,33 @@ def test_check_stop_decides_in_order_after_min_tokens_and_sets_the_stop_reason()
     beam = SamplingParams(use_beam_search=True, best_of=2, stop_token_ids=[5])
     assert check_stop(seq(5), beam, eos) is None  # beams end at EOS alone (a hypothesis), not at stop tokens
     assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error", "pruned"]  # what users see
+
+
+def test_auto_dtype_on_the_cpu_follows_the_checkpoint_and_the_cpu():
+    """dtype "auto" on a CPU: bfloat16 only where it serves faster (oneDNN with bfloat16 dot instructions) for a
+    checkpoint that is not float32 with float weights; a float32 checkpoint and int8 weights keep float32."""
+    from cpu_kernels import onednn
+
+    half = dataclasses.replace(_smollm2_shape(), checkpoint_dtype="bfloat16")
+    full = dataclasses.replace(_smollm2_shape(), checkpoint_dtype="float32")
+    unnamed = _smollm2_shape()  # a GGUF file's config names no dtype
+    fast = "bfloat16" if onednn.fast_bfloat16() else "float32"
+    assert _engine(half, dtype="auto").dtype == fast
+    assert _engine(unnamed, dtype="auto").dtype == fast
+    assert _engine(full, dtype="auto").dtype == "float32"
+    assert _engine(half, dtype="auto", quantization="int8").dtype == "float32"
+    assert _engine(half, dtype="float32").dtype == "float32"
+    engine = _engine(half, dtype="auto")
+    assert engine.model.onednn_packed_weights == (fast == "bfloat16")  # packed where bfloat16 runs oneDNN's matmul
+
+
+def test_checkpoint_dtype_is_read_from_the_config(tmp_path):
+    import torch
+    from transformers import AutoConfig
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, dtype=torch.bfloat16)
+    config.save_pretrained(tmp_path)
+    assert config_from_hf(AutoConfig.from_pretrained(tmp_path)).checkpoint_dtype == "bfloat16"
+    assert config_from_hf(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4)).checkpoint_dtype is None

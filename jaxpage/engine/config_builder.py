@@ -7,6 +7,7 @@ import logging
 
 import jax
 
+from cpu_kernels import onednn
 from jaxpage.attention import kv_cache
 from jaxpage.attention.backends import resolve_backend
 from jaxpage.config import (
@@ -60,8 +61,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     speculative_config = speculative_config_of(speculative_config)
     assert (draft_model is not None) == (speculative_config is not None
                                          and speculative_config.method == "draft_model"), "draft_model: its shapes"
-    dtype = resolve_dtype(dtype)
     check_quantization(quantization)
+    dtype = resolve_dtype(dtype, cpu_bfloat16=cpu_serves_bfloat16(model, quantization))
     model = dataclasses.replace(model, quantization=quantization)
     if enable_lora:
         model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras)
@@ -121,6 +122,13 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           routing=routing or RoutingConfig())
     require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
     return config
+
+
+def cpu_serves_bfloat16(model: ModelConfig, quantization: str | None) -> bool:
+    """dtype "auto" on a CPU: bfloat16 where it serves faster than float32 (oneDNN's bfloat16 matmul on a CPU
+    with bfloat16 dot instructions: RESULTS.md, "Packed oneDNN weights"), for float weights of a checkpoint that
+    is not float32 (a float32 checkpoint keeps its precision; int8 weights keep their measured float32 path)."""
+    return quantization is None and model.checkpoint_dtype != "float32" and onednn.fast_bfloat16()
 
 
 def speculative_config_of(options: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

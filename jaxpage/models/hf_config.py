@@ -25,10 +25,18 @@ def common_fields(hf_config, **overrides) -> dict:
         qkv_bias=False,
         o_bias=False,
         hidden_act=getattr(hf_config, "hidden_act", None) or getattr(hf_config, "hidden_activation", "silu"),
+        checkpoint_dtype=checkpoint_dtype(hf_config),
     )
     fields.update(attention_layout(hf_config))
     fields.update(overrides)
     return fields
+
+
+def checkpoint_dtype(hf_config) -> str | None:
+    """The dtype a transformers config names for its weights ("float32", "bfloat16", ...), or None (a GGUF
+    file's config names none)."""
+    dtype = getattr(hf_config, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype else None
 
 
 def attention_layout(hf_config) -> dict:
