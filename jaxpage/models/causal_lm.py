@@ -4,7 +4,8 @@ scanned, or unrolled), the final norm and the LM head; and the pure functions th
 The weights travel as a plain pytree (the NNX state as a pure dict), so the step stays a pure function of
 (weights, pool, batch): ``forward_hidden`` merges them into the architecture's module graph, which is built once
 per config (``model_graph``). The layout of the pure dict (paths as ``nnx.state`` gives them):
-  embed/embedding [V, D], final_norm/weight [D], lm_head/kernel [D, V] (absent when tied), and ``layers``:
+  embed/embedding [V, D], final_norm/weight [D], lm_head/kernel [D, V] (absent when tied, unless int8 or
+  packed), and ``layers``:
   stacked, each layer weight with a leading layer axis (one compiled layer body, run by ``lax.scan``), or
   unrolled, ``{0: layer, 1: layer, ...}`` (``unstack_layers``: every layer compiled, read in place).
 """
@@ -27,7 +28,7 @@ from jaxpage.models.layers import Embedding, Linear, RMSNorm, embed_scale, soft_
 from jaxpage.models.lora_slots import building_slots
 from jaxpage.models.quant import building, weight_dtype
 from jaxpage.models.registry import architecture
-from jaxpage.models.weight_packing import packing
+from jaxpage.models.weight_packing import packing, unties_lm_head
 
 
 class CausalLM(nnx.Module):
@@ -48,8 +49,9 @@ class CausalLM(nnx.Module):
                                 transform_metadata={nnx.PARTITION_NAME: None})
                 self.layers = make()
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # quantized, a tied head is a Linear of its own (made from the embedding at load): its matmul is int8
-        self.lm_head = (None if cfg.tie_word_embeddings and not cfg.quantization
+        # quantized or packed, a tied head is a Linear of its own (made from the embedding at load): its matmul
+        # is int8, or oneDNN's on packed weights (weight_packing.unties_lm_head)
+        self.lm_head = (None if cfg.tie_word_embeddings and not cfg.quantization and not unties_lm_head(cfg)
                         else Linear((cfg.hidden_size,), (cfg.vocab_size,), (None, MODEL_AXIS)))
         self.scale_embeddings = getattr(arch, "SCALE_EMBEDDINGS", False)  # Gemma: x * sqrt(hidden_size)
         self.cfg = cfg

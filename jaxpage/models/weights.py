@@ -52,11 +52,13 @@ def pack_params(cfg: ModelConfig, params: dict) -> dict:
 
     from jaxpage.models.causal_lm import _abstract_model
     from jaxpage.models.layers import Linear
-    from jaxpage.models.weight_packing import pack_kernel
+    from jaxpage.models.weight_packing import pack_kernel, unties_lm_head
 
     if not cfg.onednn_packed_weights:
         return params
     params = {**params}
+    if unties_lm_head(cfg):
+        params["lm_head"] = {"kernel": np.ascontiguousarray(np.asarray(params["embed"]["embedding"]).T)}
     for path, module in nnx.iter_graph(_abstract_model(cfg)):
         if isinstance(module, Linear) and module.packed:
             linear = _get(params, path)
