@@ -321,11 +321,10 @@ def test_auto_dtype_on_the_cpu_follows_the_checkpoint_and_the_cpu():
 
 
 def test_checkpoint_dtype_is_read_from_the_config(tmp_path):
-    import torch
     from transformers import AutoConfig
 
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, dtype=torch.bfloat16)
+                         num_attention_heads=4, dtype="bfloat16")
     config.save_pretrained(tmp_path)
     assert config_from_hf(AutoConfig.from_pretrained(tmp_path)).checkpoint_dtype == "bfloat16"
     assert config_from_hf(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

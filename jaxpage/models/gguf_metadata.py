@@ -38,6 +38,18 @@ def read_gguf_metadata(gguf_path: str, string_arrays: Container[str] = ()) -> tu
     return metadata, tuple(t.name for t in reader.tensors)
 
 
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def gguf_weights_dtype(gguf_path: str) -> str | None:
+    """The dtype of a GGUF file's matrices where they are all of one float type (F32, F16, BF16), as a
+    transformers config names it; None for quantized (or mixed) ones."""
+    import gguf
+
+    types = {t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) >= 2}
+    return _FLOAT_TYPES.get(types.pop()) if len(types) == 1 else None
+
+
 _TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
               "padding_token_id": "pad_token_id"}
 
@@ -82,6 +94,9 @@ def gguf_config(gguf_path: str):
         if f"tokenizer.ggml.{key}" in metadata:
             kwargs[name] = metadata[f"tokenizer.ggml.{key}"]
     kwargs.update(getattr(architecture(model_type), "gguf_fields", lambda _: {})(metadata))
+    dtype = gguf_weights_dtype(gguf_path)  # a float32 file's dtype "auto" stays float32 (ModelConfig)
+    if dtype:
+        kwargs["dtype"] = dtype
     config = AutoConfig.for_model(model_type, **kwargs)
     if "blk.0.attn_q.bias" in tensor_names and hasattr(config, "attention_bias"):  # not in the metadata
         config.attention_bias = True

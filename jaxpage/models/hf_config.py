@@ -33,8 +33,8 @@ def common_fields(hf_config, **overrides) -> dict:
 
 
 def checkpoint_dtype(hf_config) -> str | None:
-    """The dtype a transformers config names for its weights ("float32", "bfloat16", ...), or None (a GGUF
-    file's config names none)."""
+    """The dtype a transformers config names for its weights ("float32", "bfloat16", ...), or None (a quantized
+    GGUF file's config names none: jaxpage.models.gguf_metadata)."""
     dtype = getattr(hf_config, "dtype", None)
     return str(dtype).removeprefix("torch.") if dtype else None
 

