@@ -1,5 +1,6 @@
-"""SmolLM2 (float32, or --dtype) on whatever jaxpage is importable, by phase: decode tokens/s at 1 and 8 streams (64-token
-prompts, greedy) and the seconds of one 1,024-token prompt's prefill (one output token). To compare two trees,
+"""SmolLM2 (float32, or --dtype) on whatever jaxpage is importable, by phase: output tokens/s at 1, 8 and 32
+streams (64-token prompts, greedy; the prompts' prefill counts in the time, which weighs most at 32) and the
+seconds of one 1,024-token prompt's prefill (one output token). To compare two trees,
 run it under each one's PYTHONPATH, alternating, on the same machine load:
 
     PYTHONPATH=/path/to/tree python benchmarks/phase_speed.py [--rounds 2] [--json F]
