@@ -1,7 +1,7 @@
 """Where a CPU decode step's milliseconds go, float32 against bfloat16: per executable, and per op inside each.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/cpu_step_profile.py [--dtypes float32 bfloat16]
-        [--buckets 1 8] [--top 12] [--json out.json]
+        [--buckets 1 8] [--max-num-seqs 8] [--top 12] [--json out.json]
 
 SmolLM2-135M, the engine's own compiled executables of each token bucket (the host layer loop,
 jaxpage/worker/layer_loop.py), on an all-padding batch of plain greedy rows (benchmarks/step_parts.py): the
@@ -128,10 +128,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json")
     parser.add_argument("--hlo-dir", help="write each profiled executable's compiled HLO here")
+    parser.add_argument("--max-num-seqs", type=int, default=OPTIONS["max_num_seqs"],
+                        help="the engine's (a bucket above it takes the attention's query tiles)")
     args = parser.parse_args()
     results = {}
+    options = {**OPTIONS, "max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": max(OPTIONS["max_num_batched_tokens"], args.max_num_seqs)}
     for dtype in args.dtypes:
-        llm = LLM(dtype=dtype, **OPTIONS)
+        llm = LLM(dtype=dtype, **options)
         results[dtype] = {n: profile(llm, n, args.top, args.hlo_dir) for n in args.buckets}
         del llm
     for n in args.buckets:
