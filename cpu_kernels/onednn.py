@@ -49,7 +49,7 @@ def packs(k: int, n: int, dtype) -> bool:
     if lib is None or np.dtype(dtype) != jax.numpy.bfloat16:
         return False
     lib.jaxpage_onednn_packed_bytes.restype = ctypes.c_int64
-    size = lib.jaxpage_onednn_packed_bytes(ctypes.c_int64(k), ctypes.c_int64(n), 1)
+    size = lib.jaxpage_onednn_packed_bytes(ctypes.c_int64(k), ctypes.c_int64(n))
     return size == k * n * np.dtype(dtype).itemsize
 
 
@@ -61,7 +61,7 @@ def pack(w: np.ndarray, *, transposed: bool = False) -> np.ndarray:
     assert packs(k, n, w.dtype), (w.shape, w.dtype)
     out = np.empty_like(w)
     status = library().jaxpage_onednn_pack(w.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
-                                           ctypes.c_int64(k), ctypes.c_int64(n), 1, int(transposed))
+                                           ctypes.c_int64(k), ctypes.c_int64(n), int(transposed))
     if status:
         raise RuntimeError(f"oneDNN could not pack weights of shape {w.shape}")
     return out

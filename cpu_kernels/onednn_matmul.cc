@@ -105,23 +105,23 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-memory::data_type HostType(int bfloat16) { return bfloat16 ? memory::data_type::bf16 : memory::data_type::f32; }
-
 }  // namespace
 
-// Bytes of [k, n] weights packed (the plain layout's when the packed one pads nothing), or -1 on an error.
-extern "C" int64_t jaxpage_onednn_packed_bytes(int64_t k, int64_t n, int bfloat16) {
+// Bytes of bfloat16 [k, n] weights packed (the plain layout's when the packed one pads nothing), or -1 on an
+// error.
+extern "C" int64_t jaxpage_onednn_packed_bytes(int64_t k, int64_t n) {
   try {
-    return int64_t(PackedWeights(k, n, HostType(bfloat16)).get_size());
+    return int64_t(PackedWeights(k, n, memory::data_type::bf16).get_size());
   } catch (const dnnl::error&) {
     return -1;
   }
 }
 
-// Reorders plain weights (w [k, n], or [n, k] with transposed) into the packed layout at out; 0 on success.
-extern "C" int jaxpage_onednn_pack(const void* w, void* out, int64_t k, int64_t n, int bfloat16, int transposed) {
+// Reorders plain bfloat16 weights (w [k, n], or [n, k] with transposed) into the packed layout at out; 0 on
+// success.
+extern "C" int jaxpage_onednn_pack(const void* w, void* out, int64_t k, int64_t n, int transposed) {
   try {
-    memory::data_type t = HostType(bfloat16);
+    memory::data_type t = memory::data_type::bf16;
     dnnl::engine& engine = CpuEngine();
     memory plain(PlainWeights(k, n, t, transposed != 0), engine, const_cast<void*>(w));
     memory packed(PackedWeights(k, n, t), engine, out);
