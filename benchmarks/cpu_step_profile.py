@@ -8,7 +8,8 @@ jaxpage/worker/layer_loop.py), on an all-padding batch of plain greedy rows (ben
 attention's loop runs its first chunk of pages only, so a long context's further chunks are left out. Each
 executable is timed alone with block_until_ready (medians of 7), then the whole loop call, whose excess over
 the parts is the host's time between launches. Then each executable runs under ``jax.profiler.trace``: XLA:CPU records every thunk (an HLO
-instruction: a fusion, a dot, a custom call) on its client threads, and the thunks are summed per step and put in
+instruction: a fusion, a dot, a custom call) on whichever of its threads runs it (the client's and the Eigen pool's:
+a step's thunks hop between them), and the thunks are summed per step and put in
 kinds from the compiled HLO (oneDNN matmul, XLA dot, K/V write, the attention's loop, other fusions); a thunk
 inside the attention's while loop is counted in the loop's own thunk, not again.
 """
@@ -34,6 +35,7 @@ OPTIONS = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256
 INSIDE_LOOP = "(inside the attention's loop, counted in it)"
 BOOKKEEPING = ("ThreadpoolListener", "end:", "ThunkExecutor", "ThreadPool")
 KINDS = (("jaxpage_onednn_matmul", "oneDNN matmul (FFI)"), ("jaxpage_write_kv", "K/V write (FFI)"),
+         ("jaxpage_paged_attention", "paged attention (FFI)"),
          ("jaxpage_gather_rows", "page gather (FFI)"), ("ynn", "XLA dot (YNNPACK)"), (" dot(", "XLA dot (Eigen)"),
          (" while(", "attention: the while loop over page chunks (all of its body)"),
          ("scatter(", "XLA scatter"), ("gather(", "XLA gather"), ("sort(", "sort"))
@@ -50,7 +52,7 @@ def thunk_ms(fn, calls: int) -> dict[str, float]:
     totals = collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
-            if "PjRtCpuClient" not in line.name:
+            if "XLA" not in line.name:  # tf_XLAPjRtCpuClient and tf_XLAEigen threads
                 continue
             for event in line.events:
                 if not event.name.startswith(BOOKKEEPING):

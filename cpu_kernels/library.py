@@ -1,6 +1,6 @@
 """The CPU kernels' shared library: built on first use, loaded and registered with XLA as FFI targets.
 
-The sources (onednn_matmul.cc, kv_write.cc, gather_rows.cc, block_moves.cc) are compiled with the system's C++ compiler against the oneDNN wheels
+The sources (onednn_matmul.cc, kv_write.cc, gather_rows.cc, block_moves.cc, paged_attention.cc) are compiled with the system's C++ compiler against the oneDNN wheels
 (PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN version; without a
 compiler or oneDNN, or with ``JAXPAGE_ONEDNN=0``, ``available()`` is False and callers keep XLA's ops.
 """
@@ -22,10 +22,11 @@ import jax
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("onednn_matmul.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc"))
+                for name in ("onednn_matmul.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc",
+                                          "paged_attention.cc"))
 TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
            "jaxpage_gather_rows": "JaxpageGatherRows", "jaxpage_take_blocks": "JaxpageTakeBlocks",
-           "jaxpage_put_blocks": "JaxpagePutBlocks"}
+           "jaxpage_put_blocks": "JaxpagePutBlocks", "jaxpage_paged_attention": "JaxpagePagedAttention"}
 
 
 def onednn_prefix() -> Path | None:
@@ -43,17 +44,28 @@ def cache_dir() -> Path:
     return Path(base) / "jaxpage" / "cpu_kernels"
 
 
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux), '' where unknown: the library is built for this CPU's vector units
+    (``-march=native``) only where they are known, and they are part of its cache key (a shared home directory)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def build(prefix: Path) -> Path:
-    """Compiles the extension once per source, JAX and oneDNN version; returns the shared library's path."""
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + f"{jax.__version__}{prefix}".encode())
+    """Compiles the extension once per source, JAX and oneDNN version and CPU; returns the shared library's path."""
+    include, flags = jax.ffi.include_dir(), cpu_flags()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + f"{jax.__version__}{prefix}{flags}".encode())
     key = key.hexdigest()[:16]
     path = cache_dir() / f"libjaxpage_onednn-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        command = [os.environ.get("CXX", "g++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+        command = [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp",
+                   "-fno-math-errno", *(["-march=native"] if flags else []),
                    f"-I{include}", f"-I{prefix / 'include'}", *map(str, SOURCES), f"-L{prefix / 'lib'}", "-ldnnl",
                    f"-Wl,-rpath,{prefix / 'lib'}", "-o", tmp.name]
         try:

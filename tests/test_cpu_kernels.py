@@ -175,3 +175,63 @@ def test_bfloat16_attention_gathers_pages_without_converting_the_pool():
     assert not any(f"{t}[120,2,2,16,8]" in compiled or f"{t}[3,40,2,2,16,8]" in compiled for t in ("f32", "u16"))
     f32 = fn(q.astype(jnp.float32), pool.astype(jnp.float32))  # the same values, read from a float32 pool
     np.testing.assert_allclose(np.asarray(fn(q, pool), np.float32), np.asarray(f32), rtol=2 ** -7, atol=2 ** -7)
+
+
+POOL_DTYPES = ["float32", "bfloat16", "fp8", "int8"]
+
+
+def _pool_of(kind: str, values: np.ndarray):
+    from pallas_kernels.quant import ScaledPool, quantize
+
+    if kind == "int8":
+        return ScaledPool(*quantize(jnp.asarray(values), jnp.int8))
+    if kind == "fp8":
+        return quantize(jnp.asarray(values), jnp.float8_e4m3fn)[0]
+    return jnp.asarray(values, kind)
+
+
+@needs_onednn
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 4, 1, 8), (16, 2, 2, 4)])
+@pytest.mark.parametrize("window,soft_cap", [(0, None), (7, None), (0, 5.0)])
+def test_paged_attention_kernel_equals_the_dense_reference(pool_dtype, head_dim, heads, kv_heads, block_size,
+                                                            window, soft_cap):
+    """A mixed flat batch (a decode, a prompt chunk longer than one query tile, a one-token sequence, padding)
+    through the CPU kernel, against the jnp reference that attends each token over its dense context."""
+    from cpu_kernels.paged_attention import paged_attention
+    from pallas_kernels.quant import pool_parts
+    from pallas_kernels.reference import paged_decode_attention_reference
+
+    rng = np.random.default_rng(head_dim + window)
+    num_blocks, width = 40, 10
+    pool = _pool_of(pool_dtype, rng.standard_normal((2, num_blocks, 2, kv_heads, block_size, head_dim)))
+    tables = jnp.asarray(rng.permutation(num_blocks)[:3 * width].reshape(3, width), jnp.int32)
+    seq = np.array([0] + [1] * 21 + [2] + [0] * 3, np.int32)  # last three: padding
+    pos = np.array([37] + list(range(10, 31)) + [0] + [0] * 3, np.int32)
+    q_dtype = jnp.float32 if pool_dtype == "float32" else jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((len(seq), heads, head_dim)), q_dtype)
+    got = jax.jit(lambda q, pool: paged_attention(q, pool, 1, seq, pos, tables, 0.125, window, soft_cap))(q, pool)
+    values, scales = pool_parts(pool)
+    dense = values.astype(jnp.float32) if scales is None else values.astype(jnp.float32) * scales[..., None]
+    want = paged_decode_attention_reference(q.astype(jnp.float32), dense, 1, tables[seq], jnp.asarray(pos) + 1,
+                                            scale=0.125, soft_cap=soft_cap, window=window)
+    tolerance = 1e-5 if q_dtype == jnp.float32 else 2 ** -7  # bfloat16 output: one rounding
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:23], np.asarray(want)[:23], rtol=tolerance,
+                               atol=tolerance)
+
+
+@needs_onednn
+def test_cpu_step_attends_with_the_kernel_and_other_platforms_keep_xla():
+    """The XLA backend's attention on a CPU is the kernel's FFI call; lowered for a GPU it stays XLA's ops."""
+    from jaxpage.attention.backends import write_and_attend
+
+    rng = np.random.default_rng(3)
+    pool = jnp.asarray(rng.standard_normal((2, 8, 2, 1, 4, 16)), jnp.bfloat16)
+    q, k = jnp.ones((3, 2, 16), jnp.bfloat16), jnp.ones((3, 1, 16), jnp.bfloat16)
+    i32 = lambda *a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    step = jax.jit(lambda q, k, pool: write_and_attend("xla", q, k, k, pool, jnp.int32(0), i32(0, 0, 1),
+                                                       i32(0, 1, 0), i32(0, 1, 4), jnp.asarray([[0], [1]], jnp.int32),
+                                                       0.25))
+    assert "jaxpage_paged_attention" in step.lower(q, k, pool).as_text()
+    cuda = jax.export.export(step, platforms=["cuda"])(q, k, pool).mlir_module()
+    assert "jaxpage_paged_attention" not in cuda

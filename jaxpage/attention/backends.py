@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from cpu_kernels import kv_write
+from cpu_kernels import paged_attention as cpu_attention
 from jaxpage.attention.kv_cache import write_kv
 from jaxpage.distributed.parallel import model_axis_size, over_heads
 from pallas_kernels.quant import dequantize, pool_parts
@@ -57,8 +58,8 @@ def _write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, po
     if backend == "xla":
         check_unpacked(pool, "the XLA attention path")
         pool = _write_kv_for_platform(pool, layer, k, v, slot_mapping)
-        return paged_attention_xla(q, pool, layer, token_seq, positions, block_tables, scale, pairs,
-                                   window=window, soft_cap=soft_cap), pool
+        return _attend_for_platform(q, pool, layer, token_seq, positions, block_tables, scale, pairs, window,
+                                    soft_cap), pool
     import pallas_kernels
 
     kernel = {"pallas_gpu": pallas_kernels.ragged_paged_attention_gpu,
@@ -77,6 +78,16 @@ def _write_kv_for_platform(pool, layer, k, v, slot_mapping):
     if pool.shape[4] % tile_rows(pool.dtype):  # not lowerable for a TPU (build_engine_config refuses it there)
         return write_kv(pool, layer, k, v, slot_mapping)
     return jax.lax.platform_dependent(pool, layer, k, v, slot_mapping, tpu=write_kv_tpu, default=write_kv)
+
+
+def _attend_for_platform(q, pool, layer, token_seq, positions, block_tables, scale, pairs, window, soft_cap):
+    """The XLA path's attention; on a CPU with the CPU kernels built, their FFI kernel, which reads the pool in
+    place (XLA's ops gather every page they read and run on one thread)."""
+    xla = functools.partial(paged_attention_xla, scale=scale, pairs=pairs, window=window, soft_cap=soft_cap)
+    if not cpu_attention.supports(q):
+        return xla(q, pool, layer, token_seq, positions, block_tables)
+    cpu = functools.partial(cpu_attention.paged_attention, scale=scale, window=window, soft_cap=soft_cap)
+    return jax.lax.platform_dependent(q, pool, layer, token_seq, positions, block_tables, cpu=cpu, default=xla)
 
 
 _MASKED = -1e30

@@ -1,0 +1,354 @@
+// Paged attention on the CPU, reading the pool in place through the block tables (vLLM's CPU backend has its
+// own kernel for the same reason): XLA's path gathers every page it reads into a new buffer and runs small
+// batched dots on one thread at a time.
+//
+// q [T, H, D] (float32 or bfloat16), pool [L, NB, 2, KVH, BS, D] (float32, bfloat16, float8_e4m3fn, or int8 with
+// scales [L, NB, 2, KVH, BS] float32; otherwise scales is empty), layer [] int32, token_seq [T] int32 (the
+// block-table row of each token), positions [T] int32, block_tables [S, W] int32, window [] int32 (0: full
+// attention). Token t sees the keys at positions p with window_start <= p <= positions[t] of its own sequence,
+// window_start = max(positions[t] - window + 1, 0) when window > 0, else 0. Attributes: scale (on q) and soft_cap
+// (0: none; else scores become soft_cap * tanh(scores / soft_cap)). out [T, H, D] in q's dtype; a row that sees no
+// key gets zeros.
+//
+// The work is cut into tiles: up to kTile consecutive tokens of one sequence, which read each page once for all
+// of their rows (a prompt chunk), times KV heads; the tiles run on OpenMP threads (the same libgomp team as
+// oneDNN's). Each page's K and V rows are converted to float32 once per tile, and every query row of the tile's
+// KV head (its group of query heads) folds the page into its running softmax (max, sum, output).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+float Bf16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+struct Fp8Table {  // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; S.1111.111 is NaN, no infinity
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) {
+      const int sign = i >> 7, exponent = (i >> 3) & 15, mantissa = i & 7;
+      float v = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 15 && mantissa == 7) v = std::numeric_limits<float>::quiet_NaN();
+      value[i] = sign ? -v : v;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+struct Pool {
+  const char* data;
+  const float* scales;  // int8 only
+  ffi::DataType type;
+  int64_t num_blocks, kv_heads, block_size, head_dim;
+
+  int64_t FirstRow(int64_t layer, int64_t block, int64_t which, int64_t head) const {
+    return (((layer * num_blocks + block) * 2 + which) * kv_heads + head) * block_size;
+  }
+
+  // asks for the K and V rows of (layer, block, head) in cache: pages are scattered, so the hardware prefetcher
+  // starts cold on each, and the tile waits on memory
+  void Prefetch(int64_t layer, int64_t block, int64_t head) const {
+    const int64_t bytes = block_size * head_dim * ffi::ByteWidth(type);
+    for (int64_t which = 0; which < 2; ++which) {
+      const char* first = data + FirstRow(layer, block, which, head) * head_dim * ffi::ByteWidth(type);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + b);
+    }
+  }
+
+  // rows [BS, D] of (layer, block, which, head) as float32 into dst
+  void Load(int64_t layer, int64_t block, int64_t which, int64_t head, float* dst) const {
+    const int64_t first = FirstRow(layer, block, which, head);
+    const int64_t n = block_size * head_dim;
+    switch (type) {
+      case ffi::DataType::F32:
+        std::memcpy(dst, reinterpret_cast<const float*>(data) + first * head_dim, n * 4);
+        break;
+      case ffi::DataType::BF16: {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(data) + first * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+          std::memcpy(dst + i, &bits, 4);
+        }
+        break;
+      }
+      case ffi::DataType::F8E4M3FN: {
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(data) + first * head_dim;
+        for (int64_t i = 0; i < n; ++i) dst[i] = kFp8.value[src[i]];
+        break;
+      }
+      default: {  // S8 with one scale per row
+        const int8_t* src = reinterpret_cast<const int8_t*>(data) + first * head_dim;
+        for (int64_t r = 0; r < block_size; ++r) {
+          const float s = scales[first + r];
+          for (int64_t d = 0; d < head_dim; ++d) dst[r * head_dim + d] = src[r * head_dim + d] * s;
+        }
+      }
+    }
+  }
+};
+
+struct Tile {
+  int64_t first, count, seq;
+};
+
+struct Problem {
+  const Pool* pool;
+  const int32_t* positions;
+  const int32_t* tables;
+  int64_t layer, width, heads, group, window;
+  float scale, soft_cap;
+};
+
+int64_t WindowStart(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), written so that a loop of it vectorizes
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return y * two_n;
+}
+
+typedef float F16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX ones
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+inline F16 Load16(const float* p) {
+  F16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+inline void Store16(float* p, F16 x) { std::memcpy(p, &x, sizeof x); }
+
+inline float Sum16(F16 x) {
+#if defined(__clang__)
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+  x += __builtin_shuffle(x, I16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  x += __builtin_shuffle(x, I16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  x += __builtin_shuffle(x, I16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  x += __builtin_shuffle(x, I16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#endif
+  return x[0];
+}
+
+constexpr int64_t kMaxChunks = 16;  // head_dim up to 256, in chunks of 16
+
+// Folds keys [from, to) of one page (k, v [BS, D] float32) into one query vector's running softmax (max m, sum l,
+// output out [D]); q [D] is scaled. kChunks: head_dim / 16 when known at compile time (its accumulators then stay
+// in registers), else 0 and ``chunks`` says. s and w: scratch of BS floats.
+template <int64_t kChunks>
+void FoldPage(const float* q, const float* k, const float* v, int64_t chunks, int64_t from, int64_t to,
+              float soft_cap, float& m, float& l, float* out, float* s, float* w) {
+  const int64_t n = kChunks ? kChunks : chunks, dim = 16 * n;
+  F16 qv[kChunks ? kChunks : kMaxChunks], o[kChunks ? kChunks : kMaxChunks];
+  for (int64_t c = 0; c < n; ++c) qv[c] = Load16(q + 16 * c);
+  float page_max = kNegInf;
+  for (int64_t j = from; j < to; ++j) {
+    const float* key = k + j * dim;
+    F16 acc = qv[0] * Load16(key);
+    for (int64_t c = 1; c < n; ++c) acc += qv[c] * Load16(key + 16 * c);
+    float score = Sum16(acc);
+    if (soft_cap > 0) score = soft_cap * std::tanh(score / soft_cap);
+    s[j] = score;
+    page_max = std::max(page_max, score);
+  }
+  const float new_max = std::max(m, page_max), correction = ExpNonPositive(m - new_max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = from; j < to; ++j) {
+    w[j] = ExpNonPositive(s[j] - new_max);
+    sum += w[j];
+  }
+  for (int64_t c = 0; c < n; ++c) o[c] = Load16(out + 16 * c) * correction;
+  for (int64_t j = from; j < to; ++j) {
+    const float* value = v + j * dim;
+    for (int64_t c = 0; c < n; ++c) o[c] += w[j] * Load16(value + 16 * c);
+  }
+  for (int64_t c = 0; c < n; ++c) Store16(out + 16 * c, o[c]);
+  l = l * correction + sum;
+  m = new_max;
+}
+
+using FoldFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, float, float&, float&,
+                        float*, float*, float*);
+
+FoldFn FoldFor(int64_t dim) {
+  switch (dim) {
+    case 64: return FoldPage<4>;
+    case 128: return FoldPage<8>;
+    case 256: return FoldPage<16>;
+    default: return FoldPage<0>;
+  }
+}
+
+struct Scratch {  // one thread's: a page's K, V, scores and weights; the tile's maxima and sums
+  std::vector<float> k, v, s, w, m, l;
+  Scratch(int64_t bs, int64_t dim, int64_t vectors)
+      : k(bs * dim), v(bs * dim), s(bs), w(bs), m(vectors), l(vectors) {}
+};
+
+// One tile's rows on one KV head: qf [rows * group, D] (scaled, float32) -> acc [rows * group, D], normalised.
+void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const float* qf, float* acc, Scratch& x) {
+  const Pool& pool = *p.pool;
+  const int64_t bs = pool.block_size, dim = pool.head_dim, vectors = tile.count * p.group;
+  const FoldFn fold = FoldFor(dim);
+  float *m = x.m.data(), *l = x.l.data();
+  std::fill(m, m + vectors, kNegInf);
+  std::fill(l, l + vectors, 0.0f);
+  std::fill(acc, acc + vectors * dim, 0.0f);
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+  for (int64_t r = 0; r < tile.count; ++r) {
+    const int64_t pos = p.positions[tile.first + r];
+    lo = std::min(lo, WindowStart(pos, p.window));
+    hi = std::max(hi, pos);
+  }
+  const int32_t* row = p.tables + tile.seq * p.width;
+  const int64_t last = std::min(hi / bs, p.width - 1);
+  auto block_of = [&](int64_t page) { return std::clamp<int64_t>(row[page], 0, pool.num_blocks - 1); };
+  for (int64_t page = lo / bs; page <= last; ++page) {
+    const int64_t block = block_of(page);
+    if (page < last) pool.Prefetch(p.layer, block_of(page + 1), kv_head);
+    pool.Load(p.layer, block, 0, kv_head, x.k.data());
+    pool.Load(p.layer, block, 1, kv_head, x.v.data());
+    for (int64_t vec = 0; vec < vectors; ++vec) {
+      const int64_t pos = p.positions[tile.first + vec / p.group], start = WindowStart(pos, p.window);
+      const int64_t from = std::max(start - page * bs, int64_t{0}), to = std::min(pos - page * bs + 1, bs);
+      if (from >= to) continue;
+      fold(qf + vec * dim, x.k.data(), x.v.data(), dim / 16, from, to, p.soft_cap, m[vec], l[vec], acc + vec * dim,
+           x.s.data(), x.w.data());
+    }
+  }
+  for (int64_t vec = 0; vec < vectors; ++vec) {
+    const float inverse = l[vec] > 0 ? 1.0f / l[vec] : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) acc[vec * dim + d] *= inverse;
+  }
+}
+
+std::vector<Tile> Tiles(const int32_t* token_seq, int64_t num_tokens) {
+  std::vector<Tile> tiles;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (tiles.empty() || tiles.back().seq != token_seq[t] || tiles.back().count == kTile)
+      tiles.push_back({t, 0, token_seq[t]});
+    ++tiles.back().count;
+  }
+  return tiles;
+}
+
+ffi::Error PagedAttention(ffi::AnyBuffer q, ffi::AnyBuffer pool, ffi::Buffer<ffi::F32> scales,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> token_seq,
+                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
+  auto qd = q.dimensions(), pd = pool.dimensions(), td = block_tables.dimensions();
+  const auto qt = q.element_type(), pt = pool.element_type();
+  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2 || qd[2] != pd[5] || qd[1] % pd[3] != 0 ||
+      out->element_type() != qt || (qt != ffi::DataType::F32 && qt != ffi::DataType::BF16) || qd[2] % 16 != 0 ||
+      qd[2] > 16 * kMaxChunks)
+    return ffi::Error::InvalidArgument(
+        "paged_attention: q [T, H, D] float32/bfloat16 with D a multiple of 16 up to 256, pool [L, NB, 2, KVH, BS, "
+        "D] with KVH dividing H");
+  if (pt != ffi::DataType::F32 && pt != ffi::DataType::BF16 && pt != ffi::DataType::F8E4M3FN &&
+      pt != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("paged_attention: pool of float32, bfloat16, float8_e4m3fn or int8");
+  if ((pt == ffi::DataType::S8) != (scales.element_count() * pd[5] == pool.element_count()))
+    return ffi::Error::InvalidArgument("paged_attention: an int8 pool takes its scales [L, NB, 2, KVH, BS]");
+  const int64_t num_tokens = qd[0], heads = qd[1], dim = qd[2], kv_heads = pd[3];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= pd[0] || pd[1] == 0) return ffi::Error::InvalidArgument("paged_attention: layer out of range");
+  const Pool pages{static_cast<const char*>(pool.untyped_data()), scales.typed_data(), pt, pd[1], kv_heads, pd[4],
+                   dim};
+  const Problem p{&pages, positions.typed_data(), block_tables.typed_data(), l, td[1], heads, heads / kv_heads,
+                  window.typed_data()[0], scale, soft_cap};
+  std::vector<Tile> tiles = Tiles(token_seq.typed_data(), num_tokens);
+  for (Tile& tile : tiles) tile.seq = std::clamp<int64_t>(tile.seq, 0, td[0] - 1);
+  const int64_t work = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const bool bf16 = qt == ffi::DataType::BF16;
+  const void* q_data = q.untyped_data();
+  void* out_data = out->untyped_data();
+#pragma omp parallel
+  {
+    Scratch scratch(pages.block_size, dim, kTile * p.group);
+    std::vector<float> qf(kTile * p.group * dim), acc(kTile * p.group * dim);
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < work; ++item) {
+      const Tile& tile = tiles[item / kv_heads];
+      const int64_t kv_head = item % kv_heads;
+      for (int64_t r = 0; r < tile.count; ++r)
+        for (int64_t g = 0; g < p.group; ++g) {
+          const int64_t from = ((tile.first + r) * heads + kv_head * p.group + g) * dim;
+          float* dst = qf.data() + (r * p.group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d)
+            dst[d] = scale * (bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(q_data)[from + d])
+                                   : static_cast<const float*>(q_data)[from + d]);
+        }
+      AttendTile(p, tile, kv_head, qf.data(), acc.data(), scratch);
+      for (int64_t r = 0; r < tile.count; ++r)
+        for (int64_t g = 0; g < p.group; ++g) {
+          const int64_t to = ((tile.first + r) * heads + kv_head * p.group + g) * dim;
+          const float* src = acc.data() + (r * p.group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            if (bf16)
+              static_cast<uint16_t*>(out_data)[to + d] = FloatToBf16(src[d]);
+            else
+              static_cast<float*>(out_data)[to + d] = src[d];
+          }
+        }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));
