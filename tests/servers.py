@@ -164,16 +164,30 @@ def wait_tls(server: Server, creds) -> None:
     raise TimeoutError(server.log.read_text()[-3000:])
 
 
+def start_tls_server(tmp: Path, creds, *flags: str, attempts: int = 3) -> Server:
+    """start_server, then wait_tls with these client credentials. free_port's port is free when picked, not when
+    the server binds it (another test process can take it in between): a server that exits because its address
+    is in use is started again on new ports."""
+    for attempt in range(attempts):
+        server = start_server(tmp, *flags)
+        try:
+            wait_tls(server, creds)
+            return server
+        except RuntimeError as e:
+            server.stop()
+            if "address already in use" not in str(e).lower() or attempt == attempts - 1:
+                raise
+        except BaseException:
+            server.stop()
+            raise
+    raise AssertionError("unreachable")
+
+
 def start_tls_only(tmp: Path, certs) -> Server:
     """Server-side TLS alone (no client certificates), the token from $JAXPAGE_API_KEY; started and SERVING."""
     os.environ["JAXPAGE_API_KEY"] = KEY
     try:
-        server = start_server(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
+        return start_tls_server(tmp, grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes()), "--tls-cert",
+                                str(certs["server.pem"]), "--tls-key", str(certs["server.key"]))
     finally:
         del os.environ["JAXPAGE_API_KEY"]
-    try:
-        wait_tls(server, grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes()))
-    except BaseException:
-        server.stop()
-        raise
-    return server

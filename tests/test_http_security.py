@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.servers import KEY, start_server, start_tls_only, wait_tls
+from tests.servers import KEY, start_tls_only, start_tls_server
 
 MAX_PROMPT_BYTES, MAX_MESSAGE_BYTES = 1000, 20_000
 SEQS_CAP = 4  # --max-seqs-per-request (the stand-in engine holds 8 sequences)
@@ -60,12 +60,12 @@ def assert_still_serving(http: httpx.Client) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, certs):
-    server = start_server(tmp_path_factory.mktemp("http_mtls"), "--tls-cert", str(certs["server.pem"]),
-                          "--tls-key", str(certs["server.key"]), "--tls-client-ca", str(certs["ca.pem"]),
-                          "--api-key", KEY, "--max-prompt-bytes", str(MAX_PROMPT_BYTES),
-                          "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-seqs-per-request", str(SEQS_CAP))
-    wait_tls(server, grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes(), certs["client.key"].read_bytes(),
-                                                  certs["client.pem"].read_bytes()))
+    creds = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes(), certs["client.key"].read_bytes(),
+                                         certs["client.pem"].read_bytes())
+    server = start_tls_server(tmp_path_factory.mktemp("http_mtls"), creds, "--tls-cert", str(certs["server.pem"]),
+                              "--tls-key", str(certs["server.key"]), "--tls-client-ca", str(certs["ca.pem"]),
+                              "--api-key", KEY, "--max-prompt-bytes", str(MAX_PROMPT_BYTES),
+                              "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-seqs-per-request", str(SEQS_CAP))
     yield server
     server.stop()
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from tests.servers import KEY, Server, secure_health, start_server, start_tls_only, wait_tls
+from tests.servers import KEY, Server, secure_health, start_tls_only, start_tls_server
 
 
 def _generate(server: Server, creds, metadata=()) -> list[int]:
@@ -44,11 +44,11 @@ def _https(url: str, certs, token: str | None) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def mtls_server(tmp_path_factory, certs):
     tmp = tmp_path_factory.mktemp("mtls")
-    server = start_server(tmp, "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
-                    "--tls-client-ca", str(certs["ca.pem"]), "--api-key", KEY, "--no-reflection")
     creds = grpc.ssl_channel_credentials(certs["ca.pem"].read_bytes(), certs["client.key"].read_bytes(),
                                          certs["client.pem"].read_bytes())
-    wait_tls(server, creds)
+    server = start_tls_server(tmp, creds, "--tls-cert", str(certs["server.pem"]), "--tls-key",
+                              str(certs["server.key"]), "--tls-client-ca", str(certs["ca.pem"]), "--api-key", KEY,
+                              "--no-reflection")
     server.creds = creds
     yield server
     server.stop()
