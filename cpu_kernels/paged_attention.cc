@@ -14,8 +14,6 @@
 // of their rows (a prompt chunk), times KV heads; the tiles run on OpenMP threads (the same libgomp team as
 // oneDNN's). Each page's K and V rows are converted to float32 once per tile, and every query row of the tile's
 // KV head (its group of query heads) folds the page into its running softmax (max, sum, output).
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
