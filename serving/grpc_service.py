@@ -26,6 +26,9 @@ from serving.serving_models import ServingModels, UnknownModelError
 
 log = logging.getLogger("jaxpage.serve")
 
+# The server's deadline starts when the call arrives, later than the client's, so a client whose own deadline
+# fired cancels the stream with a little time still left here; that much left still counts as an expiry.
+DEADLINE_SLACK_S = 0.5
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxpage.v1.Generation"
 
 # the lifecycle's errors as status codes (the first class of an error's MRO found here)
@@ -237,10 +240,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                     yield out
         except RequestError as e:
             await self._reject(context, *_status(e))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: ended while a response was being written
             log.info("request %s ended early (client cancel, disconnect, deadline or server stop): aborted",
                      request_id)
             remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
+            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
             self.count_error(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED)
             raise
