@@ -15,7 +15,7 @@ from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.distributed.vocab_shard import VocabShard
 from jaxpage.sequence import Sequence, SequenceGroup
 from jaxpage.worker.input_batch import InputBatch, build_batch
-from jaxpage.worker.sampler import _apply_penalties, sample
+from jaxpage.worker.sampler import _apply_penalties, is_plain_greedy, plain_greedy, sample
 from tests.compiles import CompileCounter
 from tests.reference import NEAR_TIE, hf_logits
 from tests.stand_in import make_engine
@@ -125,3 +125,41 @@ def test_greedy_with_penalties_matches_transformers_and_compiles_nothing(smollm2
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids, "the penalties changed nothing"
     assert smollm2.engine.block_pool.num_free == smollm2.engine.config.num_kv_blocks - 1
 
+
+
+def test_plain_greedy_rows_take_the_short_sampler_with_sample_s_tokens_and_logprobs():
+    """The layer loop samples a batch of plain greedy rows with ``plain_greedy`` (argmax, log-softmax at it):
+    such batches are recognised on the host, any row asking for more (randomness, a penalty, a bias, a ban
+    under min_tokens, top logprobs, a grammar's bitmask) sends the batch to ``sample``; and the short path's
+    tokens and log-probabilities are the numpy reference's and ``sample``'s, ties to the lowest id included."""
+    config = make_engine(max_num_seqs=4, max_model_len=64).config
+    vocab, rng = config.model.vocab_size, np.random.default_rng(2)
+    others = {"random": SamplingParams(temperature=0.8), "penalty": SamplingParams(temperature=0, presence_penalty=0.5),
+              "repetition": SamplingParams(temperature=0, repetition_penalty=1.2),
+              "bias": SamplingParams(temperature=0, logit_bias={3: 2.0}),
+              "min_tokens": SamplingParams(temperature=0, min_tokens=4), "top": SamplingParams(temperature=0, logprobs=2)}
+
+    def batch_of(params: list[SamplingParams], bitmask=None):
+        scheduled = []
+        for i, p in enumerate(params):
+            seq = Sequence(i, rng.integers(0, vocab, 5).tolist(), 5, 64, block_table=[i + 1])
+            scheduled.append(ScheduledSeq(seq, 5, SequenceGroup(str(i), [seq], p, i), True))
+        return build_batch(config, scheduled, (2,), InputBatch(config), bitmask)[1]
+
+    greedy = SamplingParams(temperature=0)
+    plain = batch_of([greedy] * 3)
+    assert is_plain_greedy(plain)
+    for name, p in others.items():
+        assert not is_plain_greedy(batch_of([greedy, p, greedy])), name
+    words = -(-vocab // 32)
+    assert not is_plain_greedy(batch_of([greedy] * 3, np.where(np.arange(words) == 0, 5, -1)[None].repeat(3, 0)))
+    logits = rng.normal(size=(len(plain.temperature), vocab)).astype(np.float32) * 3
+    logits[1, [7, 11]] = logits[1].max() + 1  # a tie: the lower id wins, as jnp.argmax
+    short, full = jax.jit(plain_greedy)(jnp.asarray(logits)), jax.jit(sample)(jnp.asarray(logits), plain)
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    reference = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(short.tokens), np.argmax(logits, axis=1))
+    np.testing.assert_array_equal(np.asarray(short.tokens), np.asarray(full.tokens))
+    np.testing.assert_allclose(np.asarray(short.logprobs), reference[np.arange(len(logits)), np.argmax(logits, 1)],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(short.logprobs), np.asarray(full.logprobs), rtol=1e-6, atol=1e-6)

@@ -25,7 +25,8 @@ from jaxpage.config import EngineConfig
 from jaxpage.distributed.parallel import put
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
-from jaxpage.worker.step_tail import prompt_logprobs_of, sample_rows
+from jaxpage.worker.sampler import is_plain_greedy
+from jaxpage.worker.step_tail import greedy_rows, prompt_logprobs_of, sample_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class LayerLoop:
     layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
     end: object  # (top weights, x, batch) -> (final-normed x, its rows at the batch's logits indices)
     sampler: object  # (top weights, rows, sampling) -> sampler output (step_tail.sample_rows)
+    greedy: object  # (top weights, rows) -> the sampler's output where every row is plain greedy (greedy_rows)
     prompt: object  # (top weights, final-normed x, prompt targets) -> prompt logprobs (step_tail.prompt_logprobs_of)
     consts: tuple  # each layer's LayerConstants, on the device(s)
     inputs: object  # the batch's sharding, placed once for all layers
@@ -53,7 +55,10 @@ class LayerLoop:
             x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
         x, rows = self.end(top, x, base)
         targets = sampling.prompt_targets
-        out = self.sampler(top, rows, dataclasses.replace(sampling, prompt_targets=None))
+        if is_plain_greedy(sampling):
+            out = self.greedy(top, rows)
+        else:
+            out = self.sampler(top, rows, dataclasses.replace(sampling, prompt_targets=None))
         if targets is not None and (isinstance(targets, jax.Array) or np.any(np.asarray(targets) >= 0)):
             out = dataclasses.replace(out, prompt=self.prompt(top, x, targets))
         return out, pool
@@ -80,6 +85,7 @@ class LayerLoop:
         layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: weights["layers"][0]}, config.kv_dtype,
                                  packs_kv(config.model, config.attention_backend))
         return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(functools.partial(sample_rows, config)),
+                   jax.jit(functools.partial(greedy_rows, config)),
                    jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {})
 
     def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
@@ -93,6 +99,7 @@ class LayerLoop:
             layer=self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
             end=self._shared("end", self.end, top, x, base), sampler=self._shared("sampler", self.sampler, top, rows,
                                                                                  sampling),
+            greedy=self._shared("greedy", self.greedy, top, rows),
             prompt=self._shared("prompt", self.prompt, top, x, targets) if targets is not None else None)
 
     def _shared(self, name: str, jitted, *args):
@@ -100,9 +107,13 @@ class LayerLoop:
         key = (name, *((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
         if key not in self.compiled:
             self.compiled[key] = jitted.lower(*args).compile()
+            if name == "greedy":  # the runner's first run on padding samples through the general sampler: this
+                # one's first run (0.3-0.7 s of the runtime's set-up on a CPU) is taken here
+                zeros = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.zeros(a.shape, a.dtype), args)
+                jax.block_until_ready(self.compiled[key](*zeros))
         return self.compiled[key]
 
     def as_text(self) -> str:
         """The compiled executables' HLO, as a compiled step's ``as_text``."""
-        return "\n".join(f.as_text() for f in (self.begin, self.layer, self.end, self.sampler, self.prompt)
-                         if f is not None)
+        stages = (self.begin, self.layer, self.end, self.sampler, self.greedy, self.prompt)
+        return "\n".join(f.as_text() for f in stages if f is not None)

@@ -15,6 +15,7 @@ from jaxpage.worker.sampler import (
     PromptLogprobsOutput,
     SamplerOutput,
     SamplingBatch,
+    plain_greedy,
     prompt_logprobs,
     sample,
 )
@@ -36,6 +37,11 @@ def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: 
 def sample_rows(config: EngineConfig, params: dict, rows: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
     """The sampler's per-row output from the rows' final-normed hidden states [S, D] (prompt targets unread)."""
     return sample(compute_logits(config.model, params, rows), sampling, config.sampler_returns_probs)
+
+
+def greedy_rows(config: EngineConfig, params: dict, rows: jax.Array) -> SamplerOutput:
+    """``sample_rows``' output where every row is plain greedy (``sampler.is_plain_greedy``; one device)."""
+    return plain_greedy(compute_logits(config.model, params, rows))
 
 
 def prompt_logprobs_of(config: EngineConfig, params: dict, hidden: jax.Array,
