@@ -22,8 +22,8 @@ import jax
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("onednn_matmul.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc",
-                                          "paged_attention.cc"))
+                for name in ("onednn_matmul.cc", "packed_gemv.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc",
+                             "paged_attention.cc"))
 TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
            "jaxpage_gather_rows": "JaxpageGatherRows", "jaxpage_take_blocks": "JaxpageTakeBlocks",
            "jaxpage_put_blocks": "JaxpagePutBlocks", "jaxpage_paged_attention": "JaxpagePagedAttention"}

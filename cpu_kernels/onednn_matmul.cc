@@ -7,12 +7,18 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
+
+namespace jaxpage {
+// packed_gemv.cc: a few rows against BA16a64b2a-packed bfloat16 weights; false where it does not apply
+bool PackedGemvBf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k, int64_t n);
+}
 
 namespace {
 
@@ -49,6 +55,12 @@ memory::desc PackedWeights(int64_t k, int64_t n, memory::data_type t) {
   return it->second;
 }
 
+// Whether bfloat16 weights [k, n] packed are in the layout packed_gemv.cc reads.
+bool PackedForGemv(int64_t k, int64_t n) {
+  const memory::data_type t = memory::data_type::bf16;
+  return PackedWeights(k, n, t) == memory::desc({k, n}, t, memory::format_tag::BA16a64b2a);
+}
+
 struct Shape {
   int64_t m, k, n;
   memory::data_type x, w, y;
@@ -58,16 +70,26 @@ struct Shape {
   memory::desc YDesc() const { return {{m, n}, y, memory::format_tag::ab}; }
 };
 
-dnnl::matmul Primitive(const Shape& s) {
+// A primitive and its scratchpad's bytes. The caller passes the scratchpad (scratchpad_mode::user): with the
+// library's own, two XLA threads running matmuls of one shape at once (independent ops of one program) share it
+// and crash in oneDNN's kernels.
+struct Matmuls {
+  dnnl::matmul primitive;
+  size_t scratchpad_bytes;
+};
+
+Matmuls Primitive(const Shape& s) {
   using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, bool, bool>;
   static std::mutex mu;
-  static std::map<Key, dnnl::matmul> cache;
+  static std::map<Key, Matmuls> cache;
   Key key{s.m, s.k, s.n, int(s.x), int(s.w), int(s.y), s.transposed, s.packed};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    dnnl::matmul::primitive_desc pd(CpuEngine(), s.XDesc(), s.WDesc(), s.YDesc());
-    it = cache.emplace(key, dnnl::matmul(pd)).first;
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::matmul::primitive_desc pd(CpuEngine(), s.XDesc(), s.WDesc(), s.YDesc(), attr);
+    it = cache.emplace(key, Matmuls{dnnl::matmul(pd), pd.scratchpad_desc().get_size()}).first;
   }
   return it->second;
 }
@@ -90,14 +112,25 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   if (s.m * s.k != int64_t(x.element_count()) || int64_t(y->element_count()) != s.m * s.n)
     return ffi::Error::InvalidArgument("onednn_matmul: x, w and y shapes do not match");
   if (s.m == 0) return ffi::Error::Success();
+  const auto bf16 = memory::data_type::bf16;
+  if (s.packed && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n) &&
+      jaxpage::PackedGemvBf16(static_cast<const uint16_t*>(x.untyped_data()),
+                              static_cast<const uint16_t*>(w.untyped_data()),
+                              static_cast<uint16_t*>(y->untyped_data()), s.m, s.k, s.n))
+    return ffi::Error::Success();
   try {
-    dnnl::matmul primitive = Primitive(s);
+    Matmuls matmul = Primitive(s);
     dnnl::engine& engine = CpuEngine();
     memory xm(s.XDesc(), engine, x.untyped_data());
     memory wm(s.WDesc(), engine, w.untyped_data());
     memory ym(s.YDesc(), engine, y->untyped_data());
+    thread_local std::vector<char> scratch;  // this XLA thread's: grown, never shared
+    if (scratch.size() < matmul.scratchpad_bytes) scratch.resize(matmul.scratchpad_bytes);
+    memory sm({{int64_t(matmul.scratchpad_bytes)}, memory::data_type::u8, memory::format_tag::a}, engine,
+              scratch.data());
     dnnl::stream stream(engine);
-    primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym}});
+    matmul.primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym},
+                                      {DNNL_ARG_SCRATCHPAD, sm}});
     stream.wait();
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());

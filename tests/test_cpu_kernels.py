@@ -40,10 +40,13 @@ def test_onednn_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape,
 
 @needs_onednn
 @pytest.mark.parametrize("x_shape,k_shape,num_in", [((5, 576), (576, 9, 64), 1), ((3, 9, 64), (9, 64, 576), 2),
-                                                    ((40, 1536), (1536, 576), 1), ((1, 576), (576, 3072), 1)])
+                                                    ((40, 1536), (1536, 576), 1), ((1, 576), (576, 3072), 1),
+                                                    ((2, 576), (576, 192), 1), ((8, 1536), (1536, 576), 1),
+                                                    ((7, 576), (576, 960), 1), ((9, 576), (576, 192), 1)])
 def test_packed_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape, num_in):
     """Weights packed once into oneDNN's blocked layout (weight_packing): the packed matmul reads them as the
-    plain kernel's values (float32 math on the plain kernel is the reference), at every row count."""
+    plain kernel's values (float32 math on the plain kernel is the reference), at every row count: up to 8 rows
+    through packed_gemv.cc (in fours, the last group short), above that oneDNN's own kernel."""
     from jaxpage.models.weight_packing import pack_kernel
 
     rng = np.random.default_rng(3)
@@ -55,6 +58,26 @@ def test_packed_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape,
     y = np.asarray(jax.jit(lambda x, k: dense(x, k, num_in, packed=True))(x, jnp.asarray(packed)), np.float32)
     ref = np.tensordot(np.asarray(x, np.float32), np.asarray(kernel, np.float32), axes=num_in)
     np.testing.assert_allclose(y, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max(initial=1))
+
+
+@needs_onednn
+def test_independent_matmuls_of_one_shape_run_at_once():
+    """XLA:CPU runs independent ops of a program on its threads at once: oneDNN primitives of one shape executed
+    together shared the library's scratchpad and crashed (a segfault at 8-32 rows, before the scratchpad became
+    the caller's); each product still equals float32 math."""
+    from jaxpage.models.weight_packing import pack_kernel
+
+    rng = np.random.default_rng(4)
+    kernels = [np.asarray(jnp.asarray(rng.standard_normal((576, 1536)), jnp.bfloat16)) for _ in range(12)]
+    packed = [jnp.asarray(pack_kernel(k[None], 1, 1)[0]) for k in kernels]
+    fn = jax.jit(lambda x, *ks: [dense(x, k, 1, packed=True) for k in ks])
+    for rows in (16, 24):
+        x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.bfloat16)
+        for _ in range(4):
+            ys = fn(x, *packed)
+        for y, k in zip(ys, kernels):
+            ref = np.asarray(x, np.float32) @ np.asarray(k, np.float32)
+            np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
 
 
 @needs_onednn
