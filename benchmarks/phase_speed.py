@@ -22,6 +22,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--phases", nargs="+", default=[name for name, *_ in PHASES], choices=[n for n, *_ in PHASES])
     args = parser.parse_args(argv)
     from jaxpage import LLM, SamplingParams
 
@@ -31,7 +32,7 @@ def main(argv=None) -> None:
     row = {"dtype": args.dtype, "start_s": round(time.perf_counter() - start, 1), "load_average": list(os.getloadavg())}
     rng = np.random.default_rng(0)
     for r in range(args.rounds):
-        for name, streams, prompt_len, new in PHASES:
+        for name, streams, prompt_len, new in (phase for phase in PHASES if phase[0] in args.phases):
             prompts = [{"prompt_token_ids": rng.integers(100, 40000, prompt_len).tolist()} for _ in range(streams)]
             params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
             t = time.perf_counter()
