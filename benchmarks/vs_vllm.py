@@ -48,6 +48,7 @@ import re
 import resource
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,7 +100,8 @@ def num_prompts(args, concurrency: int) -> int:
 
 def plan(args) -> list[tuple[str, Workload, int]]:
     """(system, workload, concurrency) in the order they run: each system's server serves all its runs."""
-    return [(s, WORKLOADS[w], c) for s in args.systems for w in args.workloads for c in args.concurrency]
+    rounds = args.rounds if args.interleave else 1
+    return [(s, WORKLOADS[w], c) for s in args.systems for w in args.workloads for c in args.concurrency] * rounds
 
 
 def estimate_seconds(args, workload: Workload, concurrency: int, n: int | None = None) -> float:
@@ -526,6 +528,8 @@ def plot(result: dict, path: Path) -> None:
 
 def report(result: dict, args) -> None:
     print(table(result))
+    if any("round" in r for r in result["runs"]):
+        print(paired(result))
     if args.markdown:
         write_markdown(Path(args.markdown), markdown(result))
         print(f"wrote the table into {args.markdown}")
@@ -549,41 +553,109 @@ def versions(args) -> str:
             f"{vllm.stdout.strip() or '?'}")
 
 
-def run_system(system: str, args, work_dir: Path, result: dict, save, progress: Progress) -> None:
-    """Starts the system's server, runs its workloads x concurrencies through the client, stops it."""
+def start_system(system: str, args, work_dir: Path, result: dict, save) -> Server | None:
+    """Starts the system's server and warms it up (its info in result["servers"]); None if it did not start."""
     try:
         server = start_server(system, args, work_dir)
     except Exception as e:  # noqa: BLE001 (a server that does not start is recorded; the next one goes on)
         print(f"{system}: did not start: {str(e)[:2000]}", flush=True)
         result["servers"][system] = {"error": str(e)[-2000:]}
         save()
+        return None
+    info = result["servers"][system] = {"command": shlex.join(server.argv), "startup_s": server.startup_s,
+                                        "model": server.model, "pid": server.proc.pid}
+    if args.warm_up:
+        c = min(8, max(args.concurrency))
+        row = run_client(args, server, WARM_UP, c, c, work_dir)
+        info["warm_up"] = {k: row.get(k) for k in ("client_command", "duration_s", "output_tok_s", "error")}
+        print(f"  {system}: warmed up ({row.get('error') or 'untimed'})", flush=True)
+    info["idle_cores_busy"] = idle_cores_busy(server)
+    return server
+
+
+def stop_system(server: Server, result: dict, save) -> None:
+    server.stop()
+    result["servers"][server.system]["core_lines"] = core_lines(server.log_path)
+    save()
+
+
+def measure(args, server: Server, name: str, concurrency: int, work_dir: Path, result: dict, save,
+            progress: Progress, round_index: int | None = None) -> bool:
+    """One client run against a live server, recorded; False if the server has died."""
+    info = result["servers"][server.system]
+    if not server.alive():
+        print(f"  {server.system} died (log {server.log_path}); its remaining runs are skipped", flush=True)
+        info["error"] = "died during the runs"
+        return False
+    row = run_client(args, server, WORKLOADS[name], concurrency, num_prompts(args, concurrency), work_dir,
+                     info["idle_cores_busy"])
+    if round_index is not None:
+        row["round"] = round_index
+    result["runs"].append(row)
+    print_row(row)
+    progress.tick(estimate_seconds(args, WORKLOADS[name], concurrency))
+    save()
+    return True
+
+
+def run_system(system: str, args, work_dir: Path, result: dict, save, progress: Progress) -> None:
+    """Starts the system's server, runs its workloads x concurrencies through the client, stops it."""
+    server = start_system(system, args, work_dir, result, save)
+    if server is None:
         return
     try:
-        info = result["servers"][system] = {"command": shlex.join(server.argv), "startup_s": server.startup_s,
-                                            "model": server.model, "pid": server.proc.pid}
-        if args.warm_up:
-            c = min(8, max(args.concurrency))
-            row = run_client(args, server, WARM_UP, c, c, work_dir)
-            info["warm_up"] = {k: row.get(k) for k in ("client_command", "duration_s", "output_tok_s", "error")}
-            print(f"  {system}: warmed up ({row.get('error') or 'untimed'})", flush=True)
-        info["idle_cores_busy"] = idle_cores_busy(server)
         progress.tick(start_estimate(args), run=False)
         for name in args.workloads:
             for concurrency in args.concurrency:
-                if not server.alive():
-                    print(f"  {system} died (log {server.log_path}); its remaining runs are skipped", flush=True)
-                    info["error"] = "died during the runs"
+                if not measure(args, server, name, concurrency, work_dir, result, save, progress):
                     return
-                row = run_client(args, server, WORKLOADS[name], concurrency, num_prompts(args, concurrency),
-                                 work_dir, info["idle_cores_busy"])
-                result["runs"].append(row)
-                print_row(row)
-                progress.tick(estimate_seconds(args, WORKLOADS[name], concurrency))
-                save()
     finally:
-        server.stop()
-        result["servers"][system]["core_lines"] = core_lines(server.log_path)
-        save()
+        stop_system(server, result, save)
+
+
+def run_interleaved(args, work_dir: Path, result: dict, save, progress: Progress) -> None:
+    """--interleave: every server started first and kept up; each workload x concurrency then runs on every system
+    in turn, --rounds times, the order of the systems flipped every round, so that a drift in the machine's speed
+    falls on all of them alike (an idle server's polling is charged to the others' runs: idle_cores_busy)."""
+    servers = [s for s in (start_system(system, args, work_dir, result, save) for system in args.systems) if s]
+    try:
+        for r in range(args.rounds):
+            for name in args.workloads:
+                for concurrency in args.concurrency:
+                    for server in (servers if r % 2 == 0 else servers[::-1]):
+                        if server.system not in result["servers"] or "error" in result["servers"][server.system]:
+                            continue
+                        measure(args, server, name, concurrency, work_dir, result, save, progress, r)
+    finally:
+        for server in servers:
+            stop_system(server, result, save)
+
+
+def paired(result: dict) -> str:
+    """Markdown, for interleaved rounds: per workload x concurrency, each system's median output tok/s and p99 ITL
+    over the rounds, and the median over rounds of its tok/s over the first system's in the same round."""
+    rows = [r for r in result["runs"] if r.get("output_tok_s") is not None and "round" in r]
+    first, systems = result["systems"][0], result["systems"]
+    lines = ["| workload | C | " + " | ".join(f"{s} tok/s, p99 ITL ms" for s in systems) + " | " +
+             " | ".join(f"{s} / {first} (paired)" for s in systems[1:]) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in systems) + " | " + " | ".join("---" for _ in systems[1:])
+             + " |"]
+    for name in [w["name"] for w in result["workloads"]]:
+        for c in sorted({r["concurrency"] for r in rows}):
+            by = {(r["system"], r["round"]): r for r in rows if r["workload"] == name and r["concurrency"] == c}
+            cells = []
+            for s in systems:
+                mine = [r for (system, _), r in by.items() if system == s]
+                cells.append(f"{statistics.median(r['output_tok_s'] for r in mine):.1f}, "
+                             f"{statistics.median(r['itl_p99_ms'] for r in mine):.0f}" if mine else "-")
+            ratios = []
+            for s in systems[1:]:
+                pairs = [by[s, k]["output_tok_s"] / by[first, k]["output_tok_s"] for (system, k) in by
+                         if system == s and (first, k) in by]
+                ratios.append(f"{statistics.median(pairs):.2f}x ({', '.join(f'{x:.2f}' for x in pairs)})"
+                              if pairs else "-")
+            lines.append(f"| {name} | {c} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -600,6 +672,9 @@ def parse_args(argv=None):
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                         help="one untimed client run per server before its runs (1024 in / 16 out, C=min(8, max C))")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interleave", action="store_true",
+                        help="every server up at once, the systems' runs alternated (see run_interleaved)")
+    parser.add_argument("--rounds", type=int, default=1, help="with --interleave: runs of each system per cell")
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 2 x C prompts")
     parser.add_argument("--estimate", action="store_true", help="print the plan and its time estimate, run nothing")
     parser.add_argument("--report-only", action="store_true", help="the table and plot from --json, run nothing")
@@ -667,8 +742,11 @@ def main(argv=None) -> dict:
     started = time.monotonic()
     print(f"logs and client results in {work_dir}", flush=True)
     progress = Progress(len(plan(args)), estimated)
-    for system in args.systems:
-        run_system(system, args, work_dir, result, save, progress)
+    if args.interleave:
+        run_interleaved(args, work_dir, result, save, progress)
+    else:
+        for system in args.systems:
+            run_system(system, args, work_dir, result, save, progress)
     result["total_s"] = time.monotonic() - started
     save()
     print(f"wrote {args.json} ({result['total_s'] / 60:.1f} min)")

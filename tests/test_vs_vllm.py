@@ -97,3 +97,29 @@ def test_real_client_against_jaxpage(tmp_path):
     assert run["cores"]["server_cpu_s"] > 0 and result["servers"]["jaxpage"]["idle_cores_busy"] >= 0
     with pytest.raises(ProcessLookupError):  # the server was stopped, its whole process group
         os.killpg(result["servers"]["jaxpage"]["pid"], 0)
+
+
+def test_paired_table_takes_each_rounds_ratio_against_the_first_system():
+    """--interleave --rounds: per workload x concurrency, the median over rounds of each system's tok/s over the
+    first system's in the same round (two rounds of the stored run, the second with other figures)."""
+    import copy
+    import statistics
+
+    result = json.loads(STORED.read_text())
+    runs = []
+    for k, scale in enumerate((1.0, 0.5)):
+        for r in copy.deepcopy(result["runs"]):
+            r["round"] = k
+            r["output_tok_s"] *= scale if r["system"] == result["systems"][0] else 1.0
+            runs.append(r)
+    result["runs"] = runs
+    text = vs_vllm.paired(result)
+    first, other = result["systems"][0], result["systems"][1]
+    for r in (r for r in runs if r["system"] == other and r["round"] == 0):
+        key = (r["workload"], r["concurrency"])
+        ratios = [o["output_tok_s"] / f["output_tok_s"] for o in runs for f in runs
+                  if o["system"] == other and f["system"] == first and o["round"] == f["round"]
+                  and (o["workload"], o["concurrency"]) == key == (f["workload"], f["concurrency"])]
+        assert len(ratios) == 2
+        line = next(line for line in text.splitlines() if line.startswith(f"| {key[0]} | {key[1]} |"))
+        assert f"{statistics.median(ratios):.2f}x" in line
