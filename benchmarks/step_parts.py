@@ -34,7 +34,8 @@ def greedy_padding(config, num_tokens: int):
     return batch, dataclasses.replace(sampling, top_p=np.ones(rows, np.float32),
                                       repetition_penalty=np.ones(rows, np.float32),
                                       banned=np.full_like(sampling.banned, -1),
-                                      allowed=np.full_like(sampling.allowed, -1))
+                                      allowed=np.full_like(sampling.allowed, -1),
+                                      logit_bias_ids=np.full_like(sampling.logit_bias_ids, -1))
 
 
 def median_ms(fn, repeats: int = 7) -> float:

@@ -351,18 +351,19 @@ def idle_cores_busy(server: Server, seconds: float = 5.0) -> float:
     return ticks / _ticks_per_s() / seconds
 
 
-def run_seed(args, workload: Workload, concurrency: int) -> int:
-    """The client's seed: the same for every system, another for each (workload, concurrency), so that no run's
-    prompts or prefix are cached by an earlier run (the warm-up has --seed itself)."""
+def run_seed(args, workload: Workload, concurrency: int, round_index: int = 0) -> int:
+    """The client's seed: the same for every system, another for each (workload, concurrency, round), so that no
+    run's prompts or prefix are cached by an earlier run (the warm-up has --seed itself)."""
     if workload.name not in WORKLOADS:
         return args.seed
-    return args.seed + 100 * (list(WORKLOADS).index(workload.name) + 1) + concurrency
+    return args.seed + 100 * (list(WORKLOADS).index(workload.name) + 1) + concurrency + 10_000 * round_index
 
 
-def client_argv(args, server: Server, workload: Workload, concurrency: int, n: int, out: Path) -> list[str]:
+def client_argv(args, server: Server, workload: Workload, concurrency: int, n: int, out: Path,
+                round_index: int = 0) -> list[str]:
     return [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", server.base_url,
             "--endpoint", "/v1/completions", "--model", server.model, "--tokenizer", args.tokenizer,
-            *workload.client_args(args.output_len), "--seed", str(run_seed(args, workload, concurrency)),
+            *workload.client_args(args.output_len), "--seed", str(run_seed(args, workload, concurrency, round_index)),
             "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--request-rate", "inf",
             "--temperature", "0", "--ignore-eos",
             "--num-warmups", str(args.num_warmups), "--percentile-metrics", "ttft,tpot,itl,e2el",
@@ -387,13 +388,13 @@ def run_logged(argv: list[str], env: dict, log_path: Path, timeout: float) -> in
 
 
 def run_client(args, server: Server, workload: Workload, concurrency: int, n: int, work_dir: Path,
-               idle: float = 0.0) -> dict:
+               idle: float = 0.0, round_index: int = 0) -> dict:
     """One vllm bench serve run of n prompts; its result JSON and a summary, or the error (a timeout, a failed
     client). The server sees no request but the run's (no ready check; warm-ups only if asked), so its CPU seconds,
     less its idle rate (idle, cores) over the client's untimed time (start-up, prompts, exit), over the client's
     timed duration are the cores it kept busy."""
-    out = work_dir / f"{server.system}_{workload.name}_c{concurrency}_n{n}.json"
-    argv = client_argv(args, server, workload, concurrency, n, out)
+    out = work_dir / f"{server.system}_{workload.name}_c{concurrency}_n{n}_r{round_index}.json"
+    argv = client_argv(args, server, workload, concurrency, n, out, round_index)
     row = {"system": server.system, "workload": workload.name, "concurrency": concurrency, "num_prompts": n,
            "client_command": shlex.join(["vllm", *argv[1:]]), "load_average_before": os.getloadavg()}
     use = CoreUse(server.proc.pid)
@@ -588,7 +589,7 @@ def measure(args, server: Server, name: str, concurrency: int, work_dir: Path, r
         info["error"] = "died during the runs"
         return False
     row = run_client(args, server, WORKLOADS[name], concurrency, num_prompts(args, concurrency), work_dir,
-                     info["idle_cores_busy"])
+                     info["idle_cores_busy"], round_index or 0)
     if round_index is not None:
         row["round"] = round_index
     result["runs"].append(row)

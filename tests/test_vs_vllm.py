@@ -123,3 +123,12 @@ def test_paired_table_takes_each_rounds_ratio_against_the_first_system():
         assert len(ratios) == 2
         line = next(line for line in text.splitlines() if line.startswith(f"| {key[0]} | {key[1]} |"))
         assert f"{statistics.median(ratios):.2f}x" in line
+
+
+def test_each_round_and_cell_gets_prompts_of_its_own():
+    """Interleaved rounds must not meet the prompts of an earlier round in the prefix cache: every (workload,
+    concurrency, round) has its own client seed, the same for every system."""
+    args = vs_vllm.parse_args(["--interleave", "--rounds", "3"])
+    seeds = [vs_vllm.run_seed(args, vs_vllm.WORKLOADS[w], c, r) for w in args.workloads for c in args.concurrency
+             for r in range(args.rounds)]
+    assert len(set(seeds)) == len(seeds)
