@@ -39,7 +39,9 @@ class LayerLoop:
     layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
     end: object  # (top weights, x, batch) -> (final-normed x, its rows at the batch's logits indices)
     sampler: object  # (top weights, rows, sampling) -> sampler output (step_tail.sample_rows)
-    greedy: object  # (top weights, rows) -> the sampler's output where every row is plain greedy (greedy_rows)
+    # (top weights, rows) -> the sampler's output where every row is plain greedy (greedy_rows); None where the
+    # step returns each row's distribution (a draft model's runner)
+    greedy: object
     prompt: object  # (top weights, final-normed x, prompt targets) -> prompt logprobs (step_tail.prompt_logprobs_of)
     consts: tuple  # each layer's LayerConstants, on the device(s)
     inputs: object  # the batch's sharding, placed once for all layers
@@ -55,7 +57,7 @@ class LayerLoop:
             x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
         x, rows = self.end(top, x, base)
         targets = sampling.prompt_targets
-        if is_plain_greedy(sampling):
+        if self.greedy is not None and is_plain_greedy(sampling):
             out = self.greedy(top, rows)
         else:
             out = self.sampler(top, rows, dataclasses.replace(sampling, prompt_targets=None))
@@ -85,7 +87,7 @@ class LayerLoop:
         layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: weights["layers"][0]}, config.kv_dtype,
                                  packs_kv(config.model, config.attention_backend))
         return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(functools.partial(sample_rows, config)),
-                   jax.jit(functools.partial(greedy_rows, config)),
+                   None if config.sampler_returns_probs else jax.jit(functools.partial(greedy_rows, config)),
                    jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {})
 
     def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
@@ -99,7 +101,7 @@ class LayerLoop:
             layer=self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
             end=self._shared("end", self.end, top, x, base), sampler=self._shared("sampler", self.sampler, top, rows,
                                                                                  sampling),
-            greedy=self._shared("greedy", self.greedy, top, rows),
+            greedy=self._shared("greedy", self.greedy, top, rows) if self.greedy is not None else None,
             prompt=self._shared("prompt", self.prompt, top, x, targets) if targets is not None else None)
 
     def _shared(self, name: str, jitted, *args):
