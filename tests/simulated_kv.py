@@ -140,7 +140,6 @@ class FakeRunner:
         assert len({id(s.seq) for s in scheduled}) == n, "a sequence scheduled twice in one step"
         total = sum(s.num_new_tokens for s in scheduled)
         assert total <= cfg.max_num_batched_tokens, f"{total} tokens > budget {cfg.max_num_batched_tokens}"
-        check_prefill_limits(cfg, scheduled)
         loras = {s.group.lora_int_id for s in scheduled} - {0}
         assert len(loras) <= cfg.model.max_loras, f"adapters {sorted(loras)} in one step: more than the slots"
         row_adapters = self._row_adapters(scheduled)
@@ -248,8 +247,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                 max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                async_scheduling: bool = True, max_loras: int = 0, speculative: int = 0,
-                num_offload_blocks: int = 0, offload_disk: bool | str = False,
+                wave_prefill: bool = EngineArgs.wave_prefill, async_scheduling: bool = True, max_loras: int = 0,
+                speculative: int = 0,                num_offload_blocks: int = 0, offload_disk: bool | str = False,
                 offload_disk_bytes: int = 1 << 30) -> LLMEngine:
     """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off.
     num_offload_blocks: the prefix cache's host tier in blocks (0: off); offload_disk: its disk tier, in a
@@ -266,8 +265,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  preemption_mode=mode, long_prefill_token_threshold=long_prefill_token_threshold,
                                  max_num_partial_prefills=max_num_partial_prefills,
                                  max_long_partial_prefills=max_long_partial_prefills,
-                                 async_scheduling=async_scheduling, enable_lora=max_loras > 0,
-                                 max_loras=max(max_loras, 1),
+                                 wave_prefill=wave_prefill, async_scheduling=async_scheduling,
+                                 enable_lora=max_loras > 0,                                 max_loras=max(max_loras, 1),
                                  speculative_config={"method": "ngram", "num_speculative_tokens": speculative}
                                  if speculative else None)
     own_dir = offload_disk is True and tempfile.mkdtemp(prefix="jaxpage-kv-disk-")
@@ -282,8 +281,25 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
     if speculative:
         engine.scheduler.proposer = FakeDraftProposer()
     runner.block_pool = engine.block_pool
+    check_each_schedule(engine.scheduler)
     engine.refuse_unfittable = False  # these tests drive the scheduler's own safety net for groups that never fit
     return engine
+
+
+def check_each_schedule(scheduler) -> None:
+    """Wraps the scheduler's schedule(): each step's prefill rows keep to the partial-prefill options
+    (check_prefill_limits), except in a step that began with fewer decodes than prompts left to compute, with
+    wave_prefill on; then only the token budget bounds them (the fake runner checks that)."""
+    schedule, cfg = scheduler.schedule, scheduler.config
+
+    def checked():
+        left = [len(s.token_ids) - s.num_computed_tokens for g in scheduler.running for s in g.live_seqs]
+        decodes, prompts = sum(n == 1 for n in left), sum(n > 1 for n in left) + len(scheduler.waiting)
+        out = schedule()
+        if not (cfg.wave_prefill and decodes < prompts):
+            check_prefill_limits(cfg, out.scheduled)
+        return out
+    scheduler.schedule = checked
 
 
 def check_prefill_limits(cfg, scheduled) -> None:
@@ -382,6 +398,7 @@ def scenarios(draw, tiers: bool = False):
         "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 3, 8, 20])),
         "max_num_partial_prefills": partial,
         "max_long_partial_prefills": draw(st.integers(1, partial)),
+        "wave_prefill": draw(st.booleans()),
         "max_loras": draw(st.sampled_from([0, 1, 2])),  # LoRA adapter slots (0: no LoRA)
     }
     if setup["prefix_caching"]:  # the prefix cache's host tier (small: its LRU evicts) and disk tier

@@ -25,7 +25,7 @@ EVERY_FLAG = [
     "--data-parallel-size", "3", "--data-parallel-routing", "cache_aware", "--cache-threshold", "0.5",
     "--balance-abs-threshold", "8", "--balance-rel-threshold", "1.25", "--preemption-mode", "swap", "--swap-space", "1GiB", "--max-seqs-per-request", "2",
     "--cache-dir", "/tmp/c", "--no-progress", "--long-prefill-token-threshold", "32", "--max-num-partial-prefills", "3",
-    "--max-long-partial-prefills", "2", "--no-async-scheduling", "--enable-lora", "--max-loras", "3",
+    "--max-long-partial-prefills", "2", "--no-wave-prefill", "--no-async-scheduling", "--enable-lora", "--max-loras", "3",
     "--max-lora-rank", "32", "--max-cpu-loras", "5", "--speculative-config", '{"num_speculative_tokens": 2}',
     "--kv-offloading-size", "512MiB", "--kv-offloading-backend", "native", "--kv-offloading-dir", "/tmp/kv",
     "--kv-offloading-disk-size", "2",
@@ -38,7 +38,7 @@ EXPECTED = EngineArgs(model="m.gguf", block_size=32, kv_cache_memory=512 << 20, 
                       balance_rel_threshold=1.25,
                       preemption_mode="swap", swap_space=1 << 30, max_seqs_per_request=2, cache_dir="/tmp/c",
                       long_prefill_token_threshold=32, max_num_partial_prefills=3, max_long_partial_prefills=2,
-                      async_scheduling=False, enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5,
+                      wave_prefill=False, async_scheduling=False, enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5,
                       speculative_config={"num_speculative_tokens": 2}, kv_offloading_size=0.5,
                       kv_offloading_backend="native", kv_offloading_dir="/tmp/kv", kv_offloading_disk_size=2.0,
                       progress=False)
@@ -64,6 +64,15 @@ def test_every_engine_args_field_has_a_flag_that_sets_it():
 
 def test_defaults_are_the_engine_args_defaults():
     assert EngineArgs.from_cli_args(build_parser().parse_args(["generate", "hi"])) == EngineArgs()
+
+
+def test_serve_takes_the_step_budget_of_vllms_api_server():
+    """vLLM's API server on CPU (vllm/engine/arg_utils.py, UsageContext.OPENAI_API_SERVER): 2048 tokens a step;
+    everything else as EngineArgs has it, and a flag still wins."""
+    served = EngineArgs.from_cli_args(build_parser().parse_args(["serve"]))
+    assert served == dataclasses.replace(EngineArgs(), max_num_batched_tokens=2048)
+    assert EngineArgs.from_cli_args(build_parser().parse_args(
+        ["serve", "--max-num-batched-tokens", "512"])).max_num_batched_tokens == 512
 
 
 @pytest.mark.parametrize("flag", [["--attention-backend", "cuda"], ["--preemption-mode", "drop"],

@@ -1,8 +1,11 @@
 """The partial-prefill options (core/prefill_limits.py: long_prefill_token_threshold, max_num_partial_prefills,
 max_long_partial_prefills) over the fake runner of tests/simulated_kv.py, which checks every step against the
 options and the token budget (check_prefill_limits): decodes keep their token every step while prompts arrive,
-a short prompt overtakes long ones waiting for the long slot, and every prompt still finishes."""
+a short prompt overtakes long ones waiting for the long slot, and every prompt still finishes. With wave_prefill
+a step with fewer decodes than prompts to compute has no caps: a wave of arrivals starts at once."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -18,14 +21,16 @@ def prompt(rng, n: int) -> list[int]:
     return [int(t) for t in rng.integers(1, VOCAB, n)]
 
 
+@pytest.mark.parametrize("wave", [False, True])
 @pytest.mark.parametrize("threshold, partial, long", [(0, 1, 1), (8, 1, 1), (8, 2, 1), (4, 3, 2)])
-def test_decodes_get_a_token_every_step_while_prompts_arrive(threshold, partial, long):
+def test_decodes_get_a_token_every_step_while_prompts_arrive(threshold, partial, long, wave):
     """Four requests decode while six 40-token prompts arrive: every step gives each decoding request its
-    token (the fake runner checks each step's prefills against the options), and every request finishes."""
+    token (each step's prefills are checked against the options, or with wave_prefill only against the budget
+    while they outnumber the decodes), and every request finishes."""
     rng = np.random.default_rng(0)
     engine = make_engine(num_kv_blocks=60, max_num_seqs=10, max_num_batched_tokens=16,
                          long_prefill_token_threshold=threshold, max_num_partial_prefills=partial,
-                         max_long_partial_prefills=long)
+                         max_long_partial_prefills=long, wave_prefill=wave)
     for i in range(4):
         engine.add_request(f"d{i}", {"prompt_token_ids": prompt(rng, 3)},
                            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -50,7 +55,8 @@ def test_short_prompt_overtakes_long_ones_waiting_for_the_long_slot():
     prompt behind it is admitted first (vLLM's jump of the queue); the second long prompt still finishes."""
     rng = np.random.default_rng(1)
     engine = make_engine(num_kv_blocks=60, max_num_seqs=8, max_num_batched_tokens=16,
-                         long_prefill_token_threshold=6, max_num_partial_prefills=2, max_long_partial_prefills=1)
+                         long_prefill_token_threshold=6, max_num_partial_prefills=2, max_long_partial_prefills=1,
+                         wave_prefill=False)
     for request_id, n in (("long0", 40), ("long1", 40), ("short", 5)):
         engine.add_request(request_id, {"prompt_token_ids": prompt(rng, n)}, GREEDY)
     first_token: dict[str, int] = {}
@@ -69,7 +75,8 @@ def test_one_prefill_a_step_admits_every_queued_prompt_in_turn():
     """max_num_partial_prefills=1 with nothing decoding: one prompt starts per step, in arrival order, and
     none starves."""
     rng = np.random.default_rng(2)
-    engine = make_engine(num_kv_blocks=60, max_num_seqs=8, max_num_batched_tokens=64, max_num_partial_prefills=1)
+    engine = make_engine(num_kv_blocks=60, max_num_seqs=8, max_num_batched_tokens=64, max_num_partial_prefills=1,
+                         wave_prefill=False)
     for i in range(5):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt(rng, 6)}, GREEDY)
     first_token: dict[str, int] = {}
@@ -80,6 +87,54 @@ def test_one_prefill_a_step_admits_every_queued_prompt_in_turn():
     assert first_token == {f"r{i}": i for i in range(5)}
     run_checked(engine)
     check_all_free(engine)
+
+
+def first_token_steps(engine, request_ids, max_steps: int = 40) -> dict[str, int]:
+    """The step at which each request's first token came out."""
+    first: dict[str, int] = {}
+    for step in range(max_steps):
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, step)
+        if set(request_ids) <= set(first):
+            break
+    return {r: first[r] for r in request_ids}
+
+
+@pytest.mark.parametrize("decoding, wave", [(1, True), (7, True), (1, False)])
+def test_a_wave_of_prompts_outnumbering_the_decodes_starts_at_once(decoding, wave):
+    """Six 5-token prompts arrive beside `decoding` running requests (threshold 4, two partial prefills). With
+    wave_prefill and one decode, they outnumber it: the caps are lifted and all six prompts compute in one step
+    (their first tokens come out together). Beside seven decodes, or without wave_prefill, the caps hold: at most
+    two prompts a step, each 4 tokens at most, so the first tokens come out over at least three steps. The
+    decodes get a token every step either way."""
+    rng = np.random.default_rng(3)
+    engine = make_engine(num_kv_blocks=80, max_num_seqs=16, max_num_batched_tokens=64,
+                         long_prefill_token_threshold=4, max_num_partial_prefills=2, max_long_partial_prefills=1,
+                         wave_prefill=wave)
+    for i in range(decoding):
+        engine.add_request(f"d{i}", {"prompt_token_ids": prompt(rng, 2)},
+                           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    first_token_steps(engine, [f"d{i}" for i in range(decoding)])
+    for i in range(6):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt(rng, 5)}, GREEDY)
+    steps = set(first_token_steps(engine, [f"p{i}" for i in range(6)]).values())
+    if wave and decoding < 6:
+        assert len(steps) == 1, steps
+    else:
+        assert len(steps) >= 3, steps
+    assert all(len(o.outputs[0].token_ids) == 40 for r, o in run_checked(engine).items() if r.startswith("d"))
+    check_all_free(engine)
+
+
+def test_for_step_lifts_the_caps_only_when_prompts_outnumber_decodes():
+    config = make_engine(num_kv_blocks=20, long_prefill_token_threshold=8, max_num_partial_prefills=2).config
+    capped = PrefillLimits.for_step(config, decodes=3, prefills=3)
+    assert (capped.threshold, capped.max_prefills, capped.max_long) == (8, 2, 1)
+    lifted = PrefillLimits.for_step(config, decodes=2, prefills=3)
+    assert (lifted.threshold, lifted.max_prefills, lifted.decodes_left) == (0, config.max_num_seqs, 2)
+    off = PrefillLimits.for_step(dataclasses.replace(config, wave_prefill=False), decodes=0, prefills=5)
+    assert (off.threshold, off.max_prefills) == (8, 2)
 
 
 def test_tokens_for_keeps_the_decodes_still_to_come():

@@ -17,7 +17,11 @@ class PrefillLimits:
     - at most ``max_prefills`` prefill rows a step (max_num_partial_prefills), at most ``max_long`` of them long
       (max_long_partial_prefills): a short prompt behind a long one waiting for its slot is admitted first;
     - a prefill never takes the tokens of the decode rows still to come in the step (``decodes_left``), so every
-      running decode gets its token whatever the prefills before it in the running queue."""
+      running decode gets its token whatever the prefills before it in the running queue;
+    - with ``config.wave_prefill``, a step whose decodes are fewer than the prefills waiting to compute (running
+      prompts with tokens left, and queued ones) has none of the three caps, only the step's token budget: a wave
+      of arrivals then prefills in as few steps as the budget allows, and the few decodes beside it wait once,
+      rather than every decode of the next steps waiting beside a chunk each step."""
 
     threshold: int
     max_prefills: int
@@ -27,7 +31,10 @@ class PrefillLimits:
     long: int = 0
 
     @classmethod
-    def for_step(cls, config: EngineConfig, decodes: int) -> PrefillLimits:
+    def for_step(cls, config: EngineConfig, decodes: int, prefills: int) -> PrefillLimits:
+        """The limits of a step with ``decodes`` decode rows running and ``prefills`` prompts to compute."""
+        if config.wave_prefill and decodes < prefills:
+            return cls(0, config.max_num_seqs, config.max_num_seqs, decodes_left=decodes)
         return cls(config.long_prefill_token_threshold, config.max_num_partial_prefills,
                    config.max_long_partial_prefills, decodes_left=decodes)
 
@@ -59,3 +66,8 @@ class PrefillLimits:
 def num_decodes(groups) -> int:
     """The decode rows (exactly one token to compute) of the running groups' live sequences."""
     return sum(len(s.token_ids) - s.num_computed_tokens == 1 for g in groups for s in g.live_seqs)
+
+
+def num_prefills(groups) -> int:
+    """The prefill rows (more than one token to compute) of the running groups' live sequences."""
+    return sum(len(s.token_ids) - s.num_computed_tokens > 1 for g in groups for s in g.live_seqs)

@@ -11,7 +11,7 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.core.beam_search import beam_search_step
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.prefill_limits import PrefillLimits, num_decodes
+from jaxpage.core.prefill_limits import PrefillLimits, num_decodes, num_prefills
 from jaxpage.core.prompt_logprobs import lacks_prompt_logprobs, take_prompt_logprobs
 from jaxpage.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
@@ -72,7 +72,8 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted = False
         preemptions = self.num_preemptions
-        limits = PrefillLimits.for_step(self.config, num_decodes(self.running))
+        limits = PrefillLimits.for_step(self.config, num_decodes(self.running),
+                                         num_prefills(self.running) + len(self.waiting))
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop

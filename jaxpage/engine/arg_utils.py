@@ -147,6 +147,9 @@ class EngineArgs(CliArgs):
         "most prompts computing in one step beside the running decodes"))
     max_long_partial_prefills: int = dataclasses.field(default=1, metadata=_option(
         "most long prompts (see --long-prefill-token-threshold) of those; a shorter one behind them goes first"))
+    wave_prefill: bool = dataclasses.field(default=True, metadata=_option(
+        "a step whose running decodes are fewer than the prompts waiting to compute lifts the three caps above "
+        "(only --max-num-batched-tokens bounds it): a wave of arrivals prefills in as few steps as it allows"))
     async_scheduling: bool = dataclasses.field(default=True, metadata=_option(
         "schedule and build step N+1 while step N runs; the sampled tokens stay on the device and enter the next "
         "step there, the host reads them a step late (steps that need them first, e.g. structured outputs, beams "
