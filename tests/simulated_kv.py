@@ -288,13 +288,16 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
 
 def check_each_schedule(scheduler) -> None:
     """Wraps the scheduler's schedule(): each step's prefill rows keep to the partial-prefill options
-    (check_prefill_limits), except in a step that began with fewer decodes than prompts left to compute, with
-    wave_prefill on; then only the token budget bounds them (the fake runner checks that)."""
+    (check_prefill_limits), except in a step that began with fewer decodes than prompts that could compute in it
+    (running ones with tokens left, queued ones up to the free rows), with wave_prefill on; then only the token
+    budget bounds them (the fake runner checks that)."""
     schedule, cfg = scheduler.schedule, scheduler.config
 
     def checked():
         left = [len(s.token_ids) - s.num_computed_tokens for g in scheduler.running for s in g.live_seqs]
-        decodes, prompts = sum(n == 1 for n in left), sum(n > 1 for n in left) + len(scheduler.waiting)
+        free_rows = cfg.max_num_seqs - len(left)
+        decodes = sum(n == 1 for n in left)
+        prompts = sum(n > 1 for n in left) + min(len(scheduler.waiting), free_rows)
         out = schedule()
         if not (cfg.wave_prefill and decodes < prompts):
             check_prefill_limits(cfg, out.scheduled)

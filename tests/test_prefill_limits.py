@@ -127,6 +127,32 @@ def test_a_wave_of_prompts_outnumbering_the_decodes_starts_at_once(decoding, wav
     check_all_free(engine)
 
 
+def test_a_backlog_deeper_than_the_free_rows_keeps_the_caps():
+    """Three requests decode in four rows while ten 9-token prompts queue: only one prompt can run at a time,
+    so it does not outnumber the decodes and every chunk beside them keeps to the threshold (4)."""
+    rng = np.random.default_rng(4)
+    engine = make_engine(num_kv_blocks=80, max_num_seqs=4, max_num_batched_tokens=64,
+                         long_prefill_token_threshold=4, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    for i in range(3):
+        engine.add_request(f"d{i}", {"prompt_token_ids": prompt(rng, 2)},
+                           SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    first_token_steps(engine, [f"d{i}" for i in range(3)])
+    for i in range(10):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt(rng, 9)},
+                           SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    chunks: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.extend(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        return out
+    engine.scheduler.schedule = recorded
+    finished = run_checked(engine)
+    assert len(finished) == 13 and chunks and max(chunks) == 4, chunks
+    check_all_free(engine)
+
+
 def test_for_step_lifts_the_caps_only_when_prompts_outnumber_decodes():
     config = make_engine(num_kv_blocks=20, long_prefill_token_threshold=8, max_num_partial_prefills=2).config
     capped = PrefillLimits.for_step(config, decodes=3, prefills=3)

@@ -18,8 +18,9 @@ class PrefillLimits:
       (max_long_partial_prefills): a short prompt behind a long one waiting for its slot is admitted first;
     - a prefill never takes the tokens of the decode rows still to come in the step (``decodes_left``), so every
       running decode gets its token whatever the prefills before it in the running queue;
-    - with ``config.wave_prefill``, a step whose decodes are fewer than the prefills waiting to compute (running
-      prompts with tokens left, and queued ones) has none of the three caps, only the step's token budget: a wave
+    - with ``config.wave_prefill``, a step whose decodes are fewer than the prompts that could compute in it
+      (running ones with tokens left, and queued ones up to the free rows of max_num_seqs: a backlog deeper than
+      that waits either way) has none of the three caps, only the step's token budget: a wave
       of arrivals then prefills in as few steps as the budget allows, and the few decodes beside it wait once,
       rather than every decode of the next steps waiting beside a chunk each step."""
 

@@ -72,8 +72,9 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted = False
         preemptions = self.num_preemptions
+        free_rows = self.config.max_num_seqs - self.num_running_seqs()
         limits = PrefillLimits.for_step(self.config, num_decodes(self.running),
-                                         num_prefills(self.running) + len(self.waiting))
+                                         num_prefills(self.running) + min(len(self.waiting), free_rows))
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
