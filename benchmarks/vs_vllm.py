@@ -465,8 +465,8 @@ def markdown(result: dict) -> str:
                           f"{w['output_len']} out{' +-' + str(w['range_ratio']) if w['range_ratio'] else ''}"
                           for w in result["workloads"])
     text = [(f"`{result['command']}` ({result['date']}, {result['machine']}; {result['versions']}; 1-min load "
-             f"average {load} over the runs). Workloads: {workloads}; {result['prompts']}. Raw: "
-             f"`results/vs_vllm.json`; plot: `results/plots/vs_vllm.png`."), "", table(result), "",
+             f"average {load} over the runs). Workloads: {workloads}; {result['prompts']}. Raw and plot: the "
+             f"command's --json and --plot."), "", table(result), "",
             "How the servers used the cores (CPU seconds over all runs, by process/thread and allowed cores):", ""]
     for system, info in result["servers"].items():
         groups: dict[str, float] = {}
