@@ -9,7 +9,8 @@ wrapped, so that each step's wall time, decode rows and prompt rows/tokens are w
 server stops. A warm-up run of C prompts goes first (untimed), then --prompts-per-concurrency x C prompts are
 measured. Printed per kind of step (prompt tokens only, decodes only, mixed: prompt tokens beside decodes): count,
 duration, decode rows; and the decode rows' step durations weighted by row (the inter-token latencies the server
-causes: a row waits for its whole step), against the client's own ITL percentiles. The step log goes to --json.
+causes: a row waits for its whole step), against the client's own ITL percentiles. The summary and the measured
+run's steps go to --json; the server's log and the client's result to a temporary folder (printed).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,8 +98,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=str(PEER / "smollm2-hf"))
     parser.add_argument("serve_args", nargs="*", help="after --: flags for jaxpage serve")
     args = parser.parse_args()
-    work = Path(args.json).with_suffix("")
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="jaxpage-step-trace-"))
+    print(f"server log and client result in {work}", flush=True)
     port, http_port = free_port(), free_port()
     steps_path, log = work / "steps.json", work / "server.log"
     proc = spawn([str(Path(__file__).resolve()), "--as-server", str(steps_path), "--port", str(port),
@@ -121,12 +123,14 @@ def main() -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
     measured = json.loads((work / "client.json").read_text())
+    steps = json.loads(steps_path.read_text())
     result = {"command": " ".join(sys.argv), "load_1min": os.getloadavg()[0],
               "client": {k: measured.get(k) for k in ("output_throughput", "mean_itl_ms", "p99_itl_ms",
                                                       "mean_ttft_ms", "p99_ttft_ms")},
-              "server_steps": summary(json.loads(steps_path.read_text()), since)}
-    Path(args.json).write_text(json.dumps(result, indent=1))
+              "server_steps": summary(steps, since)}
     print(json.dumps(result, indent=1))
+    # the measured run's steps: [wall time, decode rows, prompt rows, prompt tokens]
+    Path(args.json).write_text(json.dumps({**result, "steps": [s for s in steps if s[0] >= since]}))
 
 
 if __name__ == "__main__":

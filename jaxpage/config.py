@@ -204,7 +204,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 64
     max_num_partial_prefills: int = 2
     max_long_partial_prefills: int = 1
-    # a step whose decodes are fewer than the prompts waiting to compute lifts those three caps (prefill_limits.py)
+    # a step whose decodes are fewer than the prompts that could compute in it lifts those caps (prefill_limits.py)
     wave_prefill: bool = True
     max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding

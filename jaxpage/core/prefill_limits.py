@@ -20,9 +20,9 @@ class PrefillLimits:
       running decode gets its token whatever the prefills before it in the running queue;
     - with ``config.wave_prefill``, a step whose decodes are fewer than the prompts that could compute in it
       (running ones with tokens left, and queued ones up to the free rows of max_num_seqs: a backlog deeper than
-      that waits either way) has none of the three caps, only the step's token budget: a wave
-      of arrivals then prefills in as few steps as the budget allows, and the few decodes beside it wait once,
-      rather than every decode of the next steps waiting beside a chunk each step."""
+      that waits either way) has none of the three caps, only the step's token budget: a wave of arrivals then
+      prefills in as few steps as the budget allows, and the few decodes beside it wait once, rather than every
+      decode of the next steps waiting beside a chunk each step."""
 
     threshold: int
     max_prefills: int
