@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from benchmarks.launch import free_port, spawn, wait_serving
-from benchmarks.vs_vllm import PEER, WORKLOADS, get_json
+from benchmarks.vs_vllm import PEER, WORKLOADS, Server, client_argv, get_json
 
 
 def serve_traced(out: str, argv: list[str]) -> int:
@@ -74,16 +74,11 @@ def summary(steps: list, since: float) -> dict:
     return out
 
 
-def client(args, base_url: str, model: str, n: int, seed: int, result: Path | None) -> subprocess.CompletedProcess:
+def client(args, server: Server, n: int, round_index: int, out: Path) -> None:
+    """One `vllm bench serve` run, as vs_vllm.py runs it (round_index: fresh prompts for each)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
-    argv = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint",
-            "/v1/completions", "--model", model, "--tokenizer", args.tokenizer,
-            *WORKLOADS[args.workload].client_args(), "--num-prompts", str(n), "--max-concurrency",
-            str(args.concurrency), "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", str(seed),
-            "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,90,99", "--disable-tqdm"]
-    if result is not None:
-        argv += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    argv = client_argv(args, server, WORKLOADS[args.workload], args.concurrency, n, out, round_index)
+    subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
 
 
 def main() -> None:
@@ -98,6 +93,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=str(PEER / "smollm2-hf"))
     parser.add_argument("serve_args", nargs="*", help="after --: flags for jaxpage serve")
     args = parser.parse_args()
+    args.seed, args.output_len, args.num_warmups = 0, None, 0  # what vs_vllm.client_argv reads besides
     work = Path(tempfile.mkdtemp(prefix="jaxpage-step-trace-"))
     print(f"server log and client result in {work}", flush=True)
     port, http_port = free_port(), free_port()
@@ -114,11 +110,11 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.5)
-        client(args, base_url, model, args.concurrency, seed=99, result=None)
+        server = Server("jaxpage", proc, base_url, log, [], model=model)
+        client(args, server, args.concurrency, 0, work / "warm_up.json")
         time.sleep(1)
         since = time.time()
-        n = args.prompts_per_concurrency * args.concurrency
-        client(args, base_url, model, n, seed=7, result=work / "client.json")
+        client(args, server, args.prompts_per_concurrency * args.concurrency, 1, work / "client.json")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)

@@ -64,11 +64,7 @@ class PrefillLimits:
         return num_new
 
 
-def num_decodes(groups) -> int:
-    """The decode rows (exactly one token to compute) of the running groups' live sequences."""
-    return sum(len(s.token_ids) - s.num_computed_tokens == 1 for g in groups for s in g.live_seqs)
-
-
-def num_prefills(groups) -> int:
-    """The prefill rows (more than one token to compute) of the running groups' live sequences."""
-    return sum(len(s.token_ids) - s.num_computed_tokens > 1 for g in groups for s in g.live_seqs)
+def decodes_and_prefills(groups) -> tuple[int, int]:
+    """The decode rows (exactly one token to compute) and prefill rows (more) of the groups' live sequences."""
+    left = [len(s.token_ids) - s.num_computed_tokens for g in groups for s in g.live_seqs]
+    return sum(n == 1 for n in left), sum(n > 1 for n in left)

@@ -11,7 +11,7 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.core.beam_search import beam_search_step
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.prefill_limits import PrefillLimits, num_decodes, num_prefills
+from jaxpage.core.prefill_limits import PrefillLimits, decodes_and_prefills
 from jaxpage.core.prompt_logprobs import lacks_prompt_logprobs, take_prompt_logprobs
 from jaxpage.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
@@ -72,9 +72,9 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted = False
         preemptions = self.num_preemptions
+        decodes, prefills = decodes_and_prefills(self.running)
         free_rows = self.config.max_num_seqs - self.num_running_seqs()
-        limits = PrefillLimits.for_step(self.config, num_decodes(self.running),
-                                         num_prefills(self.running) + min(len(self.waiting), free_rows))
+        limits = PrefillLimits.for_step(self.config, decodes, prefills + min(len(self.waiting), free_rows))
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
