@@ -49,6 +49,9 @@ class ModelConfig:
     # max_lora_rank in every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
     max_loras: int = 0
     max_lora_rank: int = 0
+    # the adapters' deltas by the CPU's grouped kernel (the engine's: lora_slots.grouped_kernel_runs), so a step
+    # has one slots bucket, every slot
+    cpu_lora_kernel: bool = False
     # each checkpoint KV head repeated this many times to fill a tensor-parallel mesh (vLLM's
     # num_kv_head_replicas; jaxpage.distributed.parallel.model_for_tp): num_kv_heads counts the repeats
     num_kv_head_replicas: int = 1

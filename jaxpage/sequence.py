@@ -77,6 +77,9 @@ class SequenceGroup:
     forked: bool = False  # whether the prompt's sequence has been forked into its samples or beams
     finished_seqs: list[Sequence] = dataclasses.field(default_factory=list)  # finished beam hypotheses
     lora_request: object | None = None  # its jaxpage.lora.request.LoRARequest; None: the base model
+    # the adapter's host copy (jaxpage.lora.models.LoRAModel), read when the request was added: the request holds
+    # it until it ends, so neither the host LRU's eviction nor the adapter's files going away can stop it
+    lora_model: object | None = None
 
     @property
     def lora_int_id(self) -> int:

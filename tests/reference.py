@@ -10,7 +10,7 @@ import torch
 
 from jaxpage.distributed.parallel import with_mesh
 from jaxpage.models import TokenBatch, compute_logits, forward_hidden
-from jaxpage.models.lora_slots import LoRAMapping
+from jaxpage.lora.worker_manager import lora_mapping
 
 NEAR_TIE = 1e-3
 
@@ -79,7 +79,8 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla",
     tables[0, :num_blocks] = table
     batch = TokenBatch(np.asarray(token_ids, np.int32), pos, table[pos // bs] * bs + pos % bs,
                        np.zeros(n, np.int32), tables, np.zeros(1, np.int32),
-                       None if lora_slot is None else LoRAMapping(np.zeros(n, np.int32), np.full(1, lora_slot, np.int32)))
+                       None if lora_slot is None else lora_mapping(np.full(1, lora_slot, np.int32), np.zeros(n, np.int32),
+                                                                   n, 1, cfg.model.max_loras, cfg.model.cpu_lora_kernel))
     pool = jnp.zeros_like(llm.engine.runner.kv_pool)
 
     def logits(params, pool, batch):

@@ -199,11 +199,13 @@ class FakeRunner:
         adapters = sorted({s.group.lora_int_id for s in scheduled} - {0})
         slot_of = {0: 0, **{a: i + 1 for i, a in enumerate(adapters)}}
         row_slots = np.asarray([slot_of[s.group.lora_int_id] for s in scheduled], np.int32)
-        mapping = lora_mapping(row_slots, token_rows, len(token_rows), len(scheduled), self.config.model.max_loras)
+        mapping = lora_mapping(row_slots, token_rows, len(token_rows), len(scheduled), self.config.model.max_loras,
+                               self.config.model.cpu_lora_kernel)
         if mapping is None:
             assert not adapters, "a step with adapters got no LoRA mapping"
             return {id(s): 0 for s in scheduled}
-        assert len(mapping.slots) in lora_buckets(self.config.model.max_loras) and len(mapping.slots) >= len(adapters)
+        buckets = lora_buckets(self.config.model.max_loras, self.config.model.cpu_lora_kernel)
+        assert len(mapping.slots) in buckets and len(mapping.slots) >= len(adapters)
         tokens = np.where(mapping.token_indices >= 0, mapping.slots[mapping.token_indices], 0)
         adapter_in = {slot: a for a, slot in slot_of.items()}
         starts = np.cumsum([0, *counts])

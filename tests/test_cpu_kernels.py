@@ -258,3 +258,39 @@ def test_cpu_step_attends_with_the_kernel_and_other_platforms_keep_xla():
     assert "jaxpage_paged_attention" in step.lower(q, k, pool).as_text()
     cuda = jax.export.export(step, platforms=["cuda"])(q, k, pool).mlir_module()
     assert "jaxpage_paged_attention" not in cuda
+
+
+LORA_CASES = [  # x shape, a shape, b shape, contracted axes: the Linears' forms, ranks and widths of every kind
+    ((37, 576), (5, 576, 48), (5, 48, 3, 320), 1),  # q/k/v-like: 3 parts of rank 16, several output axes
+    ((21, 3, 64), (4, 3, 64, 24), (4, 24, 100), 2),  # o-like: several input axes; rank 8 x 3, a narrow output
+    ((1, 256), (3, 256, 16), (3, 16, 1536), 1),  # one token
+]
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("x_shape,a_shape,b_shape,num_in", LORA_CASES)
+def test_lora_delta_kernel_equals_the_one_hot_form(x_shape, a_shape, b_shape, num_in, dtype):
+    """The CPU's grouped LoRA kernel against the XLA one-hot form over every slot (float32 math): tokens of every
+    slot, slot 0 (no adapter: zeros) among them, in any order."""
+    from jaxpage.models.lora_slots import LoRAMapping, lora_delta
+
+    rng = np.random.default_rng(7)
+    slots = a_shape[0]
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    a[0], b[0] = 0, 0  # slot 0 holds no adapter
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    mapping = LoRAMapping(jnp.asarray(rng.integers(0, slots, x_shape[0]), jnp.int32), jnp.arange(slots, dtype=jnp.int32))
+    cast = lambda t: jnp.asarray(t, dtype)  # noqa: E731
+    grouped = jax.jit(lambda x, a, b, m: lora_delta(x, a, b, m, num_in, grouped=True))
+    assert "jaxpage_lora_delta" in grouped.lower(cast(x), cast(a), cast(b), mapping).as_text()
+    ours = np.asarray(grouped(cast(x), cast(a), cast(b), mapping), np.float32)
+    f32 = lambda t: np.asarray(cast(t), np.float32)  # noqa: E731 (the inputs as rounded to dtype)
+    ref = np.asarray(lora_delta(jnp.asarray(f32(x)), jnp.asarray(f32(a)), jnp.asarray(f32(b)), mapping, num_in))
+    assert ours.shape == ref.shape and not (ref[np.asarray(mapping.token_indices) == 0]).any()
+    scale = np.abs(ref).max()
+    tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5  # bfloat16: one rounding of the output (and of nothing else)
+    np.testing.assert_allclose(ours, ref, rtol=tol, atol=tol * scale)
+    cuda = jax.export.export(grouped, platforms=["cuda"])(cast(x), cast(a), cast(b), mapping).mlir_module()
+    assert "jaxpage_lora_delta" not in cuda

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -117,7 +118,8 @@ def test_the_base_model_and_several_adapters_in_one_batch(setup):
 def test_steps_take_only_their_own_adapters_slots(setup, monkeypatch):
     """A batch of the base model alone runs the base program (no adapter mapping in any step); a batch of one
     adapter and the base model on two slots runs steps of one slot (the adapter's; a step of base rows alone:
-    none): PEFT's tokens either way."""
+    none), or with the CPU's grouped kernel steps of every slot whose tokens use the adapter's only: PEFT's
+    tokens either way."""
     from jaxpage.models.lora_slots import lora_buckets
 
     base, adapters, llm = setup
@@ -131,7 +133,7 @@ def test_steps_take_only_their_own_adapters_slots(setup, monkeypatch):
             steps.append(None)
         else:
             indices, slots = np.asarray(mapping.token_indices), np.asarray(mapping.slots)
-            steps.append((set(slots[indices[indices >= 0]].tolist()), slots.tolist()))
+            steps.append((set(slots[indices[indices >= 0]].tolist()) - {0}, slots.tolist()))  # slot 0: no adapter
         return run(batch, sampling)
 
     monkeypatch.setattr(runner, "run", recording)
@@ -144,8 +146,11 @@ def test_steps_take_only_their_own_adapters_slots(setup, monkeypatch):
             assert steps and all(step is None for step in steps), steps
         else:
             slot = runner.lora.resident()[adapters[1][0].lora_int_id]
-            assert any(steps) and all(step in (None, ({slot}, [slot])) for step in steps), (slot, steps)
+            model = llm.engine.config.model
+            step_slots = list(range(model.max_loras + 1)) if model.cpu_lora_kernel else [slot]
+            assert any(steps) and all(step in (None, ({slot}, step_slots)) for step in steps), (slot, steps)
     assert lora_buckets(2) == (1, 3) and lora_buckets(8) == (1, 2, 4, 9) and lora_buckets(6) == (1, 2, 4, 7)
+    assert lora_buckets(8, grouped=True) == (9,)
     _assert_all_blocks_free(llm)
 
 
@@ -209,6 +214,30 @@ def test_add_and_remove_lora_between_requests(setup):
     assert engine.remove_lora(request.lora_int_id) is True
     assert request.lora_int_id not in manager.resident()
     assert _greedy(llm, [prompt], request)[0] == ours and manager.num_loads == loads + 1  # read from disk again
+    _assert_all_blocks_free(llm)
+
+
+def test_a_queued_request_keeps_its_adapter_after_eviction_and_deletion(setup, tmp_path):
+    """A request holds the adapter read when it was added: dropped from the host LRU (two entries) and its files
+    deleted before the request's first step, it still runs with it (PEFT's tokens), beside two other adapters."""
+    _, adapters, llm = setup
+    engine, manager = llm.engine, llm.engine.runner.lora
+    moved = LoRARequest("moved", 91, str(copy_adapter(type(tmp_path)(adapters[1][0].lora_path), tmp_path / "a")))
+    rng = random.Random(SEED + 70)
+    loras = [moved, adapters[2][0], adapters[3][0]]
+    prompts = [_prompt(rng, rng.randrange(3, 20)) for _ in loras]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"kept-{i}", {"prompt_token_ids": prompt}, params, lora_request=lora)
+    shutil.rmtree(moved.lora_path)
+    assert moved.lora_int_id not in manager.resident()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        model = adapters[1 if lora is moved else lora.lora_int_id][1]
+        ref, ref_logits = hf_greedy(model, prompt, NEW_TOKENS)
+        assert_greedy_matches(outputs[f"kept-{i}"], ref, ref_logits, f"seed {SEED}, prompt {i}, adapter {lora}")
     _assert_all_blocks_free(llm)
 
 

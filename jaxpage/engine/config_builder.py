@@ -25,6 +25,7 @@ from jaxpage.core.scheduler import PREEMPTION_MODES
 from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.models.causal_lm import weight_bytes
+from jaxpage.models.lora_slots import grouped_kernel_runs
 from jaxpage.models.weight_packing import packs_weights
 from jaxpage.utils import cdiv
 from pallas_kernels.kv_write_tpu import tile_rows
@@ -65,10 +66,11 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     check_quantization(quantization)
     dtype = resolve_dtype(dtype, cpu_bfloat16=cpu_serves_bfloat16(model, quantization))
     model = dataclasses.replace(model, quantization=quantization)
-    if enable_lora:
-        model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras)
-    model = model_for_tp(model, tensor_parallel_size)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
+    if enable_lora:
+        model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras,
+                                          grouped_kernel_runs(tensor_parallel_size, group))
+    model = model_for_tp(model, tensor_parallel_size)
     require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
             f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
     kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
@@ -189,8 +191,8 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
                                max_num_batched_tokens=budget, sampler_returns_probs=True)
 
 
-def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int,
-               max_cpu_loras: int | None) -> tuple[ModelConfig, int]:
+def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
+               cpu_lora_kernel: bool) -> tuple[ModelConfig, int]:
     """The model with its adapter slots (under tensor parallelism sharded as their base projections), and the
     host's LRU size (default: max_loras)."""
     require(max_loras >= 1, "max_loras", max_loras, "must be >= 1")
@@ -199,7 +201,8 @@ def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int,
     require(max_cpu_loras >= max_loras, "max_cpu_loras", max_cpu_loras, f"must be >= max_loras={max_loras}")
     require(jax.process_count() == 1, "enable_lora", True, "runs on one host only (the followers' replay "
             "carries no adapter slots yet)")
-    return dataclasses.replace(model, max_loras=max_loras, max_lora_rank=max_lora_rank), max_cpu_loras
+    return dataclasses.replace(model, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                               cpu_lora_kernel=cpu_lora_kernel), max_cpu_loras
 
 
 def _num_offload_blocks(size_gib: float, backend: str | None, directory: str | None, disk_gib: float,

@@ -159,8 +159,7 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_len = min(max_len, len(token_ids) + params.max_tokens)
         self._check_fits(len(token_ids), params.best_of, max_len)
-        if lora_request is not None:
-            self.runner.load_lora(lora_request)
+        lora_model = self.runner.load_lora(lora_request) if lora_request is not None else None
         if params.structured_outputs is not None and self.structured is None:
             if self.tokenizer is None:
                 raise ValueError("SamplingParams.structured_outputs needs a model with a tokenizer")
@@ -170,7 +169,7 @@ class LLMEngine:
         seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
                        max_len=max_len, seed=seed, lora_int_id=lora_request.lora_int_id if lora_request else 0)
         group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority,
-                              lora_request=lora_request)
+                              lora_request=lora_request, lora_model=lora_model)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # the first prompt token's: nothing precedes it
         self.output_processor.add_request(group, text, list(token_ids), RequestMetrics(time.monotonic()))

@@ -46,24 +46,25 @@ class WorkerLoRAManager:
         self._host.pop(lora_int_id, None)
         self._slots.pop(lora_int_id, None)
 
-    def slots_for(self, requests: list) -> tuple[np.ndarray, list[tuple[int, LoRAModel]]]:
-        """Each row's slot (a LoRARequest or None per row) and the (slot, adapter) writes the device needs first."""
-        wanted = {r.lora_int_id: r for r in requests if r is not None}
+    def slots_for(self, adapters: list) -> tuple[np.ndarray, list[tuple[int, LoRAModel]]]:
+        """Each row's slot (a LoRAModel or None per row: the adapter its request holds) and the (slot, adapter)
+        writes the device needs first."""
+        wanted = {a.lora_int_id: a for a in adapters if a is not None}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"{len(wanted)} distinct LoRA adapters in one step, max_loras={self.max_loras}")
         for lora in wanted:
             if lora in self._slots:
                 self._slots.move_to_end(lora)
         writes = []
-        for lora, request in wanted.items():
+        for lora, adapter in wanted.items():
             if lora not in self._slots:
                 used = set(self._slots.values())
                 free = [s for s in range(1, self.max_loras + 1) if s not in used]
                 slot = free[0] if free else self._slots.pop(next(x for x in self._slots if x not in wanted))
                 self._slots[lora] = slot
-                writes.append((slot, self.get(request)))
+                writes.append((slot, adapter))
         self.num_slot_writes += len(writes)
-        return np.asarray([self._slots[r.lora_int_id] if r is not None else 0 for r in requests], np.int32), writes
+        return np.asarray([self._slots[a.lora_int_id] if a is not None else 0 for a in adapters], np.int32), writes
 
     def resident(self) -> dict[int, int]:
         """lora_int_id -> device slot, of the adapters in the slots now."""
@@ -97,15 +98,15 @@ def token_slots(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, 
 
 
 def lora_mapping(row_slots: np.ndarray, token_rows: np.ndarray, num_tokens: int, num_rows: int,
-                 max_loras: int) -> LoRAMapping | None:
+                 max_loras: int, grouped: bool = False) -> LoRAMapping | None:
     """The step's LoRAMapping: its slots (ascending, padded with slot 0 to the least bucket of
-    ``lora_buckets(max_loras)`` that holds them; the largest: every slot) and each token's index among them (-1:
-    none); None when no token runs an adapter (the base model's step)."""
+    ``lora_buckets(max_loras, grouped)`` that holds them; the largest: every slot) and each token's index among
+    them (-1: none); None when no token runs an adapter (the base model's step)."""
     slots = token_slots(row_slots, token_rows, num_tokens, num_rows)
     used = np.unique(slots[slots != 0])
     if not used.size:
         return None
-    size = next(n for n in lora_buckets(max_loras) if n >= used.size)
+    size = next(n for n in lora_buckets(max_loras, grouped) if n >= used.size)
     if size > max_loras:  # every slot, as they lie: a token's index is its slot (slot 0 is zeros)
         return LoRAMapping(slots.astype(np.int32), np.arange(size, dtype=np.int32))
     step = np.zeros(size, np.int32)

@@ -82,7 +82,7 @@ class Linear(nnx.Module):
             self.scale = param(out_shape, out_names)
         self.bias = param(out_shape, out_names) if bias else None
         self.num_in, self.num_out = len(in_shape), len(out_shape)
-        num_slots, rank = slots_being_built()
+        num_slots, rank, self.lora_grouped = slots_being_built()
         if num_slots:
             self.lora_a = param((num_slots, *in_shape, parts * rank), (None, *in_names, None))
             self.lora_b = param((num_slots, parts * rank, *out_shape), (None, None, *out_names))
@@ -98,7 +98,8 @@ class Linear(nnx.Module):
         else:
             y = dense(x, kernel, self.num_in, packed=self.packed)
         if self.lora_a is not None and lora is not None:
-            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora, self.num_in).astype(y.dtype)
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora, self.num_in,
+                               self.lora_grouped).astype(y.dtype)
         return y if self.bias is None else y + self.bias[...]
 
     def part_sizes(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -11,6 +11,10 @@ A step takes part only through the slots it uses (``LoRAMapping``): the step's s
 (x @ A) @ B for its own: x against the step's slots' A, the other slots' ranks zeroed by a one-hot, then
 against their B: two matmuls over the step's slots x R, no per-token gather of weights. A step without adapters
 has no mapping and runs the base model's program.
+
+On one CPU device with the CPU kernels built (``ModelConfig.cpu_lora_kernel``), the delta is instead their
+grouped kernel (cpu_kernels.lora_delta): each token against its own adapter only, whatever the number of
+adapters in the step, so a single slots bucket (every slot, as they lie) serves every step.
 """
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels import lora_delta as cpu_lora
+
 LORA_LEAVES = ("lora_a", "lora_b")  # a Linear's slot parameters
-_BUILDING = contextvars.ContextVar("lora_slots", default=(0, 0))
+_BUILDING = contextvars.ContextVar("lora_slots", default=(0, 0, False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,31 +44,49 @@ class LoRAMapping:
 jax.tree_util.register_dataclass(LoRAMapping, data_fields=["token_indices", "slots"], meta_fields=[])
 
 
-def lora_buckets(max_loras: int) -> tuple[int, ...]:
+def lora_buckets(max_loras: int, grouped: bool = False) -> tuple[int, ...]:
     """The sizes a step's slot list is padded to: powers of two below ``max_loras``, then every slot
-    (``max_loras + 1``, slot 0 too: the slots as they lie, no gather)."""
-    sizes = [1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras]
+    (``max_loras + 1``, slot 0 too: the slots as they lie, no gather); ``grouped`` (the CPU's grouped kernel):
+    every slot only."""
+    sizes = [1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras and not grouped]
     return (*sizes, max_loras + 1) if max_loras else ()
 
 
+def grouped_kernel_runs(tensor_parallel_size: int, devices) -> bool:
+    """Whether an engine's LoRA deltas run the CPU's grouped kernel: one CPU device, the kernels built."""
+    return tensor_parallel_size == 1 and all(d.platform == "cpu" for d in devices) and cpu_lora.available()
+
+
 @contextlib.contextmanager
-def building_slots(num_slots: int, rank: int):
-    """Linears constructed inside get ``num_slots`` adapter slots of ``rank`` per part (0 slots: none)."""
-    token = _BUILDING.set((num_slots, rank))
+def building_slots(num_slots: int, rank: int, grouped: bool = False):
+    """Linears constructed inside get ``num_slots`` adapter slots of ``rank`` per part (0 slots: none), their
+    deltas by the CPU's grouped kernel if ``grouped``."""
+    token = _BUILDING.set((num_slots, rank, grouped))
     try:
         yield
     finally:
         _BUILDING.reset(token)
 
 
-def slots_being_built() -> tuple[int, int]:
-    """(slots, rank per part) of the Linears being constructed."""
+def slots_being_built() -> tuple[int, int, bool]:
+    """(slots, rank per part, grouped) of the Linears being constructed."""
     return _BUILDING.get()
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mapping: LoRAMapping, num_in: int) -> jax.Array:
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mapping: LoRAMapping, num_in: int,
+               grouped: bool = False) -> jax.Array:
     """x [T, *in], a [S, *in, R], b [S, R, *out] (every slot), mapping: the step's slots [N] and each token's
-    index among them -> [T, *out]."""
+    index among them -> [T, *out]. ``grouped``: on a CPU, the grouped kernel (the mapping holds every slot, so a
+    token's index is its slot)."""
+    assert not grouped or mapping.slots.shape[0] == a.shape[0], "the grouped kernel's mapping holds every slot"
+    if grouped and cpu_lora.supports(x, a):
+        def cpu(x, a, b, slots):
+            out = cpu_lora.lora_delta(x.reshape(x.shape[0], -1), a.reshape(a.shape[0], -1, a.shape[-1]),
+                                      b.reshape(*b.shape[:2], -1), slots)
+            return out.reshape(*x.shape[:1], *b.shape[2:])
+
+        xla = lambda x, a, b, slots: lora_delta(x, a, b, mapping, num_in)  # noqa: E731
+        return jax.lax.platform_dependent(x, a, b, mapping.token_indices, cpu=cpu, default=xla)
     if mapping.slots.shape[0] < a.shape[0]:  # every slot (the largest bucket): no gather
         a, b = a[mapping.slots], b[mapping.slots]  # [N, *in, R], [N, R, *out]
     a, b = a.astype(x.dtype), b.astype(x.dtype)

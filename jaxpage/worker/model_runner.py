@@ -18,6 +18,7 @@ from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq, num_sampled_rows
 from jaxpage.distributed.parallel import placement, put
+from jaxpage.lora.models import LoRAModel
 from jaxpage.lora.worker_manager import (
     SlotWriter,
     WorkerLoRAManager,
@@ -127,7 +128,7 @@ class ModelRunner:
             for num_tokens in buckets:
                 if num_tokens not in self._executables:
                     self._executables[num_tokens] = self._compile(num_tokens, 0)
-                for num_loras in lora_buckets(self.config.model.max_loras):
+                for num_loras in lora_buckets(self.config.model.max_loras, self.config.model.cpu_lora_kernel):
                     if (num_tokens, num_loras) not in self._lora_executables:
                         self._lora_executables[num_tokens, num_loras] = self._compile(num_tokens, num_loras)
                 # several processes must make the same device calls: the leader's steps stay synchronous
@@ -226,18 +227,20 @@ class ModelRunner:
         """The batch with the step's adapter slots and each token's among them (none: the base model's step), the
         step's adapters written into their slots first (those not resident: into a free slot or the least
         recently used one this step does not need)."""
-        row_slots, writes = self.lora.slots_for([s.group.lora_request for s in scheduled])
+        row_slots, writes = self.lora.slots_for([s.group.lora_model for s in scheduled])
         for slot, adapter in writes:
             self.params = self._lora_writer.write(self.params, slot, adapter)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        mapping = lora_mapping(row_slots, batch.token_seq, num_tokens, len(scheduled), self.config.model.max_loras)
+        mapping = lora_mapping(row_slots, batch.token_seq, num_tokens, len(scheduled), self.config.model.max_loras,
+                               self.config.model.cpu_lora_kernel)
         return dataclasses.replace(batch, lora=mapping)
 
-    def load_lora(self, request) -> None:
-        """Reads a LoRARequest's adapter onto the host (checked: a ValueError naming the file and field)."""
+    def load_lora(self, request) -> LoRAModel:
+        """A LoRARequest's adapter on the host, read from its files unless the host LRU holds it (checked: a
+        ValueError naming the file and field)."""
         if self.lora is None:
             raise ValueError("a lora_request needs an engine started with enable_lora=True")
-        self.lora.get(request)
+        return self.lora.get(request)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forgets an adapter on the host and in its slot (no request may run with it)."""
