@@ -4,9 +4,10 @@ LoRA adapters (rank ``--rank``, every projection adapted, random weights written
 one process, so the ratios are side by side.
 
     python benchmarks/lora_throughput.py [--streams 32] [--prompt 32] [--tokens 32] [--rounds 2] [--rank 16]
-        [--max-loras 8] [--json benchmarks/results/lora_throughput.json]
+        [--max-loras 8] [--dtype auto] [--cache-dir DIR] [--json benchmarks/results/lora_throughput.json]
 
-Also reported: each engine's start-up (weights loaded, every bucket compiled), the LoRA engine's with its step
+The ratios are each round's against the base engine's batch of the same round, their median reported. Also
+reported: each engine's start-up (weights loaded, every bucket compiled), the LoRA engine's with its step
 variants per adapter slots bucket.
 """
 from __future__ import annotations
@@ -73,10 +74,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-loras", type=int, default=8)
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (auto: the default, bfloat16 on this CPU)")
+    parser.add_argument("--cache-dir", help="the engines' compilation cache (an empty folder: a cold start-up)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     options = dict(max_num_seqs=args.streams, max_num_batched_tokens=max(64, args.streams), max_model_len=512,
-                   dtype="float32", kv_cache_memory=256 << 20, progress=False)
+                   dtype=args.dtype, kv_cache_memory=256 << 20, progress=False, cache_dir=args.cache_dir)
     started = time.perf_counter()
     base = LLMEngine.from_args(EngineArgs(**options))
     base_ready = time.perf_counter()
@@ -100,14 +103,17 @@ def main() -> None:
             runs[name].append(run_batch(engine, prompts, loras, args.tokens))
     print(f"start-up (load and compile): {warm_up_s['base engine']:.1f} s base, {warm_up_s['lora engine']:.1f} s "
           "with LoRA")
-    result = {"streams": args.streams, "prompt_tokens": args.prompt, "new_tokens": args.tokens, "rank": args.rank,
+    result = {"dtype": lora.config.dtype,
+              "streams": args.streams, "prompt_tokens": args.prompt, "new_tokens": args.tokens, "rank": args.rank,
               "max_loras": args.max_loras, "rounds": args.rounds, "warm_up_s": warm_up_s,
               "machine": platform.machine(), "tokens_per_s": {k: statistics.median(v) for k, v in runs.items()},
               "raw": runs}
-    ref = result["tokens_per_s"]["base engine"]
-    result["vs_base"] = {k: v / ref for k, v in result["tokens_per_s"].items()}
+    # each round's ratio to the base engine's batch of that round (side by side), then their median
+    base_runs = runs["base engine"]
+    result["vs_base"] = {k: statistics.median(r / b for r, b in zip(v, base_runs)) for k, v in runs.items()}
     for name in cases:
-        print(f"{name:>12}: {result['tokens_per_s'][name]:8.1f} tokens/s  {result['vs_base'][name]:.3f}x the base")
+        print(f"{name:>12}: {result['tokens_per_s'][name]:8.1f} tokens/s  {result['vs_base'][name]:.3f}x the base "
+              "(median of the rounds' ratios)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
