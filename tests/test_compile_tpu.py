@@ -160,7 +160,8 @@ def test_block_moves_compile_in_place():
 def test_smollm2_lora_step_compiles_for_v5e(tp):
     """Multi-LoRA (4 slots of rank 16 in every decoder Linear, smallest bucket) on one chip and over 3 chips
     (SmolLM2's 9 heads, 3 KV heads): the pool still donated and aliased, the slots among the arguments (each
-    chip's at least its share of them), the chips all-reduce at TP 3."""
+    chip's at least its share of them), the chips all-reduce at TP 3, the adapters' reductions in the base's
+    collectives."""
     from jaxpage.models import abstract_params
 
     config = ct.lora_config(tp)
@@ -171,6 +172,11 @@ def test_smollm2_lora_step_compiles_for_v5e(tp):
     assert lora > 0 and r.memory["argument"] >= (lora + least_pool_bytes(config)) // tp, r.memory
     assert r.memory["alias"] >= least_pool_bytes(config) // tp, r.memory
     assert tp == 1 or "all-reduce" in r.hlo
+    # a row-parallel Linear's x @ A reduction [T, slots, rank] rides in its base product's [T, hidden] all-reduce
+    results = [line.split(" all-reduce(")[0] for line in r.hlo.splitlines() if " all-reduce(" in line]
+    lora_reductions = [shapes for shapes in results if f",{config.model.max_lora_rank}]" in shapes]
+    base = f"[{config.token_buckets()[0]},{config.model.hidden_size}]"
+    assert tp == 1 or (lora_reductions and all(base in shapes for shapes in lora_reductions)), lora_reductions
 
 
 def test_llama3_70b_step_compiles_tensor_parallel_on_eight_v5e_chips():
