@@ -301,28 +301,38 @@ def _at(tree, path):
     return tree
 
 
-OTHER_ARCHITECTURES = {  # transformers' config class name -> its arguments (tiny, random)
-    "Qwen3Config": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True,
-                        max_position_embeddings=128, tie_word_embeddings=True),
-    "Gemma2Config": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                         attn_logit_softcapping=5.0, final_logit_softcapping=20.0, max_position_embeddings=128,
-                         tie_word_embeddings=True),
+EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = EVERY_PROJECTION[:4]  # MoE models: the experts are not Linears and are refused as targets
+_TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, max_position_embeddings=128)
+OTHER_ARCHITECTURES = {  # transformers' config class name -> (its arguments: tiny, random; the adapter's targets)
+    "Qwen3Config": (dict(_TINY, intermediate_size=128, attention_bias=True, tie_word_embeddings=True),
+                    EVERY_PROJECTION),
+    "Qwen2Config": (dict(_TINY, intermediate_size=128, tie_word_embeddings=False), EVERY_PROJECTION),
+    "Gemma2Config": (dict(_TINY, intermediate_size=128, query_pre_attn_scalar=24, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
+                          final_logit_softcapping=20.0, tie_word_embeddings=True), EVERY_PROJECTION),
+    "Gemma3TextConfig": (dict(_TINY, intermediate_size=96, num_key_value_heads=1, query_pre_attn_scalar=48,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              tie_word_embeddings=False), EVERY_PROJECTION),
+    "MixtralConfig": (dict(_TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                           sliding_window=None, tie_word_embeddings=False), ATTENTION),
+    "Qwen3MoeConfig": (dict(_TINY, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True), ATTENTION),
 }
 
 
 @pytest.mark.parametrize("config_class", sorted(OTHER_ARCHITECTURES))
 def test_other_architectures_match_peft(config_class, tmp_path_factory):
-    """Qwen3 (q/k norms, q/k/v bias) and Gemma 2 (soft caps, a sliding window, pre/post norms): one rank-8
-    adapter of every projection, greedy tokens and teacher-forced logits against PEFT."""
+    """Every other architecture of the model layer (Qwen3: q/k norms and bias; Qwen2: q/k/v bias; Gemma 2: soft
+    caps, a sliding window, pre/post norms; Gemma 3: q/k norms, local RoPE; Mixtral and Qwen3-MoE: experts): one
+    rank-8 adapter of every projection a Linear owns, greedy tokens and teacher-forced logits against PEFT."""
     import transformers
 
     path = tmp_path_factory.mktemp(config_class)
-    base = save_random_model(getattr(transformers, config_class)(**OTHER_ARCHITECTURES[config_class]), path, SEED)
+    kwargs, targets = OTHER_ARCHITECTURES[config_class]
+    base = save_random_model(getattr(transformers, config_class)(**kwargs), path, SEED)
     adapter_dir = tmp_path_factory.mktemp(f"{config_class}-adapter")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft_adapter(base, adapter_dir, 8, 16, targets, False, SEED + 40)
     request = LoRARequest("every-projection", 1, str(adapter_dir))
     llm = LLM(str(path), cache_dir=str(tmp_path_factory.mktemp("cache")), enable_lora=True, max_loras=1,
@@ -332,8 +342,10 @@ def test_other_architectures_match_peft(config_class, tmp_path_factory):
     ref, ref_logits = hf_greedy(model, prompt, NEW_TOKENS)
     assert_greedy_matches(ours, ref, ref_logits, f"seed {SEED}, {config_class}")
     tokens = prompt + ref
-    assert_logits_close_by_position(paged_logits(llm, tokens, lora_slot=1), hf_logits(model, tokens),
+    expected = hf_logits(model, tokens)
+    assert_logits_close_by_position(paged_logits(llm, tokens, lora_slot=1), expected,
                                     context=f"seed {SEED}, {config_class}")
+    assert np.abs(expected - hf_logits(base, tokens)).max() > 100 * 1e-4 * np.abs(expected).max(), "no change"
 
 
 def test_smollm2_with_a_random_adapter_matches_peft(hf_smollm2, tmp_path):
