@@ -284,9 +284,9 @@ class LLMEngine:
         if not out.scheduled:
             return outputs
         failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
-        bitmask = self.structured.bitmask(out.scheduled, failed) if self.structured is not None else None
         if self.drafter is not None:  # speculative decoding's draft model fills in the pending drafts
             self.drafter.propose(out.scheduled)
+        bitmask = self.structured.bitmask(out.scheduled, failed) if self.structured is not None else None
         if not self.async_scheduling:
             sampled = (self.runner.execute(out.scheduled) if bitmask is None
                        else self.runner.execute(out.scheduled, bitmask))

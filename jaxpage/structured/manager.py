@@ -62,18 +62,42 @@ class StructuredOutputManager:
         return matcher
 
     def bitmask(self, scheduled, failed: dict[str, Exception]) -> np.ndarray | None:
-        """[rows, words] int32 of allowed tokens for this step's rows (all ones for unconstrained rows), or None
-        when no sampling row is constrained. A request whose matcher fails is recorded in ``failed``."""
-        rows = []
+        """[sampled rows, words] int32 of allowed tokens for this step's sampled rows (all ones for unconstrained
+        rows), or None when no sampling row is constrained. A request whose matcher fails is recorded in
+        ``failed``. Speculative decoding: a constrained row's positions (its draft positions' rows after the
+        scheduled ones, in order, then its own row, the position after every draft) each get the grammar's state
+        after the drafts before it; past the first draft the grammar refuses, a position keeps all ones: the
+        masked target cannot sample that draft, so it is rejected there and no later position is used."""
+        rows, drafted = [], []
+        draft_row = len(scheduled)
         for i, s in enumerate(scheduled):
             so = s.group.params.structured_outputs
             if so is not None and s.samples:
                 try:
-                    rows.append((self.matcher(s.seq, so), i))
+                    matcher = self.matcher(s.seq, so)
+                    positions = [*range(draft_row, draft_row + len(s.spec_token_ids)), i]
+                    (drafted.append((matcher, list(s.spec_token_ids), positions)) if s.spec_token_ids
+                     else rows.append((matcher, i)))
                 except Exception as e:  # noqa: BLE001 - one request's failure must not stop the engine
                     failed.setdefault(s.group.request_id, e)
-        if not rows:
+            draft_row += len(s.spec_token_ids)
+        if not rows and not drafted:
             return None
-        mask = np.full((len(scheduled), self.words), ALL_ALLOWED, np.int32)
-        llnp.fill_next_token_bitmask_par(self.executor, rows, mask)
+        mask = np.full((draft_row, self.words), ALL_ALLOWED, np.int32)
+        if rows:
+            llnp.fill_next_token_bitmask_par(self.executor, rows, mask)
+        for matcher, drafts, positions in drafted:
+            _fill_draft_positions(matcher, drafts, mask, positions)
         return mask
+
+
+def _fill_draft_positions(matcher: llguidance.LLMatcher, drafts: list[int], mask: np.ndarray,
+                          positions: list[int]) -> None:
+    """``mask[positions[p]]``: the grammar's allowed tokens after drafts[:p], for each p up to the first draft
+    the grammar refuses; the matcher is left where it was."""
+    accepted = matcher.validate_tokens(drafts)
+    for p in range(accepted + 1):
+        if p:
+            matcher.consume_token(drafts[p - 1])
+        llnp.fill_next_token_bitmask(matcher, mask, positions[p])
+    matcher.rollback(accepted)
