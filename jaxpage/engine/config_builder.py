@@ -67,15 +67,15 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     dtype = resolve_dtype(dtype, cpu_bfloat16=cpu_serves_bfloat16(model, quantization))
     model = dataclasses.replace(model, quantization=quantization)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
+    backend = resolve_backend(attention_backend)
     if enable_lora:
         model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras,
-                                          grouped_kernel_runs(tensor_parallel_size, group))
+                                          grouped_kernel_runs(backend, tensor_parallel_size, group))
     model = model_for_tp(model, tensor_parallel_size)
     require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
             f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
     kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
     require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
-    backend = resolve_backend(attention_backend)
     _check_tpu_tiles(backend, kv_dtype, block_size, max_num_batched_tokens)
     model = dataclasses.replace(model, onednn_packed_weights=packs_weights(
         dtype, backend, quantization, tensor_parallel_size, group))

@@ -52,9 +52,11 @@ def lora_buckets(max_loras: int, grouped: bool = False) -> tuple[int, ...]:
     return (*sizes, max_loras + 1) if max_loras else ()
 
 
-def grouped_kernel_runs(tensor_parallel_size: int, devices) -> bool:
-    """Whether an engine's LoRA deltas run the CPU's grouped kernel: one CPU device, the kernels built."""
-    return tensor_parallel_size == 1 and all(d.platform == "cpu" for d in devices) and cpu_lora.available()
+def grouped_kernel_runs(attention_backend: str, tensor_parallel_size: int, devices) -> bool:
+    """Whether an engine's LoRA deltas run the CPU's grouped kernel: one CPU device with XLA's attention path (a
+    Pallas backend's config is for a TPU or GPU, even when built here), the kernels built."""
+    return (attention_backend == "xla" and tensor_parallel_size == 1 and all(d.platform == "cpu" for d in devices)
+            and cpu_lora.available())
 
 
 @contextlib.contextmanager
