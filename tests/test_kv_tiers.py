@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -90,6 +91,7 @@ def _with_and_without_tiers(tiny, directory, block_bytes: int = BLOCK_BYTES, **o
     tiered = _llm(tiny, kv_offloading_size=HOST_BLOCKS * block_bytes / 2**30, kv_offloading_dir=str(directory),
                   **options)
     got, _ = _chat(tiered)
+    tiered.engine.close()  # the disk tier's queued writes in place (a restarted engine reads them)
     return expected, got, last_prompts, plain.stats(), tiered.stats()
 
 
@@ -101,6 +103,7 @@ def _assert_restored_exactly(expected, got, plain: dict, tiered: dict, block_byt
     assert tiered["kv_offload_restores"] == tiered["kv_offload_host_hits"] + tiered["kv_offload_disk_hits"]
     assert tiered["kv_offload_host_hit_bytes"] == tiered["kv_offload_host_hits"] * block_bytes
     assert tiered["kv_offload_stores"] > 0 and tiered["kv_offload_disk_writes"] > 0
+    assert tiered["kv_offload_disk_write_seconds"] > 0  # the writer thread's
     assert tiered["external_prefix_cache_hits"] == tiered["kv_offload_restores"] * BLOCK_SIZE
     assert tiered["prefix_cache_queries"] == plain["prefix_cache_queries"]
     assert _computed(tiered) == _computed(plain) - tiered["external_prefix_cache_hits"] < _computed(plain)
@@ -211,13 +214,47 @@ def test_disk_tier_keeps_its_cap_dropping_the_least_recently_used(tmp_path):
     hashes = [bytes([i]) * 16 for i in range(4)]
     for i in range(3):
         tier.write(hashes[i], [blocks[i]])
+        tier.flush()
         os.utime(tier.path(hashes[i]), (1000.0 * (i + 1), 1000.0 * (i + 1)))
     assert np.array_equal(tier.read(hashes[0])[0], blocks[0])  # now the most recently used
     tier.write(hashes[3], [blocks[3]])
+    tier.flush()
     assert [tier.contains(h) for h in hashes] == [True, False, True, True]
     assert tier.num_bytes == 3 * tier.file_bytes == sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
     other = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "another"}, leaves)  # same directory, other model
     assert other.read(hashes[0]) is None and not other.contains(hashes[0]) and other.rejected == 1
+
+
+def test_a_queued_write_is_served_before_its_file_is_in_place_and_close_flushes(tmp_path, monkeypatch):
+    """The writer thread held: written blocks (an int8 block's values and scales) are not on disk yet, but the
+    tier contains them and reads them back from its copies, though the caller has reused its arrays; close lets
+    every file land, and a fresh tier over the directory reads them."""
+    from jaxpage.core.kv_disk_tier import DiskKVTier
+
+    gate, write_file = threading.Event(), DiskKVTier._write_file
+    monkeypatch.setattr(DiskKVTier, "_write_file", lambda self, *args: gate.wait(30) and write_file(self, *args))
+    rng = np.random.default_rng(5)
+    leaves = [(np.int8, (2, 4, 8)), (np.float32, (2, 4))]
+    tier = DiskKVTier(tmp_path, 1 << 20, {"model": "m"}, leaves)
+    blocks = [[rng.integers(-128, 128, (2, 4, 8)).astype(np.int8), rng.random((2, 4), np.float32)] for _ in range(3)]
+    expected = [[a.copy() for a in block] for block in blocks]
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    for block_hash, block in zip(hashes, blocks):
+        tier.write(block_hash, block)
+        for a in block:
+            a[...] = 0  # the host arena's slot takes another block
+    assert not list(tmp_path.iterdir())
+    for block_hash, block in zip(hashes, expected):
+        assert tier.contains(block_hash)
+        assert all(np.array_equal(got, want) for got, want in zip(tier.read(block_hash), block))
+    gate.set()
+    tier.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(h.hex() + ".kvblock" for h in hashes)
+    assert tier.num_bytes == sum(p.stat().st_size for p in tmp_path.iterdir()) and tier.write_seconds > 0
+    fresh = DiskKVTier(tmp_path, 1 << 20, {"model": "m"}, leaves)
+    for block_hash, block in zip(hashes, expected):
+        assert all(np.array_equal(got, want) for got, want in zip(fresh.read(block_hash), block))
+    assert fresh.rejected == 0
 
 
 @pytest.mark.parametrize("window", [0, 20])
