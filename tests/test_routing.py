@@ -168,4 +168,4 @@ def test_the_routing_flags_are_sglang_routers():
     args = EngineArgs.from_cli_args(ns)
     assert (args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold,
             args.balance_rel_threshold) == ("load", 0.5, 8, 1.2)
-    assert EngineArgs().data_parallel_routing == "load"
+    assert EngineArgs().data_parallel_routing == "cache_aware"
