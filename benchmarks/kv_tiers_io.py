@@ -65,6 +65,7 @@ def disk_per_block(directory: Path, blocks: list[np.ndarray]) -> tuple[float, fl
     started = time.perf_counter()
     for h, b in zip(hashes, blocks):
         tier.write(h, [b])
+    tier.flush()  # the writer thread's files, all in place
     written = time.perf_counter() - started
     started = time.perf_counter()
     for h in hashes:

@@ -98,8 +98,9 @@ def random_model(cases: list[Case], case: Case, tmp_path_factory) -> RandomModel
 
 
 def run_on_forced_devices(test_file: str, num_devices: int, child_flag: str) -> None:
-    """Runs ``test_file``'s tests in a child pytest on ``num_devices`` forced CPU devices (XLA reads the count once,
-    when it starts), with the environment variable ``child_flag`` set to 1; fails with the child's output."""
+    """Runs ``test_file``'s tests (or one of them: ``"<file>::<test>"``) in a child pytest on ``num_devices``
+    forced CPU devices (XLA reads the count once, when it starts), with the environment variable ``child_flag``
+    set to 1; fails with the child's output."""
     env = {**os.environ, child_flag: "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],

@@ -350,6 +350,7 @@ def check_accounting(engine: LLMEngine) -> None:
         kv.host_tier.check()
         assert len(kv.host_tier) <= kv.host_tier.num_blocks
     if kv.disk_tier is not None:  # its disk tier: the bytes counted are the files', within the cap
+        kv.disk_tier.flush()
         files = list(kv.disk_tier.directory.glob("*.kvblock"))
         assert kv.disk_tier.num_bytes == sum(f.stat().st_size for f in files)
         assert kv.disk_tier.num_bytes <= max(kv.disk_tier.max_bytes, kv.disk_tier.file_bytes)

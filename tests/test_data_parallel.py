@@ -212,9 +212,9 @@ if IN_CHILD:
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
             decisions = {s.labels["decision"]: s.value for family in text_string_to_metric_families(text)
                          for s in family.samples if s.name == "jaxpage:router_decisions_total"
-                         and s.labels["policy"] == "load"}  # the default
+                         and s.labels["policy"] == "cache_aware"}  # the default
             assert set(decisions) == {"load", "cache_hit", "cache_miss", "balance_fallback"}, decisions
-            assert decisions["load"] == sum(decisions.values()) >= len(greedy) + 2, decisions
+            assert decisions["load"] == 0 and sum(decisions.values()) >= len(greedy) + 2, decisions
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0

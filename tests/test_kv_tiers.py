@@ -2,12 +2,16 @@
 device pool too small for the conversations' prefixes gives the tokens of an engine without the tiers (greedy
 and seeded) while restoring blocks instead of computing them; a restarted engine finds the disk tier's blocks;
 truncated, corrupt and foreign files are never served. The accounting over every tier is in the property test
-(tests/test_block_accounting.py, tests/simulated_kv.py)."""
+(tests/test_block_accounting.py, tests/simulated_kv.py). The same conversations over an int8 and an fp8 pool
+(an int8 block's scales move with its values) and at tensor_parallel_size=2 on 2 forced CPU devices (a child
+pytest: the moves gather and load each device's KV heads) give their own engine's tokens without the tiers."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -17,10 +21,13 @@ from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.models import config_from_hf
 from jaxpage.sampling_params import SamplingParams
-from tests.factories import engine_options, tiny_llama
+from tests.factories import engine_options, run_on_forced_devices, tiny_llama
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4  # tiny Llama: 2 layers, K and V, 2 KV heads of 16, float32
+# a byte a value; int8 adds a float32 scale per token and KV head
+QUANTIZED_BLOCK_BYTES = {"int8": 2 * 2 * 2 * BLOCK_SIZE * (16 + 4), "fp8": 2 * 2 * 2 * BLOCK_SIZE * 16}
+TP_CHILD = os.environ.get("JAXPAGE_KV_TIERS_TP_CHILD") == "1"
 CONVERSATIONS, TURNS, MESSAGE, REPLY = 4, 3, 20, 8
 HOST_BLOCKS = 6  # the device pool holds 9 blocks: together not all the conversations' prefixes (4 x 4-5 blocks)
 
@@ -76,27 +83,65 @@ def _computed(stats: dict) -> int:
     return stats["prefix_cache_queries"] - stats["prefix_cache_hits"] - stats.get("external_prefix_cache_hits", 0)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny):
-    """The conversations without tiers and with a host tier of 6 blocks over the disk tier (so both serve)."""
-    plain = _llm(tiny)
+def _with_and_without_tiers(tiny, directory, block_bytes: int = BLOCK_BYTES, **options):
+    """The conversations on an engine without tiers and on one with a host tier of 6 blocks over the disk tier in
+    ``directory`` (so both serve): (replies without, replies with, the last turn's prompts, stats without, with)."""
+    plain = _llm(tiny, **options)
     expected, last_prompts = _chat(plain)
-    tiered = _llm(tiny, kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, kv_offloading_dir=str(tiny[2]))
+    tiered = _llm(tiny, kv_offloading_size=HOST_BLOCKS * block_bytes / 2**30, kv_offloading_dir=str(directory),
+                  **options)
     got, _ = _chat(tiered)
+    tiered.engine.close()  # the disk tier's queued writes in place (a restarted engine reads them)
     return expected, got, last_prompts, plain.stats(), tiered.stats()
 
 
-def test_tiers_give_the_same_tokens_and_compute_fewer_prompt_tokens(runs):
-    expected, got, _, plain, tiered = runs
+def _assert_restored_exactly(expected, got, plain: dict, tiered: dict, block_bytes: int) -> None:
+    """The tiered engine's replies are the plain one's, both tiers served, and it computed exactly the restored
+    tokens fewer."""
     assert got == expected  # greedy (even conversations) and seeded sampling (odd ones), turn by turn
     assert tiered["kv_offload_host_hits"] > 0 and tiered["kv_offload_disk_hits"] > 0, tiered
     assert tiered["kv_offload_restores"] == tiered["kv_offload_host_hits"] + tiered["kv_offload_disk_hits"]
-    assert tiered["kv_offload_host_hit_bytes"] == tiered["kv_offload_host_hits"] * BLOCK_BYTES
+    assert tiered["kv_offload_host_hit_bytes"] == tiered["kv_offload_host_hits"] * block_bytes
     assert tiered["kv_offload_stores"] > 0 and tiered["kv_offload_disk_writes"] > 0
+    assert tiered["kv_offload_disk_write_seconds"] > 0  # the writer thread's
     assert tiered["external_prefix_cache_hits"] == tiered["kv_offload_restores"] * BLOCK_SIZE
     assert tiered["prefix_cache_queries"] == plain["prefix_cache_queries"]
     assert _computed(tiered) == _computed(plain) - tiered["external_prefix_cache_hits"] < _computed(plain)
     assert tiered["num_free_blocks"] == tiered["num_blocks"] and plain["num_free_blocks"] == plain["num_blocks"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny):
+    """The float32 pool's conversations without and with the tiers (the disk tier in the module's directory)."""
+    return _with_and_without_tiers(tiny, tiny[2])
+
+
+def test_tiers_give_the_same_tokens_and_compute_fewer_prompt_tokens(runs):
+    expected, got, _, plain, tiered = runs
+    _assert_restored_exactly(expected, got, plain, tiered, BLOCK_BYTES)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_tiers_over_a_quantized_pool_give_its_tokens(tiny, tmp_path, kv_cache_dtype):
+    block_bytes = QUANTIZED_BLOCK_BYTES[kv_cache_dtype]
+    expected, got, _, plain, tiered = _with_and_without_tiers(tiny, tmp_path, block_bytes,
+                                                              kv_cache_dtype=kv_cache_dtype)
+    _assert_restored_exactly(expected, got, plain, tiered, block_bytes)
+    assert tiered["kv_offload_disk_hit_bytes"] == tiered["kv_offload_disk_hits"] * block_bytes
+
+
+@pytest.mark.skipif(TP_CHILD, reason="the parent's test")
+def test_tiers_under_tensor_parallelism_on_two_cpu_devices():
+    run_on_forced_devices(f"{__file__}::test_tp2_tiers_give_tp2s_tokens", 2, "JAXPAGE_KV_TIERS_TP_CHILD")
+
+
+if TP_CHILD:
+    def test_tp2_tiers_give_tp2s_tokens(tiny, tmp_path):
+        import jax
+
+        assert len(jax.devices()) == 2, jax.devices()
+        expected, got, _, plain, tiered = _with_and_without_tiers(tiny, tmp_path, tensor_parallel_size=2)
+        _assert_restored_exactly(expected, got, plain, tiered, BLOCK_BYTES)
 
 
 def test_a_restarted_engine_finds_the_disk_tier_and_serves_no_bad_file(runs, tiny, caplog):
@@ -169,13 +214,47 @@ def test_disk_tier_keeps_its_cap_dropping_the_least_recently_used(tmp_path):
     hashes = [bytes([i]) * 16 for i in range(4)]
     for i in range(3):
         tier.write(hashes[i], [blocks[i]])
+        tier.flush()
         os.utime(tier.path(hashes[i]), (1000.0 * (i + 1), 1000.0 * (i + 1)))
     assert np.array_equal(tier.read(hashes[0])[0], blocks[0])  # now the most recently used
     tier.write(hashes[3], [blocks[3]])
+    tier.flush()
     assert [tier.contains(h) for h in hashes] == [True, False, True, True]
     assert tier.num_bytes == 3 * tier.file_bytes == sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
     other = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "another"}, leaves)  # same directory, other model
     assert other.read(hashes[0]) is None and not other.contains(hashes[0]) and other.rejected == 1
+
+
+def test_a_queued_write_is_served_before_its_file_is_in_place_and_close_flushes(tmp_path, monkeypatch):
+    """The writer thread held: written blocks (an int8 block's values and scales) are not on disk yet, but the
+    tier contains them and reads them back from its copies, though the caller has reused its arrays; close lets
+    every file land, and a fresh tier over the directory reads them."""
+    from jaxpage.core.kv_disk_tier import DiskKVTier
+
+    gate, write_file = threading.Event(), DiskKVTier._write_file
+    monkeypatch.setattr(DiskKVTier, "_write_file", lambda self, *args: gate.wait(30) and write_file(self, *args))
+    rng = np.random.default_rng(5)
+    leaves = [(np.int8, (2, 4, 8)), (np.float32, (2, 4))]
+    tier = DiskKVTier(tmp_path, 1 << 20, {"model": "m"}, leaves)
+    blocks = [[rng.integers(-128, 128, (2, 4, 8)).astype(np.int8), rng.random((2, 4), np.float32)] for _ in range(3)]
+    expected = [[a.copy() for a in block] for block in blocks]
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    for block_hash, block in zip(hashes, blocks):
+        tier.write(block_hash, block)
+        for a in block:
+            a[...] = 0  # the host arena's slot takes another block
+    assert not list(tmp_path.iterdir())
+    for block_hash, block in zip(hashes, expected):
+        assert tier.contains(block_hash)
+        assert all(np.array_equal(got, want) for got, want in zip(tier.read(block_hash), block))
+    gate.set()
+    tier.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(h.hex() + ".kvblock" for h in hashes)
+    assert tier.num_bytes == sum(p.stat().st_size for p in tmp_path.iterdir()) and tier.write_seconds > 0
+    fresh = DiskKVTier(tmp_path, 1 << 20, {"model": "m"}, leaves)
+    for block_hash, block in zip(hashes, expected):
+        assert all(np.array_equal(got, want) for got, want in zip(fresh.read(block_hash), block))
+    assert fresh.rejected == 0
 
 
 @pytest.mark.parametrize("window", [0, 20])

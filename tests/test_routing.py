@@ -10,7 +10,7 @@ from jaxpage.config import RoutingConfig
 from jaxpage.core.block_pool import BlockPool, hash_blocks
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.engine.arg_utils import EngineArgs
-from jaxpage.engine.routing import PrefixIndex, Router
+from jaxpage.engine.routing import Branches, PrefixIndex, Router
 from jaxpage.sequence import Sequence
 
 BS = 16
@@ -56,12 +56,62 @@ def test_a_prefix_sent_again_goes_to_its_replica_and_load_decides_the_rest():
 
 def test_a_match_below_cache_threshold_goes_by_load():
     r = router(cache_threshold=0.5)
-    a = tokens(6, 2 * BS)
+    a, b = tokens(6, 2 * BS), tokens(8, 2 * BS)
     assert r.choose([0, 0], a) == 0
     assert r.choose([3, 0], a + tokens(7, 2 * BS + 1)) == 1  # 32 of 65 tokens: under half
-    # 32 of 63: over half; replica 1 was sent a's blocks too (in the miss), and is the less loaded of the two
-    assert r.choose([3, 0], a + tokens(8, 2 * BS - 1)) == 1
-    assert r.decisions["cache_miss"] == 2 and r.decisions["cache_hit"] == 1
+    assert r.choose([0, 3], b) == 0
+    assert r.choose([3, 0], b + tokens(9, 2 * BS - 1)) == 0  # 32 of 63: over half
+    assert r.decisions["cache_miss"] == 3 and r.decisions["cache_hit"] == 1
+
+
+FIRST_LOADS = ([0, 0], [1, 0], [1, 1], [2, 1])  # each first turn stays in flight
+
+
+def conversations(system: list[int], count: int, turns: int) -> list[list[list[int]]]:
+    """Each conversation's prompt turn by turn: the system prompt, then each turn a 40-token message and (from
+    the second turn) the 12-token answer to the turn before, as benchmarks/multi_turn.py sends them."""
+    out = []
+    for c in range(count):
+        prompt, prompts = list(system), []
+        for turn in range(turns):
+            prompt = prompt + (tokens(1000 * c + 2 * turn, 12) if turn else []) + tokens(1000 * c + 2 * turn + 1, 40)
+            prompts.append(prompt)
+        out.append(prompts)
+    return out
+
+
+def test_new_conversations_sharing_a_system_prompt_spread_by_load():
+    """The 2-block system prompt is 44 % of a first turn, over cache_threshold: counted as a hit, it sent every
+    new conversation to replica 0. Once two conversations went on differently after it, it is the shared head,
+    and a first turn matches nothing beyond it."""
+    firsts = [prompts[0] for prompts in conversations(tokens(99, 2 * BS), 4, 1)]
+    r = router()
+    assert [r.choose(load, p) for load, p in zip(FIRST_LOADS, firsts)] == [0, 1, 0, 1]
+    assert r.decisions["cache_miss"] == 4 and r.decisions["cache_hit"] == 0
+
+
+def test_a_conversations_later_turns_go_back_to_its_replica_past_a_shared_system_prompt():
+    chats = conversations(tokens(99, 2 * BS), 4, 3)
+    r = router()
+    ranks = [r.choose(load, chat[0]) for load, chat in zip(FIRST_LOADS, chats)]
+    assert ranks == [0, 1, 0, 1]
+    for turn in (1, 2):
+        for c in range(4):  # the conversation's replica the busier one (by less than the balance thresholds)
+            load = [0, 0]
+            load[ranks[c]] = 3
+            assert r.choose(load, chats[c][turn]) == ranks[c], (c, turn)
+    assert r.decisions == {"load": 0, "cache_hit": 8, "cache_miss": 4, "balance_fallback": 0}
+
+
+def test_the_shared_head_ends_where_two_requests_went_on_differently():
+    branches = Branches(100)
+    system, x, y = tokens(20, 2 * BS), tokens(21, 3 * BS), tokens(22, 3 * BS)
+    chain = lambda t: list(hash_blocks(t, BS))  # noqa: E731
+    assert branches.shared_head(chain(system + x)) == 0  # one request: nothing shared yet
+    assert branches.shared_head(chain(system + x + y)) == 0  # its next turn extends it
+    assert branches.shared_head(chain(system + y)) == 2  # went on differently after the system prompt
+    assert branches.shared_head(chain(system + x[:BS] + y)) == 3  # and after x's first block
+    assert branches.shared_head(chain(system)) == 0  # no block of its own follows one of the shared ones
 
 
 def test_the_prefixs_replica_gives_way_only_when_much_busier():
@@ -118,4 +168,4 @@ def test_the_routing_flags_are_sglang_routers():
     args = EngineArgs.from_cli_args(ns)
     assert (args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold,
             args.balance_rel_threshold) == ("load", 0.5, 8, 1.2)
-    assert EngineArgs().data_parallel_routing == "load"
+    assert EngineArgs().data_parallel_routing == "cache_aware"

@@ -2,15 +2,23 @@
 the same directory finds the blocks again. Each file is a header (magic, the identity of the model and the KV
 format it was written for, the payload's length and CRC-32) and the block's arrays. A file that is truncated,
 corrupt or written for another model or format is never served: it is logged and deleted. The directory keeps
-under its cap by deleting the least recently used files (mtime: a read touches it) on write."""
+under its cap by deleting the least recently used files (mtime: a read touches it) on write.
+
+Writes run on one writer thread, so a step never waits for a file: ``write`` copies the block and queues it
+(at most ``max_queued`` blocks; past that it waits for the oldest), and until its file is in place (renamed:
+a reader never sees half a file) ``contains`` and ``read`` answer from the queued copy. ``close`` (or ``flush``)
+waits for the queue."""
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import struct
+import threading
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +29,21 @@ MAGIC = b"JAXPAGEKV1\n"
 SUFFIX = ".kvblock"
 
 
+def _touch(path: Path) -> bool:
+    """Marks a file most recently used; False if it is not there (the writer thread may have trimmed it)."""
+    try:
+        os.utime(path)
+        return True
+    except OSError:
+        return False
+
+
 class DiskKVTier:
     """identity: what the K/V depend on (model, weights' fingerprint, dtype, block size, layout), stored in every
     header and required equal on read; leaves: each array of a block, (dtype, shape), as the pool holds them."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, identity: dict,
-                 leaves: list[tuple[np.dtype, tuple[int, ...]]]):
+                 leaves: list[tuple[np.dtype, tuple[int, ...]]], max_queued: int = 64):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -37,17 +54,30 @@ class DiskKVTier:
         self.file_bytes = len(MAGIC) + 4 + len(self._header) + 12 + self.payload_bytes
         self.num_bytes = sum(p.stat().st_size for p in self.directory.glob("*" + SUFFIX))
         self.rejected = 0  # files found bad (truncated, corrupt, foreign) and deleted
-        self.read_seconds = self.write_seconds = 0.0
+        self.read_seconds = self.write_seconds = 0.0  # write_seconds: the writer thread's
         self.writes = 0
+        self.max_queued = max_queued
+        self._lock = threading.Lock()  # num_bytes and _queued, shared with the writer thread
+        self._queued: dict[bytes, list[np.ndarray]] = {}  # blocks whose file is not in place yet
+        self._writes: collections.deque[Future] = collections.deque()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpage-kv-disk-writer")
 
     def path(self, block_hash: bytes) -> Path:
         return self.directory / (block_hash.hex() + SUFFIX)
 
     def contains(self, block_hash: bytes) -> bool:
+        with self._lock:
+            if block_hash in self._queued:
+                return True
         return self.path(block_hash).is_file()
 
     def read(self, block_hash: bytes) -> list[np.ndarray] | None:
-        """The block's arrays, checked; None (logged, the file deleted) if it is missing or bad."""
+        """The block's arrays, checked (or its queued copy); None (logged, the file deleted) if it is missing or
+        bad."""
+        with self._lock:
+            queued = self._queued.get(block_hash)
+        if queued is not None:
+            return queued
         started, path = time.perf_counter(), self.path(block_hash)
         try:
             data = path.read_bytes()
@@ -59,7 +89,7 @@ class DiskKVTier:
             self.rejected += 1
             self._remove(path)
         else:
-            os.utime(path)  # most recently used
+            _touch(path)  # most recently used
         self.read_seconds += time.perf_counter() - started
         return arrays
 
@@ -87,22 +117,52 @@ class DiskKVTier:
         return arrays, ""
 
     def write(self, block_hash: bytes, arrays: list[np.ndarray]) -> None:
-        """Writes a block (atomically: a temporary file renamed), then keeps the directory under its cap."""
-        started, path = time.perf_counter(), self.path(block_hash)
-        if path.is_file():
-            os.utime(path)
+        """Queues a block's write on the writer thread (a copy: the caller may reuse its arrays)."""
+        path = self.path(block_hash)
+        with self._lock:
+            if block_hash in self._queued:
+                return
+        if _touch(path):
             return
-        payload = b"".join(np.ascontiguousarray(a, d).tobytes() for a, (d, _) in zip(arrays, self.leaves))
-        assert len(payload) == self.payload_bytes
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(MAGIC + struct.pack("<I", len(self._header)) + self._header
-                        + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload)
-        os.replace(tmp, path)
-        self.num_bytes += self.file_bytes
-        self.writes += 1
-        if self.num_bytes > self.max_bytes:
-            self._trim()
-        self.write_seconds += time.perf_counter() - started
+        copies = [np.array(a, d) for a, (d, _) in zip(arrays, self.leaves)]
+        with self._lock:
+            self._queued[block_hash] = copies
+        self._reap(self.max_queued - 1)
+        self._writes.append(self._writer.submit(self._write_file, block_hash, copies))
+
+    def flush(self) -> None:
+        """Waits until every queued block is on disk (a failed write's error is raised here)."""
+        self._reap(0)
+
+    def close(self) -> None:
+        """Flushes the queue and stops the writer thread."""
+        self.flush()
+        self._writer.shutdown()
+
+    def _reap(self, keep: int) -> None:
+        """Drops the finished writes, waiting for the oldest while more than ``keep`` are left."""
+        while self._writes and (self._writes[0].done() or len(self._writes) > keep):
+            self._writes.popleft().result()
+
+    def _write_file(self, block_hash: bytes, arrays: list[np.ndarray]) -> None:
+        """The writer thread: the file written atomically (a temporary file renamed), then the cap kept."""
+        started, path = time.perf_counter(), self.path(block_hash)
+        try:
+            payload = b"".join(a.tobytes() for a in arrays)
+            assert len(payload) == self.payload_bytes
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(MAGIC + struct.pack("<I", len(self._header)) + self._header
+                            + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload)
+            os.replace(tmp, path)
+            with self._lock:
+                self.num_bytes += self.file_bytes
+            self.writes += 1
+            if self.num_bytes > self.max_bytes:
+                self._trim()
+        finally:
+            with self._lock:
+                del self._queued[block_hash]
+            self.write_seconds += time.perf_counter() - started
 
     def _trim(self) -> None:
         """Deletes the least recently used files until the directory holds at most 90 % of its cap."""
@@ -113,7 +173,9 @@ class DiskKVTier:
             except OSError:
                 pass
         files.sort()
-        self.num_bytes = sum(p.stat().st_size for _, p in files if p.exists())
+        total = sum(p.stat().st_size for _, p in files if p.exists())
+        with self._lock:
+            self.num_bytes = total
         for _, p in files:
             if self.num_bytes <= 0.9 * self.max_bytes:
                 break
@@ -123,6 +185,7 @@ class DiskKVTier:
         try:
             size = path.stat().st_size
             path.unlink()
-            self.num_bytes -= size
+            with self._lock:
+                self.num_bytes -= size
         except OSError:
             pass

@@ -110,10 +110,13 @@ class EngineArgs(CliArgs):
     data_parallel_routing: str = dataclasses.field(default=RoutingConfig.policy, metadata=_option(
         "how a request's replica is picked: load (the fewest running and waiting requests) or cache_aware "
         "(sglang-router's: the one sent the longest prefix of it, when that is at least --cache-threshold of the "
-        "prompt and the replica is not much busier than the least loaded; else by load)",
+        "prompt beyond a head that other prompts share, and the replica is not much busier than the least loaded; "
+        "else by load)",
         choices=ROUTING_POLICIES))
     cache_threshold: float = dataclasses.field(default=RoutingConfig.cache_threshold, metadata=_option(
-        "cache_aware routing: the least fraction of the prompt a replica's prefix must match to be chosen for it"))
+        "cache_aware routing: the least fraction of the prompt a replica's prefix must match to be chosen for it, "
+        "both counted past the prompt's shared head (the blocks up to where two routed prompts went on "
+        "differently: a common system prompt)"))
     balance_abs_threshold: int = dataclasses.field(default=RoutingConfig.balance_abs_threshold, metadata=_option(
         "cache_aware routing: the prefix's replica gives way to the least loaded when it has more than this many "
         "requests in flight more than that one, and more than --balance-rel-threshold times as many"))

@@ -164,6 +164,8 @@ class AsyncEngine:
         self._work.set()
         self._thread.join(timeout)
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive():  # else a step may still be running: the writer flushes at exit
+            self.engine.close()
 
     def _loop(self) -> None:
         try:

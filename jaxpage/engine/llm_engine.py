@@ -303,6 +303,12 @@ class LLMEngine:
         if self._in_flight is not None:
             self._ready += self._finish_in_flight()
 
+    def close(self) -> None:
+        """Puts the disk tier's queued blocks on disk and stops its writer thread; the engine takes no more steps.
+        (Without it, the writer's queue is still flushed when the interpreter exits.)"""
+        if self.kv.disk_tier is not None:
+            self.kv.disk_tier.close()
+
     def _hold(self, launched) -> None:
         """Leaves a launched decode step in flight: its live rows' sequences get placeholders for their tokens."""
         rows = self._live_rows(launched)

@@ -4,10 +4,11 @@ int8 pool's scales included), the disk tier's files, and the four tier moves the
 
 An OFFLOAD gathers the evicted blocks on the device in one batched call, queued in device order before any
 later write into them (the step that reuses a block runs after the gather), and starts their copy to the host;
-the host-side store into the arena (and any DISK_WRITE after it) is left pending and done once the step is
-launched, so it overlaps the step. A RESTORE first finishes what is pending (it may read a slot just stored),
-then loads the slots into fresh blocks in one batched host-to-device scatter. Under tensor parallelism the
-gathered blocks and the loads are sharded as the pool is (``block_moves.store_blocks``/``load_blocks``)."""
+the host-side store into the arena (and any DISK_WRITE after it: a copy handed to the disk tier's writer thread)
+is left pending and done once the step is launched, so it overlaps the step. A RESTORE first finishes what is
+pending (it may read a slot just stored), then loads the slots into fresh blocks in one batched host-to-device
+scatter. Under tensor parallelism the gathered blocks and the loads are sharded as the pool is
+(``block_moves.store_blocks``/``load_blocks``)."""
 from __future__ import annotations
 
 import functools
