@@ -1,9 +1,9 @@
 """jaxpage behind an existing router: two `jaxpage serve` processes behind vllm-router (PyPI's `vllm-router`, its
 cache_aware policy), requests through the router answered with the tokens a worker gives directly.
 
-Skipped unless vllm-router is found: on PATH, or its executable in VLLM_ROUTER (it is not a project dependency;
-it installs into a venv of its own: `python -m venv /tmp/router && /tmp/router/bin/pip install vllm-router`,
-then VLLM_ROUTER=/tmp/router/bin/vllm-router). The README's "Behind a router" section says how to run it.
+vllm-router is a test dependency (the test extras; a server of its own, never imported): found beside this
+Python, on PATH, or at VLLM_ROUTER; skipped where it is not installed. The README's "Behind a router" section says
+how to run jaxpage behind it.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +23,8 @@ from benchmarks.launch import free_port, spawn, wait_serving
 from tests.factories import engine_options, save_word_tokenizer, tiny_llama
 from tests.reference import save_random_model
 
-ROUTER = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router")
+ROUTER = (os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router", path=os.path.dirname(sys.executable))
+          or shutil.which("vllm-router"))
 pytestmark = pytest.mark.skipif(not ROUTER, reason="vllm-router is not installed (set VLLM_ROUTER to its path)")
 OPTIONS = engine_options(num_kv_blocks=40, max_model_len=96)
 PROMPTS = ["t5 t9 t17 t33 t2 t8 t100 t77 t31 t64 t12 t3 t90 t45 t11 t7 t1 t60", "t200 t4 t6", "t5 t9 t17 t33 t2"]
