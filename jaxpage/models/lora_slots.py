@@ -12,9 +12,9 @@ A step takes part only through the slots it uses (``LoRAMapping``): the step's s
 against their B: two matmuls over the step's slots x R, no per-token gather of weights. A step without adapters
 has no mapping and runs the base model's program.
 
-On one CPU device with the CPU kernels built (``ModelConfig.cpu_lora_kernel``), the delta is instead their
-grouped kernel (cpu_kernels.lora_delta): each token against its own adapter only, whatever the number of
-adapters in the step, so a single slots bucket (every slot, as they lie) serves every step.
+On one CPU device with XLA's attention path and the CPU kernels built (``ModelConfig.cpu_lora_kernel``), the
+delta is instead their grouped kernel (cpu_kernels.lora_delta): each token against its own adapter only, whatever
+the number of adapters in the step, so a single slots bucket (every slot, as they lie) serves every step.
 """
 from __future__ import annotations
 
