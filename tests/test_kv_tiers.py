@@ -257,6 +257,26 @@ def test_a_queued_write_is_served_before_its_file_is_in_place_and_close_flushes(
     assert fresh.rejected == 0
 
 
+def test_a_failed_disk_write_is_logged_and_the_tier_goes_on(tmp_path, caplog):
+    """The directory gone under a queued write: the write is logged, the block not kept (no error reaches the
+    caller, whose step must go on), and once the directory is back the next write lands."""
+    import shutil
+
+    from jaxpage.core.kv_disk_tier import DiskKVTier
+
+    leaves = [(np.float32, (4, 8))]
+    tier = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "m"}, leaves)
+    shutil.rmtree(tmp_path / "d")
+    with caplog.at_level("WARNING"):
+        tier.write(b"a" * 16, [np.ones((4, 8), np.float32)])
+        tier.flush()
+    assert "not written" in caplog.text and not tier.contains(b"a" * 16) and tier.read(b"a" * 16) is None
+    (tmp_path / "d").mkdir()
+    tier.write(b"b" * 16, [np.full((4, 8), 2, np.float32)])
+    tier.close()
+    assert np.array_equal(tier.read(b"b" * 16)[0], np.full((4, 8), 2, np.float32))
+
+
 @pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_fake_runner_restores_from_both_tiers_exactly(window, mode):

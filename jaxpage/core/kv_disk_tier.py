@@ -145,12 +145,14 @@ class DiskKVTier:
             self._writes.popleft().result()
 
     def _write_file(self, block_hash: bytes, arrays: list[np.ndarray]) -> None:
-        """The writer thread: the file written atomically (a temporary file renamed), then the cap kept."""
+        """The writer thread: the file written atomically (a temporary file renamed), then the cap kept. A file
+        system error (a full disk, the directory gone) is logged and the block not kept: the tier is a cache,
+        and a failed write must not stop the engine."""
         started, path = time.perf_counter(), self.path(block_hash)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
             payload = b"".join(a.tobytes() for a in arrays)
             assert len(payload) == self.payload_bytes
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(MAGIC + struct.pack("<I", len(self._header)) + self._header
                             + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload)
             os.replace(tmp, path)
@@ -159,6 +161,9 @@ class DiskKVTier:
             self.writes += 1
             if self.num_bytes > self.max_bytes:
                 self._trim()
+        except OSError as e:
+            log.warning("KV disk tier: block %s not written (%s)", block_hash.hex()[:16], e)
+            tmp.unlink(missing_ok=True)
         finally:
             with self._lock:
                 del self._queued[block_hash]
@@ -169,14 +174,14 @@ class DiskKVTier:
         files = []
         for p in self.directory.glob("*" + SUFFIX):
             try:
-                files.append((p.stat().st_mtime, p))
-            except OSError:
-                pass
+                stat = p.stat()
+            except OSError:  # deleted meanwhile (a bad file the engine thread found)
+                continue
+            files.append((stat.st_mtime, stat.st_size, p))
         files.sort()
-        total = sum(p.stat().st_size for _, p in files if p.exists())
         with self._lock:
-            self.num_bytes = total
-        for _, p in files:
+            self.num_bytes = sum(size for _, size, _ in files)
+        for _, _, p in files:
             if self.num_bytes <= 0.9 * self.max_bytes:
                 break
             self._remove(p)
