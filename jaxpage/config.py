@@ -219,6 +219,11 @@ class EngineConfig:
         return self.speculative_config is not None and self.speculative_config.method == "draft_model"
 
     @property
+    def num_draft_tokens(self) -> int:
+        """The most draft tokens a row carries a step (0: no speculative decoding)."""
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+
+    @property
     def seqs_per_request(self) -> int:
         """The most sequences one request may hold at once: max_seqs_per_request, at most (and by default)
         max_num_seqs."""

@@ -33,6 +33,16 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_ngram():
+    """SmolLM2 as ``smollm2``, with n-gram speculative decoding of 3 tokens (lookups of 2 to 4)."""
+    from jaxpage import LLM
+    from tests.factories import SMOLLM2_OPTIONS
+
+    return LLM(**SMOLLM2_OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2():
     """(model, tokenizer) from the same GGUF file, read independently by transformers (float32)."""
     import torch

@@ -160,6 +160,26 @@ def test_greedy_and_seeded_tokens_equal_those_without_speculation(llms, method):
     assert after["num_free_blocks"] == after["num_blocks"]
 
 
+def test_penalized_rows_speculate_and_keep_the_tokens_of_a_run_without(smollm2, smollm2_ngram):
+    """Frequency, presence and repetition penalties with n-gram drafts on SmolLM2, over outputs that repeat one
+    token until its penalty outweighs it: each draft position's penalties count the drafts before it
+    (SamplingBatch.history_extra), so greedy and seeded tokens and log-probabilities equal the shared engine's
+    without speculation, and penalized rows speculate (drafts accepted). Without the drafts counted, 4 of these
+    5 cases end elsewhere (checked)."""
+    prompts = ["Laughing: ha ha ha ha ha ha ha ha ha ha ha ha", "Count: 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,"]
+    before = smollm2_ngram.engine.stats()["spec_decode_num_accepted_tokens"]
+    for temperature, frequency in ((0.0, 0.8), (0.0, 1.0), (0.0, 1.2), (0.7, 0.4), (0.7, 0.8)):
+        params = [SamplingParams(temperature=temperature, seed=seed, max_tokens=24, frequency_penalty=frequency,
+                                 presence_penalty=0.1, repetition_penalty=1.05, logprobs=1) for seed in range(2)]
+        expected, got = smollm2.generate(prompts, params), smollm2_ngram.generate(prompts, params)
+        for e, g in zip(expected, got):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids, (temperature, frequency, e.outputs[0].text)
+            assert g.outputs[0].cumulative_logprob == pytest.approx(e.outputs[0].cumulative_logprob, abs=1e-3)
+    stats = smollm2_ngram.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] - before >= 20
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_suffix_decoding_drafts_from_an_earlier_requests_output(llms):
     """Suffix decoding's global tree: a prompt without repeats asked again drafts the first answer's tokens from
     the tree of earlier outputs, so the second run accepts more drafts than the first, its tokens the same

@@ -201,15 +201,11 @@ def test_mixed_batch_with_n_beams_preemptions_and_abort(smollm2):
     _assert_all_freed(smollm2)
 
 
-def test_speculative_decoding_under_a_grammar_equals_it_without(smollm2):
+def test_speculative_decoding_under_a_grammar_equals_it_without(smollm2, smollm2_ngram):
     """n-gram speculation with constrained rows (issue 26): each draft position is masked by the grammar's state
     after the drafts before it, so greedy constrained tokens equal the shared engine's without speculation,
     drafts are accepted (the prompts hold examples the output repeats), and seeded samples still validate."""
-    from jaxpage import LLM
-    from tests.factories import SMOLLM2_OPTIONS
-
-    spec = LLM(**SMOLLM2_OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    spec = smollm2_ngram
     example = '{"name": "Ann", "address": {"city": "Oslo", "zip": 12345}}'
     cases = [(f"A person and their address, as JSON: {example}. Another one: ", StructuredOutputsParams(json=NESTED)),
              ("A pizza order, as JSON: {\"size\": \"small\", \"quantity\": 2, \"toppings\": [\"ham\"]}. Another:",
@@ -217,11 +213,11 @@ def test_speculative_decoding_under_a_grammar_equals_it_without(smollm2):
              ("Call me at (555) 123-4567 or at", StructuredOutputsParams(regex=PHONE))]
     prompts = [p for p, _ in cases]
     greedy = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so) for _, so in cases]
+    before = spec.engine.stats()["spec_decode_num_accepted_tokens"]
     ours, ref = spec.generate(prompts, greedy), smollm2.generate(prompts, greedy)
     for a, b in zip(ours, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].text, b.outputs[0].text)
-    stats = spec.engine.stats()
-    assert stats["spec_decode_num_accepted_tokens"] > 0, stats["spec_decode_num_draft_tokens"]
+    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > before
     sampled = spec.generate([cases[0][0]] * 2, [SamplingParams(n=4, temperature=1.0, seed=s, max_tokens=64,
                                                                structured_outputs=cases[0][1]) for s in (1, 2)])
     texts = [c.text for o in sampled for c in o.outputs]

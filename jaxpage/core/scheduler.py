@@ -157,12 +157,12 @@ class Scheduler:
     @staticmethod
     def _speculates(s: ScheduledSeq) -> bool:
         """Whether a row may carry draft tokens: a decode row (its sequence's last token, sampled) of a request
-        without beams or penalties (a draft position's penalties would count the drafts before it: not speculated
-        for now), past min_tokens (the banned stop tokens end there). Structured outputs speculate: each draft
+        without beams, past min_tokens (the banned stop tokens end there). Penalties speculate: a draft
+        position's count the drafts before it (SamplingBatch.history_extra); so do structured outputs: each draft
         position is masked by the grammar's state after the drafts before it (structured/manager.py)."""
         p = s.group.params
         return (s.num_new_tokens == 1 and s.samples and s.logits_of is None and not p.use_beam_search
-                and not p.has_penalties and reached_min_tokens(s.seq, p))
+                and reached_min_tokens(s.seq, p))
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int, limits: PrefillLimits) -> None:
         """Admits waiting groups in order while the token budget, max_num_seqs, the step's prefill limits and the

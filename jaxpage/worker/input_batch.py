@@ -42,7 +42,8 @@ class InputBatch:
         self.config = config
         self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
         self._allocate(config.max_num_seqs * 2 + 1)
-        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len, replicated(config))
+        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len, replicated(config),
+                                              1 + config.num_draft_tokens)
 
     def _allocate(self, capacity: int) -> None:
         """Makes room for ``capacity`` rows, keeping the rows written so far."""
@@ -245,14 +246,15 @@ def build_sampling_batch(config: EngineConfig, scheduled: list[ScheduledSeq], st
     tokens' prompt ``targets`` (core/prompt_logprobs.py; None: a step without prompt logprobs)."""
     num_rows, num_seqs = len(scheduled), len(index)
     special_rows = np.flatnonzero(steps[:num_rows] < state.special_below[index[:num_rows]]).tolist()
-    presence, frequency, repetition, history_rows, num_prompt, banned = _special_inputs(
-        scheduled, state, special_rows, num_seqs, eos_token_ids, replicated(config))
+    presence, frequency, repetition, history_rows, num_prompt, banned, extra = _special_inputs(
+        scheduled, state, special_rows, num_seqs, eos_token_ids, replicated(config), config.num_draft_tokens)
     return SamplingBatch(
         state.temperature[index], state.top_k[index], state.top_p[index], state.min_p[index], state.seeds[index],
         steps, presence, frequency, repetition, state.penalty_history.table, history_rows, num_prompt, banned,
         np.bool_(state.want_top[index].any()), _bitmask_rows(bitmask, num_seqs, config),
         *_logit_bias_rows(state, index, num_rows, replicated(config)), targets,
-        *(_draft_rows(scheduled, num_seqs, config.model.vocab_size) if config.verifies_draft_probs else ()))
+        *(_draft_rows(scheduled, num_seqs, config.model.vocab_size) if config.verifies_draft_probs else (None, None)),
+        extra)
 
 
 def _draft_rows(scheduled: list[ScheduledSeq], num_seqs: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -283,11 +285,12 @@ def _no_logit_bias(num_seqs: int, sharding) -> tuple:
 
 
 def _special_inputs(scheduled: list[ScheduledSeq], state: InputBatch, special_rows: list[int], num_seqs: int,
-                    eos_token_ids: tuple[int, ...], sharding) -> tuple:
-    """(presence, frequency, repetition, history rows, prompt lengths, banned tokens): the plain rows' shared
-    arrays, or copies with the special rows (penalties, or banned tokens under min_tokens) filled one by one."""
+                    eos_token_ids: tuple[int, ...], sharding, num_draft_tokens: int) -> tuple:
+    """(presence, frequency, repetition, history rows, prompt lengths, banned tokens, history extra): the plain
+    rows' shared arrays, or copies with the special rows (penalties, or banned tokens under min_tokens) filled
+    one by one; history extra: see ``_draft_penalties`` (None without speculative decoding)."""
     if not special_rows:
-        return _plain_rows_on_device(num_seqs, sharding)
+        return *_plain_rows_on_device(num_seqs, sharding), _no_history_extra(num_seqs, num_draft_tokens, sharding)
     arrays = _plain_rows(num_seqs)
     presence, frequency, repetition, history_rows, num_prompt, banned = (a.copy() for a in arrays)
     penalized = []
@@ -304,7 +307,38 @@ def _special_inputs(scheduled: list[ScheduledSeq], state: InputBatch, special_ro
     if penalized:  # their tokens, on the device already but for those new since the last step
         history_rows[penalized] = state.penalty_history.slots([scheduled[row].seq for row in penalized],
                                                               {s.seq for s in scheduled})
-    return presence, frequency, repetition, history_rows, num_prompt, banned
+    extra = _draft_penalties(scheduled, penalized, [presence, frequency, repetition, history_rows, num_prompt],
+                             num_draft_tokens)
+    return presence, frequency, repetition, history_rows, num_prompt, banned, extra
+
+
+def _draft_penalties(scheduled: list[ScheduledSeq], penalized: list[int], per_row: list[np.ndarray],
+                     num_draft_tokens: int) -> np.ndarray | None:
+    """Speculative decoding with penalties: each draft position's row of a penalized row (the draft rows follow
+    the scheduled rows, in order) takes that row's penalty inputs (``per_row``, filled in place), and the history
+    extra [S, num_draft_tokens] holds the drafts before each row's position (the speculating row's own: after
+    every draft), which the penalties count as output tokens. None without speculative decoding."""
+    if not num_draft_tokens:
+        return None
+    extra = np.full((len(per_row[0]), num_draft_tokens), -1, np.int32)
+    at, penalized = len(scheduled), set(penalized)
+    for row, s in enumerate(scheduled):
+        drafts = list(s.spec_token_ids)
+        if drafts and row in penalized:
+            extra[row, :len(drafts)] = drafts
+            for j in range(len(drafts)):
+                for array in per_row:
+                    array[at + j] = array[row]
+                extra[at + j, :j] = drafts[:j]
+        at += len(drafts)
+    return extra
+
+
+@functools.lru_cache(maxsize=64)
+def _no_history_extra(num_seqs: int, num_draft_tokens: int, sharding):
+    """The history extra of a batch without penalized drafts, on the device(s) once per shape (None without
+    speculative decoding)."""
+    return put(np.full((num_seqs, num_draft_tokens), -1, np.int32), sharding) if num_draft_tokens else None
 
 
 @functools.lru_cache(maxsize=64)

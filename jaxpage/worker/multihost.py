@@ -187,7 +187,8 @@ class LeaderRunner(ModelRunner):
         # sent with the steps that read it
         config = self.config
         self.input_batch.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len,
-                                                          SingleDeviceSharding(jax.local_devices()[0]))
+                                                          SingleDeviceSharding(jax.local_devices()[0]),
+                                                          1 + config.num_draft_tokens)
         self._empty_history = empty_history(config)
         self._message_size = message_size(config)
 

@@ -26,10 +26,12 @@ class PenaltyHistory:
     how many of its tokens the device has. Slots of sequences gone are taken back when the slots run out; one
     step's rows (at most max_num_seqs) always fit."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, sharding=None):
+    def __init__(self, max_num_seqs: int, max_model_len: int, sharding=None, max_new_tokens: int = 1):
         """sharding: where the table and its updates live (the engine's device or mesh; None: the default
-        device)."""
-        self.num_slots, self.max_model_len, self.max_appends = max_num_seqs + 1, max_model_len, max_num_seqs
+        device). max_new_tokens: the most tokens a sequence gains a step (speculative decoding: 1 + its drafts),
+        appended; a sequence that gained more, or none of whose tokens are on the device, is written whole."""
+        self.num_slots, self.max_model_len = max_num_seqs + 1, max_model_len
+        self.max_new_tokens, self.max_appends = max_new_tokens, max_num_seqs * max_new_tokens
         self.table = put(np.full((self.num_slots, max_model_len), -1, np.int32), sharding)
         self._held: dict[Sequence, list[int]] = {}  # sequence -> [slot, tokens of it on the device]
         self._free = list(range(self.num_slots - 1, 0, -1))
@@ -50,8 +52,8 @@ class PenaltyHistory:
                 held = self._held[seq] = [self._take(running), 0]
             slot, synced = held
             num_tokens = len(seq.token_ids)
-            if num_tokens == synced + 1 and synced:  # the decode step: one new token
-                appends.append((slot, synced, seq.token_ids[-1]))
+            if synced and 0 < num_tokens - synced <= self.max_new_tokens:  # the tokens of the last step
+                appends.extend((slot, at, seq.token_ids[at]) for at in range(synced, num_tokens))
             elif num_tokens != synced:
                 row = np.full(self.max_model_len, -1, np.int32)
                 row[:num_tokens] = seq.token_ids

@@ -31,7 +31,9 @@ class SamplingBatch:
     request asks for prompt logprobs at its position, -1 elsewhere (core/prompt_logprobs.py); None in batches
     made without them, whose step computes none. draft_ids [S] (-1: none) and draft_probs [S, V]: speculative
     decoding with a draft model, the draft token a row verifies and the draft's distribution it was drawn from
-    (``rejection_sample``); None in every other engine's batches.
+    (``rejection_sample``); None in every other engine's batches. history_extra [S, num_speculative_tokens] (-1
+    padded): with speculative decoding, the draft tokens before each row's position, which the penalties count
+    as output tokens after the row's history; None in engines without speculation.
     """
 
     temperature: jax.Array
@@ -54,6 +56,7 @@ class SamplingBatch:
     prompt_targets: jax.Array | None = None
     draft_ids: jax.Array | None = None
     draft_probs: jax.Array | None = None
+    history_extra: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -184,6 +187,8 @@ def _apply_penalties(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard) ->
     """vLLM's penalties: repetition over prompt and output tokens, presence and frequency over output tokens."""
     num_seqs, size = logits.shape
     history = sp.history[sp.history_rows]
+    if sp.history_extra is not None:  # a draft position counts the drafts before it
+        history = jnp.concatenate([history, sp.history_extra], axis=1)
     ids = vocab.local(history)
     is_output = (history >= 0) & (jnp.arange(history.shape[1])[None, :] >= sp.num_prompt_tokens[:, None])
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], ids.shape)

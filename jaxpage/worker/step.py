@@ -98,7 +98,8 @@ def abstract_step_inputs(config: EngineConfig, num_tokens: int, num_loras: int |
                              i32(num_seqs, bitmask_words(config.model.vocab_size)),
                              i32(num_seqs, MAX_LOGIT_BIAS), f32(num_seqs, MAX_LOGIT_BIAS), i32(num_tokens),
                              *((i32(num_seqs), f32(num_seqs, config.model.vocab_size))
-                               if config.verifies_draft_probs else ()))
+                               if config.verifies_draft_probs else (None, None)),
+                             i32(num_seqs, config.num_draft_tokens) if config.num_draft_tokens else None)
     return batch, sampling
 
 
