@@ -11,6 +11,7 @@ a Gemma 2 with a sliding window and soft caps) and SmolLM2 at TP 3 (9 heads, 3 K
 - teacher-forced logits within float32 tolerance of TP 1's;
 - the KV pool really is split: each device holds 1/TP of it, its share of the KV head slots;
 - the step with the Triton kernel lowers for four GPUs (the CUDA lane at TP 4), SmolLM2's multi-LoRA step for three;
+- speculative decoding (n-gram, and a draft model on the first device) at TP 2: TP 1's tokens;
 - multi-LoRA: two random PEFT adapters and the base model in one batch at TP 2 and at TP 8 (KV heads replicated)
   give each sequence its own PEFT model's greedy tokens; each device holds its share of the slots (column-parallel
   B, row-parallel A split), and an adapter's slot write gathers nothing;
@@ -134,6 +135,45 @@ if IN_CHILD:
         for s in shards:
             assert s.data.shape == (*pool.shape[:3], kv_slots // tp, *pool.shape[4:])
         assert sum(s.data.nbytes for s in shards) == pool.nbytes
+
+    @functools.cache
+    def spec_engine(tp: int, method: str) -> LLM:
+        """llama-8h-4kv with speculative decoding: n-gram, or a draft model (a 1-layer random Llama of the same
+        vocabulary, other weights: drafts accepted and rejected)."""
+        if method == "ngram":
+            config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                      "prompt_lookup_min": 1}
+        else:
+            draft = Path(model_dir("llama-8h-4kv")).parent / "draft-1-layer"
+            if not draft.exists():
+                save_random_model(tiny_llama(**{**EIGHT_HEADS, "num_hidden_layers": 1}), draft, seed=5)
+            config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        return LLM(model=model_dir("llama-8h-4kv"), tensor_parallel_size=tp, attention_backend="xla",
+                   speculative_config=config, **OPTIONS)
+
+    def spec_prompts() -> list[dict]:
+        rng = np.random.default_rng(5)
+        return [{"prompt_token_ids": (rng.integers(1, 256, 3 + i).tolist() * 6)[:20]} for i in range(4)]
+
+    @pytest.mark.parametrize("method", ["ngram", "draft_model"])
+    def test_speculative_decoding_at_tp2_gives_tp1_tokens(method):
+        """A TP 2 target verifying n-gram or draft-model drafts (the draft model whole on the target's first
+        device): greedy tokens equal TP 1's without speculation; seeded samples with penalties equal TP 1's with
+        the same speculation (rejection sampling over each device's slice of the vocabulary gives one device's
+        draws); drafts accepted; every block back."""
+        ours, spec1, plain = spec_engine(2, method), spec_engine(1, method), engine("llama-8h-4kv", 1, "xla")
+        if method == "draft_model":
+            assert {s.device for s in ours.engine.drafter.runner.kv_pool.addressable_shards} == {jax.devices()[0]}
+        batch, greedy = spec_prompts(), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        expected = tokens(plain, batch, greedy)
+        # both spec engines in the same state (a draft's tokens may be drawn only with the same schedule, which
+        # prefix-cache hits change)
+        assert tokens(ours, batch, greedy) == expected == tokens(spec1, batch, greedy)
+        sampled = [SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True, frequency_penalty=0.3,
+                                  repetition_penalty=1.1) for i in range(len(batch))]
+        assert tokens(ours, batch, sampled) == tokens(spec1, batch, sampled)
+        stats = ours.stats()
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
 
     GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     SAMPLED_PROMPTS = ["A phone number:", "The review was great. Sentiment:", "Once upon a time"]

@@ -152,15 +152,18 @@ def over_heads(fn, q, k, v, pool, shared: dict):
                          out_specs=(HEADS_SPEC, spec), check_vma=False)(q, k, v, pool, shared)
 
 
-def over_vocab(fn, logits, noise, shared):
+def over_vocab(fn, logits, noise, shared, split_fields: tuple[str, ...] = ()):
     """``fn(logits, shared, vocab, noise) -> outputs`` on every device of the model axis, over its own slice of the
-    vocabulary: logits and noise [rows, V] split by vocabulary (``noise`` passed on as a callable), ``shared``
-    replicated, ``vocab`` the device's ``VocabShard``; the outputs (alike on every device) replicated."""
+    vocabulary: logits and noise [rows, V] split by vocabulary (``noise`` passed on as a callable), ``shared`` (a
+    dataclass) replicated but for its ``split_fields`` [rows, V], split as the logits; ``vocab`` the device's
+    ``VocabShard``; the outputs (alike on every device) replicated."""
     vocab, split = logits.shape[1], P(None, MODEL_AXIS)
+    specs = P() if not split_fields else dataclasses.replace(
+        jax.tree.map(lambda _: P(), shared), **{f: split for f in split_fields if getattr(shared, f) is not None})
 
     def shard(logits, noise, shared):
         return fn(logits, shared, VocabShard(logits.shape[1], vocab, MODEL_AXIS), lambda: noise)
-    return jax.shard_map(shard, in_specs=(split, split, P()), out_specs=P(), check_vma=False)(logits, noise, shared)
+    return jax.shard_map(shard, in_specs=(split, split, specs), out_specs=P(), check_vma=False)(logits, noise, shared)
 
 
 def with_mesh(fn, mesh: Mesh | None):

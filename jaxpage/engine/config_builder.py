@@ -172,23 +172,27 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
 def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfig:
     """The draft model's EngineConfig (speculative decoding's draft_model method): the target's options and pool
     geometry (its blocks are the target's block ids: jaxpage/worker/draft_runner.py) on the draft's model, no
-    speculation or async scheduling of its own, and room in its first step's budget for a token of each row
-    that lags the target by one."""
+    speculation or async scheduling of its own, room in its first step's budget for a token of each row that
+    lags the target by one, and one device (vLLM's draft_tensor_parallel_size 1): the first of the target's."""
     name = "speculative_config.model"
     require(draft.vocab_size == config.model.vocab_size, name, config.speculative_config.model,
             f"must have the target's vocabulary ({config.model.vocab_size} tokens), not {draft.vocab_size}")
     require(draft.max_position_embeddings >= config.max_model_len, name, config.speculative_config.model,
             f"must take max_model_len={config.max_model_len} positions (it takes {draft.max_position_embeddings})")
-    require(config.tensor_parallel_size == 1 and jax.process_count() == 1, name, config.speculative_config.model,
-            "a draft model runs with tensor_parallel_size=1 on one host only (not built beyond)")
+    require(jax.process_count() == 1, name, config.speculative_config.model,
+            "a draft model runs on one host only (not built beyond)")
     require(not draft.every_layer_windowed, name, config.speculative_config.model,
             "must attend to every position (a sliding-window draft is not built)")
     require(not config.num_offload_blocks, "kv_offloading_size", config.num_offload_blocks,
             "is not built with a draft model (speculative_config.model): its pool would need tiers of its own")
     budget = cdiv(config.max_num_batched_tokens + config.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
     draft = dataclasses.replace(draft, onednn_packed_weights=config.model.onednn_packed_weights)
+    tp, rank = config.tensor_parallel_size, config.data_parallel_rank
+    # under tensor parallelism the draft runs whole on the first device of the target's group: device_group of
+    # TP 1 over dp x tp ranks of one device each names that device
     return dataclasses.replace(config, model=draft, speculative_config=None, async_scheduling=False,
-                               max_num_batched_tokens=budget, sampler_returns_probs=True)
+                               max_num_batched_tokens=budget, sampler_returns_probs=True, tensor_parallel_size=1,
+                               data_parallel_size=config.data_parallel_size * tp, data_parallel_rank=rank * tp)
 
 
 def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,

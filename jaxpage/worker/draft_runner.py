@@ -91,3 +91,4 @@ class DraftRunner:
             for seq, computed, num_tokens in saved:
                 del seq.token_ids[num_tokens:]
                 seq.num_computed_tokens = computed
+            self.runner.input_batch.penalty_history.forget([seq for seq, _, _, extra in rows if extra])

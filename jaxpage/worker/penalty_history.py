@@ -66,6 +66,13 @@ class PenaltyHistory:
             self.table = self._append(self.table, *update)
         return slots
 
+    def forget(self, seqs: list[Sequence]) -> None:
+        """The sequences' tokens changed other than by appending (a draft model's steps extend them with drafts
+        for a while): each one's row is written whole when it next runs."""
+        for seq in seqs:
+            if seq in self._held:
+                self._held[seq][1] = 0
+
     def _take(self, running: set[Sequence]) -> int:
         if not self._free:
             for gone in [seq for seq in self._held if seq not in running]:

@@ -112,7 +112,7 @@ def sample(logits: jax.Array, sp: SamplingBatch, with_probs: bool = False) -> Sa
         return sample_shard(logits, sp, VocabShard(vocab, vocab), lambda: exponential_noise(sp, vocab), with_probs)
     noise = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: exponential_noise(sp, vocab),
                          lambda: jnp.ones(logits.shape, jnp.float32))
-    return over_vocab(sample_shard, logits, noise, sp)
+    return over_vocab(sample_shard, logits, noise, sp, split_fields=("draft_probs",))
 
 
 def sample_shard(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard, noise,
@@ -223,13 +223,16 @@ def rejection_sample(probs: jax.Array, sampled: jax.Array, sp: SamplingBatch, vo
     """Speculative decoding's rejection sampling of draft tokens drawn from a draft model's q (vLLM's
     RejectionSampler): a row verifying draft d (sp.draft_ids >= 0) takes d with probability min(1, p(d) / q(d)),
     else a draw from the residual max(0, p - q) renormalised; other rows keep ``sampled`` (their draw from p).
-    p: the target's ``probs`` after temperature and truncation, as q is the draft's. The uniform and the
+    p: the target's ``probs`` after temperature and truncation, as q is the draft's (both the device's slice of
+    the vocabulary under tensor parallelism). The uniform and the
     residual's exponential race use the row's key folded with 1 and 2, independent of the draft's own draw (the
     row's key at that output index, unfolded)."""
     d, q = sp.draft_ids, sp.draft_probs
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(sp.seeds, sp.steps)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
-    e = jax.vmap(lambda k: jax.random.exponential(jax.random.fold_in(k, 2), (vocab.size,)))(keys)
+    # the residual race's noise over the whole vocabulary, this device's slice taken: the tokens of one device
+    e = jax.vmap(lambda k: jax.random.exponential(jax.random.fold_in(k, 2), (vocab.total,)))(keys)
+    e = jax.lax.dynamic_slice_in_dim(e, vocab.start, vocab.size, axis=1)
     token = jnp.maximum(d, 0)
     accept = u * vocab.take(q, token) < vocab.take(probs, token)  # u < p(d) / q(d); q(d) > 0: d was drawn from q
     residual = jnp.maximum(probs - q, 0.0)
