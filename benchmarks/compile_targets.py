@@ -263,7 +263,9 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
              + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else "")
              + (f" LoRA {config.model.max_loras}x{config.model.max_lora_rank}" if config.model.max_loras else "")
              + ("" if config.kv_cache_dtype == "auto" else f" kv {config.kv_cache_dtype}")
-             + (f" weights {config.model.quantization}" if config.model.quantization else ""))
+             + (f" weights {config.model.quantization}" if config.model.quantization else "")
+             + (f" verify {config.speculative_config.method} k{config.num_draft_tokens}" if config.num_draft_tokens
+                else "") + (" draft (returns q)" if config.sampler_returns_probs else ""))
     return compile_for(where, chip, f"step {model}", shape, jit_step(config, where), (params, pool, batch, sampling))
 
 
@@ -281,6 +283,31 @@ def compile_lora_steps(chip: str) -> list[Compiled]:
     projections: column-parallel B split on its outputs, row-parallel A on its inputs)."""
     return [compile_step(chip, "smollm2-135m", config.token_buckets()[0], config)
             for config in (lora_config(), lora_config(LORA_TP))]
+
+
+SPEC_TOKENS = 4  # the compile lanes' speculative engines: 4 drafts a row
+
+
+def spec_configs(method: str = "draft_model") -> tuple:
+    """SmolLM2's engine verifying drafts of ``method`` (draft_model: SmolLM2's own shapes drafting, as it
+    drafts for itself in tests/test_spec_draft_model.py): its EngineConfig, and the draft's (None for n-gram).
+    The target's step carries each row's drafts for the penalties (and for draft_model the drafts' q for
+    rejection sampling); the draft's step returns q."""
+    from jaxpage.engine.config_builder import draft_engine_config
+
+    spec = {"method": method, "num_speculative_tokens": SPEC_TOKENS}
+    if method != "draft_model":
+        return engine_config("smollm2-135m", speculative_config=spec), None
+    draft = smollm2_config()
+    target = engine_config("smollm2-135m", speculative_config={**spec, "model": "smollm2-135m"}, draft_model=draft)
+    return target, draft_engine_config(target, draft)
+
+
+def compile_spec_steps(chip: str, methods=("ngram", "draft_model")) -> list[Compiled]:
+    """The speculative steps of ``spec_configs`` at their smallest bucket: each method's verify step, and the
+    draft model's own step."""
+    configs = [c for method in methods for c in spec_configs(method) if c is not None]
+    return [compile_step(chip, "smollm2-135m", config.token_buckets()[0], config) for config in configs]
 
 
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
@@ -373,6 +400,7 @@ def run(chips: list[str], quick: bool, tp_only: bool = False, tp_weights=("bfloa
     for chip in [] if tp_only else chips:
         results.append(_report(compile_moe_layer(chip, 512)))
         results += [_report(r) for r in compile_lora_steps(chip)]
+        results += [_report(r) for r in compile_spec_steps(chip)]
     return results + run_tp(chips, tp_weights)
 
 

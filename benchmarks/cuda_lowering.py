@@ -260,6 +260,33 @@ def lora_step_case(tp: int = 1) -> LoweringCase:
                         fn, args, tp)
 
 
+SPEC_TOKENS = 4  # the lanes' speculative engine: SmolLM2's shapes drafting for themselves, 4 drafts a row
+
+
+def spec_step_cases() -> list[LoweringCase]:
+    """SmolLM2-135M's steps with a draft model of its own shapes (bfloat16, smallest bucket): the target's verify
+    step (the drafts and their q [S, vocab] among its inputs: rejection sampling) and the draft's (q among its
+    outputs)."""
+    from benchmarks.random_model import SMOLLM2_135M
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.engine.config_builder import draft_engine_config
+    from jaxpage.models import abstract_params
+    from jaxpage.worker.step import abstract_step_inputs, step
+
+    spec = {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": SPEC_TOKENS}
+    target = gpu_engine_config(SMOLLM2_135M, "bfloat16", 2048, 64, 256, 1024, speculative_config=spec,
+                               draft_model=SMOLLM2_135M)
+    cases = []
+    for what, config in (("verify", target), ("draft", draft_engine_config(target, SMOLLM2_135M))):
+        num_tokens = config.token_buckets()[0]
+        batch, sampling = abstract_step_inputs(config, num_tokens)
+        args = (abstract_params(config.model, config.dtype),
+                abstract_kv_pool(config.model, config.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
+        cases.append(LoweringCase("step", f"SmolLM2-135M bfloat16 {what} draft_model k{SPEC_TOKENS} T{num_tokens}",
+                                  functools.partial(step, config), args))
+    return cases
+
+
 def run_case(case: LoweringCase, target: str, compile_ir: bool = False) -> dict:
     """One lowering (and, with compile_ir, Triton's compilation of its kernels): ok, seconds, Triton calls in
     the module and the kernels' shared memory, or the error."""
@@ -281,7 +308,7 @@ def table(targets=None, compile_ir: bool = False) -> list[dict]:
     """Every case for every target; the rows main() prints (and the lead's compile_targets can print)."""
     targets = targets or (list(TARGETS) if TARGET_HONOURED else ["sm90"])
     rows = []
-    cases = kernel_cases() + step_cases() + [lora_step_case()]
+    cases = kernel_cases() + step_cases() + [lora_step_case()] + spec_step_cases()
     for case in cases + ([tp_step_case(4), lora_step_case(3)] if len(jax.devices()) >= 4 else []):
         for target in targets:
             rows.append({"what": case.what, "shape": case.shape, "target": target,

@@ -179,6 +179,23 @@ def test_smollm2_lora_step_compiles_for_v5e(tp):
     assert tp == 1 or (lora_reductions and all(base in shapes for shapes in lora_reductions)), lora_reductions
 
 
+def test_speculative_verify_and_draft_steps_compile_for_v5e():
+    """Speculative decoding with a draft model (SmolLM2's shapes drafting for themselves, 4 drafts) at the
+    smallest bucket: the target's verify step (each row's drafts for the penalties [S, 4], the drafts' q
+    [S, vocab] float32 for rejection sampling, among its parameters) and the draft's step (q among its outputs)
+    compile, each pool donated and aliased. The n-gram verify step's inputs are a subset of the first's
+    (``python -m benchmarks.compile_targets`` compiles it too)."""
+    target, draft = ct.spec_configs("draft_model")
+    seqs, vocab = target.num_seqs_for(target.token_buckets()[0]), target.model.vocab_size
+    for config in (target, draft):
+        r = check_step("v5e", "smollm2-135m", config.token_buckets()[0], config)
+        assert_compiled(r)
+        params, results = r.hlo[r.hlo.index("ENTRY"):].split("\n", 1)[0].split(" -> ")
+        q = f"f32[{seqs},{vocab}]"
+        assert (q in params, q in results) == ((True, False) if config is target else (False, True)), config.sampler_returns_probs
+        assert (f"s32[{seqs},{ct.SPEC_TOKENS}]" in params) == (config is target)
+
+
 def test_llama3_70b_step_compiles_tensor_parallel_on_eight_v5e_chips():
     """TP=8 over a v5e:2x4 topology with 4 of Llama-3-70B's 80 layers (the same compiled layer in a scan; the
     whole model is benchmarks/RESULTS.md's table): the weights and the pool are split 8 ways (each chip's

@@ -19,7 +19,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.gpu_decode import triton_params
 
 from benchmarks.cuda_lowering import (SHARED_MEMORY_BYTES, TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase,
-                                      compile_for_cuda, kernel_cases, lower_for_cuda, run_case, step_cases)
+                                      compile_for_cuda, kernel_cases, lower_for_cuda, run_case, spec_step_cases,
+                                      step_cases)
 
 KERNELS = kernel_cases()
 STEPS = step_cases()
@@ -54,6 +55,18 @@ def test_lora_step_lowers_with_the_triton_kernel():
     text = lower_for_cuda(lora_step_case(), TARGET_LIST[-1])
     assert triton_calls(text) == 1
     assert "tensor<30x5x576x48xbf16>" in text
+
+
+@pytest.mark.parametrize("case", spec_step_cases(), ids=lambda c: c.shape.split()[2])
+def test_speculative_verify_and_draft_steps_lower_with_the_triton_kernel(case):
+    """A draft model's target (rejection sampling: the drafts' q [S, vocab] float32 among its inputs) and the
+    draft (q among its outputs), SmolLM2's shapes at the smallest bucket: one Triton attention call each."""
+    text = lower_for_cuda(case, TARGET_LIST[-1])
+    assert triton_calls(text) == 1
+    signature = text[text.index("func.func public @main"):].split("\n", 1)[0]
+    args, results = signature.split(") -> (", 1)
+    q = f"tensor<{case.args[3].temperature.shape[0]}x49152xf32>"
+    assert (q in args, q in results) == ((True, False) if "verify" in case.shape else (False, True)), signature[-300:]
 
 
 def test_a_kernel_that_does_not_lower_fails_the_lane():
