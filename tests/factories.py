@@ -30,6 +30,26 @@ EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, ti
 WITHOUT_TORCH = 'import sys; sys.modules["torch"] = None\n'
 
 
+_TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, max_position_embeddings=128)
+# Every architecture of the model layer but Llama (tiny_llama), tiny and random: transformers' config class name ->
+# (its arguments, whether its MLP is Linears: False for the MoE models, whose experts are not)
+ARCHITECTURES = {
+    "Qwen3Config": (dict(_TINY, intermediate_size=128, attention_bias=True, tie_word_embeddings=True), True),
+    "Qwen2Config": (dict(_TINY, intermediate_size=128, tie_word_embeddings=False), True),
+    "Gemma2Config": (dict(_TINY, intermediate_size=128, query_pre_attn_scalar=24, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
+                          final_logit_softcapping=20.0, tie_word_embeddings=True), True),
+    "Gemma3TextConfig": (dict(_TINY, intermediate_size=96, num_key_value_heads=1, query_pre_attn_scalar=48,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              tie_word_embeddings=False), True),
+    "MixtralConfig": (dict(_TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                           sliding_window=None, tie_word_embeddings=False), False),
+    "Qwen3MoeConfig": (dict(_TINY, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True), False),
+}
+
+
 def engine_options(**changes) -> dict:
     return {**SMALL_ENGINE, **changes}
 

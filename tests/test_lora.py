@@ -23,7 +23,7 @@ import torch
 from jaxpage import LLM, SamplingParams
 from jaxpage.lora.request import LoRARequest
 from tests.compiles import CompileCounter
-from tests.factories import SEED, engine_options, tiny_llama
+from tests.factories import ARCHITECTURES, SEED, engine_options, tiny_llama
 from tests.reference import (
     assert_greedy_matches,
     assert_logits_close_by_position,
@@ -303,23 +303,8 @@ def _at(tree, path):
 
 EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = EVERY_PROJECTION[:4]  # MoE models: the experts are not Linears and are refused as targets
-_TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=32, max_position_embeddings=128)
-OTHER_ARCHITECTURES = {  # transformers' config class name -> (its arguments: tiny, random; the adapter's targets)
-    "Qwen3Config": (dict(_TINY, intermediate_size=128, attention_bias=True, tie_word_embeddings=True),
-                    EVERY_PROJECTION),
-    "Qwen2Config": (dict(_TINY, intermediate_size=128, tie_word_embeddings=False), EVERY_PROJECTION),
-    "Gemma2Config": (dict(_TINY, intermediate_size=128, query_pre_attn_scalar=24, sliding_window=8,
-                          layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
-                          final_logit_softcapping=20.0, tie_word_embeddings=True), EVERY_PROJECTION),
-    "Gemma3TextConfig": (dict(_TINY, intermediate_size=96, num_key_value_heads=1, query_pre_attn_scalar=48,
-                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                              tie_word_embeddings=False), EVERY_PROJECTION),
-    "MixtralConfig": (dict(_TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-                           sliding_window=None, tie_word_embeddings=False), ATTENTION),
-    "Qwen3MoeConfig": (dict(_TINY, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-                            num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True), ATTENTION),
-}
+OTHER_ARCHITECTURES = {name: (kwargs, EVERY_PROJECTION if every else ATTENTION)  # the adapter's targets
+                       for name, (kwargs, every) in ARCHITECTURES.items()}
 
 
 @pytest.mark.parametrize("config_class", sorted(OTHER_ARCHITECTURES))
