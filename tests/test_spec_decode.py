@@ -180,6 +180,27 @@ def test_penalized_rows_speculate_and_keep_the_tokens_of_a_run_without(smollm2, 
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_pools_speculate_with_the_tokens_of_a_run_without(kv_cache_dtype, tmp_path_factory):
+    """n-gram speculation over an int8 (values and scales) or fp8 KV pool: a verification's K/V, written and
+    rolled back in the quantized pool, gives the greedy and seeded tokens of the same pool without speculation."""
+    from jaxpage import LLM
+    from tests.reference import save_random_model
+
+    path = tmp_path_factory.mktemp(f"tiny-llama-{kv_cache_dtype}")
+    save_random_model(tiny_llama(), path, seed=random.randrange(2**31))
+    options = engine_options(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=40,
+                             kv_cache_dtype=kv_cache_dtype)
+    plain, spec = LLM(str(path), **options), LLM(str(path), speculative_config=NGRAM, **options)
+    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                   [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True) for i in range(5)]):
+        expected, got = plain.generate(_prompts(), params), spec.generate(_prompts(), params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    stats = spec.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_suffix_decoding_drafts_from_an_earlier_requests_output(llms):
     """Suffix decoding's global tree: a prompt without repeats asked again drafts the first answer's tokens from
     the tree of earlier outputs, so the second run accepts more drafts than the first, its tokens the same
