@@ -10,16 +10,21 @@ tokens: T <= rows is a decode-only step of T rows; a larger bucket is rows - 1 d
 the remaining tokens. Per step:
 
 - bytes needed: the weights (``abstract_params`` at the config dtype; an untied embedding table counts only the
-  T rows the lookup reads), the K/V of every key each row's attention sees, read once (its context, the row's own
-  new tokens included: a kernel that kept them in VMEM could skip those, 1/context of a decode row's read), and
-  the new tokens' K/V written once. Activations are left out of the bound (the residual stream is T x hidden
-  a layer, a fraction of a percent of the weights at these buckets);
+  T rows the lookup reads), the K/V of every key each row's attention sees, read once (its context, the row's
+  own new tokens included: a kernel that kept them in VMEM could skip those, 1/context of a decode row's read),
+  and the new tokens' K/V written once. Activations (``activation_bytes``: the tensors between matmuls and the
+  logits, each written and read once) are reported beside them and in a second bound: a perfectly fused step
+  would keep them on chip, and at T = 512 they are not small (SmolLM2: ~0.5 GB against 0.27 GB of weights);
 - FLOPs: 2 x decoder matrix parameters x T, 2 x LM head x rows, and causal attention (4 x heads x head_dim per
   key a query sees, per layer);
-- the lower bound max(bytes / HBM bandwidth, FLOPs / bf16 peak), from the published figures below;
+- the lower bound max(bytes / HBM bandwidth, FLOPs / bf16 peak), from the published figures below, and the
+  fraction of it the kernel's DMA plan allows (``step_ratio``: the bound over the bound with the bytes the kernel
+  moves in place of the K/V bytes needed);
 - for TPU chips, the step compiled ahead of time (``compile_targets.compile_step``) and its ``cost_analysis()``:
-  XLA's flops and bytes accessed. The attention is a Pallas custom call with no ``pl.CostEstimate``, so those
-  figures leave the attention kernel (and its pool traffic) out;
+  XLA's flops and bytes accessed, reported as they come and not used. They are not the step's: the attention is
+  a Pallas custom call with no ``pl.CostEstimate`` (the optimized HLO carries none), and the layers are a scanned
+  ``while`` loop whose body XLA's count does not multiply by the trip count (SmolLM2 at T=8 on v5e: 1.06 GFLOP
+  compiled with 1, 2 or 30 layers; bytes accessed 867, 682 and 623 MB, not monotone in the layers either);
 - the attention kernel's DMA plan (``ragged_kernel_bytes``, modelled from pallas_kernels/ragged_tpu.py) against
   the K/V bytes needed, and the same for the old two-kernel design (``two_kernel_bytes``). GPUs get the bound
   only: their kernel's plan is not modelled.
@@ -45,6 +50,7 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks import compile_targets
 
@@ -97,8 +103,9 @@ class KVLayout:
 
         model, bs, dtype = config.model, config.block_size, config.kv_dtype
         packed = packs_kv(model, config.attention_backend) if packed is None else packed
-        return cls(model.num_layers, bs, bytes_per_block(model, bs, dtype, lanes=128, packed=packed) // model.num_layers,
-                   bytes_per_block(model, 1, dtype) // model.num_layers, tile_rows(dtype))
+        layers = model.num_layers
+        return cls(layers, bs, bytes_per_block(model, bs, dtype, lanes=128, packed=packed) // layers,
+                   bytes_per_block(model, 1, dtype) // layers, tile_rows(dtype))
 
     @property
     def tile_bytes(self) -> int:
@@ -172,6 +179,17 @@ def weight_count(config, num_tokens: int) -> WeightCount:
     return WeightCount(total - size(embed) * embed.dtype.itemsize + lookup, decoder, head)
 
 
+def activation_bytes(config, num_tokens: int, rows: int) -> int:
+    """Each matmul's input and output written once and read once per layer (XLA fuses the elementwise ops
+    around a matmul but keeps the tensors between matmuls in HBM), at the config dtype, and the float32
+    logits of the rows, written and read by the sampler."""
+    m = config.model
+    per_token = (m.hidden_size + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim
+                 + m.hidden_size + 2 * m.intermediate_size + m.intermediate_size + m.hidden_size)
+    itemsize = jnp.dtype(config.dtype).itemsize
+    return 2 * (num_tokens * per_token * itemsize * m.num_layers + rows * m.vocab_size * 4)
+
+
 def attention_flops(config, seqs: list[Seq]) -> int:
     """QK^T and PV for the keys each query sees (causal), every layer."""
     model = config.model
@@ -187,11 +205,13 @@ class StepRow:
     rows: int
     context: int
     weight_bytes: int
+    activation_bytes: int
     kv_read_bytes: int  # needed
     kv_write_bytes: int
     flops: int
     attention_flops: int
-    bound_s: float
+    bound_s: float  # weights and K/V
+    bound_with_activations_s: float
     bound_by: str  # "memory" or "compute"
     kernel_read_bytes: int = 0  # the TPU kernel's DMA plan
     kernel_write_bytes: int = 0
@@ -215,20 +235,22 @@ def model_step(model: str, chip: Chip, num_tokens: int, context: int, config=Non
     seqs = step_batch(config, num_tokens, context)
     layout = KVLayout.of(config)
     weights = weight_count(config, num_tokens)
+    activations = activation_bytes(config, num_tokens, len(seqs))
     kv_read, kv_write = kv_bytes_needed(layout, seqs)
     attention = attention_flops(config, seqs)
     flops = 2 * weights.decoder_params * num_tokens + 2 * weights.head_params * len(seqs) + attention
-    times = lambda kv: (weights.bytes + kv) / (chip.hbm_gb_s * 1e9)  # noqa: E731
     compute_s = flops / (chip.bf16_tflop_s * 1e12)
-    row = StepRow(model, chip.name, num_tokens, len(seqs), context, weights.bytes, kv_read, kv_write, flops,
-                  attention, max(times(kv_read + kv_write), compute_s),
-                  "memory" if times(kv_read + kv_write) >= compute_s else "compute")
+    bound = lambda moved: max(moved / (chip.hbm_gb_s * 1e9), compute_s)  # noqa: E731
+    needed = weights.bytes + kv_read + kv_write
+    row = StepRow(model, chip.name, num_tokens, len(seqs), context, weights.bytes, activations, kv_read, kv_write,
+                  flops, attention, bound(needed), bound(needed + activations),
+                  "memory" if bound(needed) > compute_s else "compute")
     if chip.tpu:
         read, written = ragged_kernel_bytes(layout, seqs)
         old = two_kernel_bytes(KVLayout.of(config, packed=False), seqs)
         row.kernel_read_bytes, row.kernel_write_bytes = read, written
         row.kv_ratio, row.read_ratio = (kv_read + kv_write) / (read + written), kv_read / read
-        row.step_ratio = row.bound_s / max(times(read + written), compute_s)
+        row.step_ratio = row.bound_s / bound(weights.bytes + read + written)
         row.old_kv_ratio = (kv_read + kv_write) / sum(old)
     return row
 
@@ -257,22 +279,23 @@ def run(models, chips, buckets, context: int, compile_steps: bool = True) -> lis
     return results
 
 
-HEADER = ("| model | chip | T | rows | weights MB | KV read / written MB | GFLOP (attention) | bound us | by | "
-          "kernel K/V MB | K/V ratio (reads) | step ratio | old design K/V ratio | XLA GFLOP / MB | compile s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+HEADER = ("| model | chip | T | rows | weights / activations MB | KV read / written MB | GFLOP (attention) | "
+          "bound us (with activations) | by | kernel K/V MB | K/V ratio (reads) | step ratio | "
+          "old design K/V ratio | XLA GFLOP / MB | compile s |\n" + "| --- " * 15 + "|")
 
 
 def table_line(r: StepRow) -> str:
     mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
-    tpu = r.kernel_read_bytes > 0
     xla = (f"{r.xla_flops / 1e9:,.2f} / {mb(r.xla_bytes)}" if r.xla_flops is not None and r.xla_bytes is not None
            else (r.compile_error[:60] or "-"))
-    return (f"| {r.model} | {r.chip} | {r.num_tokens} | {r.rows} | {mb(r.weight_bytes)} | {mb(r.kv_read_bytes)} / "
-            f"{mb(r.kv_write_bytes)} | {r.flops / 1e9:,.2f} ({r.attention_flops / 1e9:,.2f}) | {r.bound_s * 1e6:,.1f} | "
-            f"{r.bound_by} | " + (f"{mb(r.kernel_read_bytes + r.kernel_write_bytes)} | {r.kv_ratio:.3f} "
-                                  f"({r.read_ratio:.3f}) | {r.step_ratio:.3f} | {r.old_kv_ratio:.3f}" if tpu
-                                  else "- | - | - | -")
-            + f" | {xla} | {r.compile_s if r.compile_s is not None else '-'} |")
+    kernel = (f"{mb(r.kernel_read_bytes + r.kernel_write_bytes)} | {r.kv_ratio:.3f} ({r.read_ratio:.3f}) | "
+              f"{r.step_ratio:.3f} | {r.old_kv_ratio:.3f}" if r.kernel_read_bytes else "- | - | - | -")
+    cells = [r.model, r.chip, r.num_tokens, r.rows, f"{mb(r.weight_bytes)} / {mb(r.activation_bytes)}",
+             f"{mb(r.kv_read_bytes)} / {mb(r.kv_write_bytes)}",
+             f"{r.flops / 1e9:,.2f} ({r.attention_flops / 1e9:,.2f})",
+             f"{r.bound_s * 1e6:,.1f} ({r.bound_with_activations_s * 1e6:,.1f})", r.bound_by, kernel, xla,
+             "-" if r.compile_s is None else r.compile_s]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def main() -> None:

@@ -76,3 +76,15 @@ def test_bound_is_the_larger_of_memory_and_compute(config):
     memory_s = row.needed_bytes / 819e9
     assert row.bound_s == pytest.approx(max(memory_s, row.flops / 197e12)) and row.bound_by == "memory"
     assert 0 < row.kv_ratio < row.read_ratio <= 1 and row.old_kv_ratio < row.kv_ratio
+
+
+def test_flop_and_activation_counts(config):
+    weights = step_model.weight_count(config, 8)
+    # per layer: qkv 576 x (9 + 2 x 3) x 64, o 9 x 64 x 576, gate_up 576 x 2 x 1536, down 1536 x 576
+    assert weights.decoder_params == 2 * (576 * 15 * 64 + 9 * 64 * 576 + 576 * 2 * 1536 + 1536 * 576)
+    assert weights.head_params == 49152 * 576
+    # between matmuls, per token and layer: 576 + 960 + 576 + 576 + 3072 + 1536 + 576 = 7872 values
+    assert step_model.activation_bytes(config, 8, 8) == 2 * (8 * 7872 * 2 * 2 + 8 * 49152 * 4)
+    row = step_model.model_step("smollm2-135m", CHIPS["v5e"], 8, 64, config)
+    attention = 4 * 9 * 64 * 8 * 64 * 2  # 8 decodes seeing 64 keys, 2 layers
+    assert row.flops == 2 * weights.decoder_params * 8 + 2 * weights.head_params * 8 + attention
