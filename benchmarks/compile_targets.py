@@ -67,6 +67,7 @@ class Compiled:
     seconds: float
     error: str = ""
     memory: dict = dataclasses.field(default_factory=dict)  # bytes: arguments, outputs, aliased, temporaries, code
+    cost: dict = dataclasses.field(default_factory=dict)  # cost_analysis(): flops, bytes accessed (what XLA counts)
     hlo: str = dataclasses.field(default="", repr=False)  # the optimized HLO, for checks on what was compiled
 
 
@@ -86,7 +87,18 @@ def compile_for(where, target: str, name: str, shape: str, jitted, args) -> Comp
     stats = compiled.memory_analysis()
     memory = {key: getattr(stats, f"{key}_size_in_bytes", 0)
               for key in ("argument", "output", "alias", "temp", "generated_code")}
-    return Compiled(target, name, shape, True, seconds, memory=memory, hlo=compiled.as_text())
+    return Compiled(target, name, shape, True, seconds, memory=memory, cost=_cost(compiled), hlo=compiled.as_text())
+
+
+def _cost(compiled) -> dict:
+    """The compiler's own count of the program's flops and bytes accessed (custom calls such as Pallas kernels
+    count only what their cost estimate says)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # a backend without a cost model
+        return {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost or {}
+    return {key: float(cost[key]) for key in ("flops", "bytes accessed") if key in cost}
 
 
 def _first_line(e: Exception) -> str:
