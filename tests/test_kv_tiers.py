@@ -103,6 +103,7 @@ def _assert_restored_exactly(expected, got, plain: dict, tiered: dict, block_byt
     assert tiered["kv_offload_restores"] == tiered["kv_offload_host_hits"] + tiered["kv_offload_disk_hits"]
     assert tiered["kv_offload_host_hit_bytes"] == tiered["kv_offload_host_hits"] * block_bytes
     assert tiered["kv_offload_stores"] > 0 and tiered["kv_offload_disk_writes"] > 0
+    assert tiered["kv_offload_dropped"] == 0  # no block left the device while every host slot was pinned
     assert tiered["kv_offload_disk_write_seconds"] > 0  # the writer thread's
     assert tiered["external_prefix_cache_hits"] == tiered["kv_offload_restores"] * BLOCK_SIZE
     assert tiered["prefix_cache_queries"] == plain["prefix_cache_queries"]

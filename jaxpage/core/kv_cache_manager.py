@@ -174,8 +174,9 @@ class KVCacheManager:
         if self.host_tier.lookup(block_hash) is not None:
             return
         taken = self.host_tier.add(block_hash)
-        if taken is None:
-            return  # every slot is pinned by a restore queued now
+        if taken is None:  # every slot is pinned by a restore queued now
+            self.offload.dropped += 1
+            return
         slot, evicted = taken
         if evicted is not None and self.disk_tier is not None and not self.disk_tier.contains(evicted[0]):
             self.ops.moves.append((DISK_WRITE, slot, evicted[0]))

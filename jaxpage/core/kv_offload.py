@@ -21,6 +21,7 @@ class OffloadCounters:
     disk_hits: int = 0  # blocks found in the disk tier (read, checked, restored)
     stores: int = 0  # blocks copied device -> host tier
     disk_writes: int = 0  # blocks queued host tier -> disk (those not on disk yet)
+    dropped: int = 0  # cached blocks leaving the device that no tier took (every host slot pinned by restores)
     hit_tokens: int = 0  # prompt tokens the tiers saved (vLLM's external_prefix_cache_hits)
 
 

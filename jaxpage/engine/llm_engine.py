@@ -422,6 +422,7 @@ class LLMEngine:
             "kv_offload_store_bytes": c.stores * per_block,
             "kv_offload_restores": c.host_hits + c.disk_hits,
             "kv_offload_disk_writes": c.disk_writes,
+            "kv_offload_dropped": c.dropped,
             "kv_offload_disk_rejected": disk.rejected if disk is not None else 0,
             "kv_offload_disk_bytes": disk.num_bytes if disk is not None else 0,
             "kv_offload_store_seconds": tiers.store_seconds if tiers is not None else 0.0,
