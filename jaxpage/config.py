@@ -95,6 +95,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000  # earlier requests' outputs in the global tree (0: none)
     suffix_decoding_max_spec_factor: float = 1.0  # a draft is at most this times its match's length
     suffix_decoding_min_token_prob: float = 0.1  # each draft token's estimated probability at least this
+    disable_by_batch_size: int | None = None  # vLLM's: no drafts in a step of this many running sequences or more
 
     @classmethod
     def from_dict(cls, options: dict) -> "SpeculativeConfig":
@@ -129,7 +130,10 @@ class SpeculativeConfig:
         else:
             require(model is None, "speculative_config.model", model,
                     f"is only for method 'draft_model', not {method!r}")
-        return cls(method, k, hi, lo, model, draft_tp, **_suffix_options(options))
+        off = options.get("disable_by_batch_size")
+        require(off is None or type(off) is int and off >= 2, "speculative_config.disable_by_batch_size", off,
+                "must be an integer >= 2 (or unset)")
+        return cls(method, k, hi, lo, model, draft_tp, **_suffix_options(options), disable_by_batch_size=off)
 
 
 def _suffix_options(options: dict) -> dict:
@@ -251,7 +255,13 @@ class EngineConfig:
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         """The sequence axis is tied to the token axis, so the bucket grid stays two-dimensional."""
-        return min(num_tokens_bucket, self.max_num_seqs)
+        return min(num_tokens_bucket, self.max_sampled_rows)
+
+    @property
+    def max_sampled_rows(self) -> int:
+        """The most rows a step samples: a row per sequence, and with speculative decoding one per draft position
+        too (so that max_num_seqs decoding sequences still have rows for their drafts)."""
+        return self.max_num_seqs * (1 + self.num_draft_tokens)
 
 
 def _powers(start: int, base: int, limit: int) -> list[int]:

@@ -135,7 +135,7 @@ class FakeRunner:
         self.max_rows = max(self.max_rows, n)
         assert n <= cfg.max_num_seqs, f"{n} sequences in one step, max_num_seqs={cfg.max_num_seqs}"
         drafts = [(s, j) for s in scheduled for j in range(len(s.spec_token_ids))]  # a sampled row each, after
-        assert n + len(drafts) <= cfg.max_num_seqs, f"{n} rows and {len(drafts)} draft rows in one step"
+        assert n + len(drafts) <= cfg.max_sampled_rows, f"{n} rows and {len(drafts)} draft rows in one step"
         assert n > 0
         assert len({id(s.seq) for s in scheduled}) == n, "a sequence scheduled twice in one step"
         total = sum(s.num_new_tokens for s in scheduled)
@@ -250,8 +250,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                 max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
                 wave_prefill: bool = EngineArgs.wave_prefill, async_scheduling: bool = True, max_loras: int = 0,
-                speculative: int = 0,                num_offload_blocks: int = 0, offload_disk: bool | str = False,
-                offload_disk_bytes: int = 1 << 30) -> LLMEngine:
+                speculative: int = 0, disable_by_batch_size: int | None = None, num_offload_blocks: int = 0,
+                offload_disk: bool | str = False, offload_disk_bytes: int = 1 << 30) -> LLMEngine:
     """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off.
     num_offload_blocks: the prefix cache's host tier in blocks (0: off); offload_disk: its disk tier, in a
     directory of the engine's own (True, removed with the engine) or the one given (a path)."""
@@ -269,7 +269,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  max_long_partial_prefills=max_long_partial_prefills,
                                  wave_prefill=wave_prefill, async_scheduling=async_scheduling,
                                  enable_lora=max_loras > 0,                                 max_loras=max(max_loras, 1),
-                                 speculative_config={"method": "ngram", "num_speculative_tokens": speculative}
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": speculative,
+                                                     "disable_by_batch_size": disable_by_batch_size}
                                  if speculative else None)
     own_dir = offload_disk is True and tempfile.mkdtemp(prefix="jaxpage-kv-disk-")
     config = dataclasses.replace(  # a swap space and a host tier in blocks, not bytes

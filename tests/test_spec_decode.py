@@ -48,6 +48,7 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
      "suffix_decoding_max_tree_depth"),
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},
      "suffix_decoding_min_token_prob"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "speculative_config.disable_by_batch_size"),
 ])
 def test_bad_speculative_config_is_refused_naming_the_field(options, field):
     with pytest.raises(ValueError, match=field):
@@ -286,6 +287,32 @@ def test_speculation_keeps_the_accounting_and_the_outputs(scenario):
     event(f"accepted drafts: {engine.stats()['spec_decode_num_accepted_tokens'] > 0}")
 
 
+def test_disable_by_batch_size_drafts_only_below_that_many_running_sequences():
+    """vLLM's disable_by_batch_size (3): over the fake runner, no step of 3 or more running sequences carries a
+    draft, steps with fewer do once requests finish, and the outputs are a run's without speculation."""
+    requests = [([1 + (i * 5 + j) % (VOCAB - 1) for j in range(6 + i)],
+                 SamplingParams(temperature=0.0, max_tokens=8 + 10 * i, ignore_eos=True, seed=i)) for i in range(4)]
+    expected, _ = _run(0, requests)
+    engine = make_engine(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, speculative=3,
+                         disable_by_batch_size=3)
+    engine.tokenizer = engine.output_processor.tokenizer = LetterTokenizer()
+    steps, launch = [], engine.runner.launch  # (running sequences, whether a row has drafts) per step
+
+    def recording(scheduled, bitmask=None, previous=None):
+        steps.append((engine.scheduler.num_running_seqs(), any(s.spec_token_ids for s in scheduled)))
+        return launch(scheduled, bitmask, previous)
+    engine.runner.launch = recording
+    for i, (prompt, p) in enumerate(requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
+    done = run_checked(engine)
+    check_all_free(engine)
+    got = {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+                 for c in out.outputs] for rid, out in done.items()}
+    assert got == expected
+    assert not any(drafts for running, drafts in steps if running >= 3), steps
+    assert any(drafts for running, drafts in steps if running < 3), steps
+
+
 def test_metrics_carry_the_acceptance_counters():
     """/metrics: vLLM's spec_decode_* counters, per draft position too, as LLM.stats() counts them."""
     from prometheus_client import generate_latest
@@ -319,12 +346,14 @@ def test_async_scheduling_runs_plain_steps_ahead_and_drafts_one_step_late():
     engine = make_engine(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, speculative=3)
     engine.tokenizer = engine.output_processor.tokenizer = LetterTokenizer()
     assert engine.async_scheduling
-    drafts = engine.scheduler.proposer.propose  # no draft after every third length: plain steps happen too
-    engine.scheduler.proposer.propose = lambda seq, k: drafts(seq, k) if len(seq.token_ids) % 3 else []
+    launched = []  # every step's launch
+    drafts = engine.scheduler.proposer.propose  # no draft in every third step: plain steps happen too
+    engine.scheduler.proposer.propose = lambda seq, k: drafts(seq, k) if len(launched) % 3 else []
     ahead = []  # for each step launched while the one before ran: whether it carries drafts
     launch = engine.runner.launch
 
     def recording(scheduled, bitmask=None, previous=None):
+        launched.append(previous)
         if previous is not None:
             ahead.append(any(s.spec_token_ids for s in scheduled))
         return launch(scheduled, bitmask, previous)

@@ -117,13 +117,15 @@ class Scheduler:
     def _with_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Speculative decoding: each decode row that may speculate (``_speculates``) gets the proposer's draft
         tokens, as many as what is left of the step's token budget, of its rows (a draft token's position is a
-        sampled row: at most max_num_seqs rows a step) and of the free blocks allow; the row then computes its
+        sampled row: at most max_sampled_rows a step) and of the free blocks allow; the row then computes its
         last token and the drafts (a copy of the row: ``scheduled`` stays as it was, for the decode fast path).
-        ``scheduled`` itself when no row got a draft. No draft runs past the sequence's max_len, and none
-        preempts anything."""
+        ``scheduled`` itself when no row got a draft, or when the running sequences number
+        disable_by_batch_size or more. No draft runs past the sequence's max_len, and none preempts anything."""
         spec = self.config.speculative_config
+        if spec.disable_by_batch_size and self.num_running_seqs() >= spec.disable_by_batch_size:
+            return scheduled
         budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
-        rows = self.config.max_num_seqs - len(scheduled)
+        rows = self.config.max_sampled_rows - len(scheduled)
         parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}  # forks sample their last token
         out = scheduled
         for i, s in enumerate(scheduled):
