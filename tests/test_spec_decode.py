@@ -229,14 +229,26 @@ class LetterTokenizer:
 def _run(speculative: int, requests: list[tuple[list[int], SamplingParams]]):
     engine = make_engine(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, speculative=speculative,
                          async_scheduling=False)
+    return _run_recording(engine, requests), engine
+
+
+def _run_recording(engine, requests: list[tuple[list[int], SamplingParams]], record=None) -> dict:
+    """Each request's ends (tokens, text in letters, finish and stop reasons, log-probabilities) run on
+    ``engine``, calling record(scheduled, previous) at each step's launch; every block checked back."""
     engine.tokenizer = engine.output_processor.tokenizer = LetterTokenizer()
+    if record is not None:
+        launch = engine.runner.launch
+
+        def recording(scheduled, bitmask=None, previous=None):
+            record(scheduled, previous)
+            return launch(scheduled, bitmask, previous)
+        engine.runner.launch = recording
     for i, (prompt, p) in enumerate(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
     done = run_checked(engine)
     check_all_free(engine)
-    ends = {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+    return {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
                   for c in out.outputs] for rid, out in done.items()}
-    return ends, engine
 
 
 def test_stop_rules_inside_an_accepted_run_end_it_there():
@@ -295,19 +307,9 @@ def test_disable_by_batch_size_drafts_only_below_that_many_running_sequences():
     expected, _ = _run(0, requests)
     engine = make_engine(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, speculative=3,
                          disable_by_batch_size=3)
-    engine.tokenizer = engine.output_processor.tokenizer = LetterTokenizer()
-    steps, launch = [], engine.runner.launch  # (running sequences, whether a row has drafts) per step
-
-    def recording(scheduled, bitmask=None, previous=None):
-        steps.append((engine.scheduler.num_running_seqs(), any(s.spec_token_ids for s in scheduled)))
-        return launch(scheduled, bitmask, previous)
-    engine.runner.launch = recording
-    for i, (prompt, p) in enumerate(requests):
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
-    done = run_checked(engine)
-    check_all_free(engine)
-    got = {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
-                 for c in out.outputs] for rid, out in done.items()}
+    steps = []  # (running sequences, whether a row has drafts) per step
+    got = _run_recording(engine, requests, lambda scheduled, _: steps.append(
+        (engine.scheduler.num_running_seqs(), any(s.spec_token_ids for s in scheduled))))
     assert got == expected
     assert not any(drafts for running, drafts in steps if running >= 3), steps
     assert any(drafts for running, drafts in steps if running < 3), steps
@@ -344,27 +346,17 @@ def test_async_scheduling_runs_plain_steps_ahead_and_drafts_one_step_late():
                 for i in range(5)]
     expected, _ = _run(0, requests)
     engine = make_engine(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, speculative=3)
-    engine.tokenizer = engine.output_processor.tokenizer = LetterTokenizer()
     assert engine.async_scheduling
     launched = []  # every step's launch
     drafts = engine.scheduler.proposer.propose  # no draft in every third step: plain steps happen too
     engine.scheduler.proposer.propose = lambda seq, k: drafts(seq, k) if len(launched) % 3 else []
     ahead = []  # for each step launched while the one before ran: whether it carries drafts
-    launch = engine.runner.launch
 
-    def recording(scheduled, bitmask=None, previous=None):
+    def record(scheduled, previous):
         launched.append(previous)
         if previous is not None:
             ahead.append(any(s.spec_token_ids for s in scheduled))
-        return launch(scheduled, bitmask, previous)
-    engine.runner.launch = recording
-    for i, (prompt, p) in enumerate(requests):
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
-    done = run_checked(engine)
-    check_all_free(engine)
-    got = {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
-                 for c in out.outputs] for rid, out in done.items()}
-    assert got == expected
+    assert _run_recording(engine, requests, record) == expected
     assert True in ahead and False in ahead, ahead
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
