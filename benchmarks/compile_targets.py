@@ -2,6 +2,8 @@
 
     python -m benchmarks.compile_targets [--chips v5e v6e v5p] [--quick] [--json out.json]
     python -m benchmarks.compile_targets --blocks   # SmolLM2's KV blocks per GiB on a TPU, unpacked and packed
+    python -m benchmarks.compile_targets --chips v6e --warmup smollm2-135m llama-3-8b [--threads N] [--cache-dir D]
+                                                     # an engine's whole warm-up, compiled as the runner does
 
 For each chip: every TPU kernel over the shapes the engine can produce, then the whole jitted engine step
 (``attention_backend="pallas_tpu"``, bfloat16) at every warm-up bucket for SmolLM2-135M and a Llama-3-8B-shaped
@@ -71,9 +73,10 @@ class Compiled:
     hlo: str = dataclasses.field(default="", repr=False)  # the optimized HLO, for checks on what was compiled
 
 
-def compile_for(where, target: str, name: str, shape: str, jitted, args) -> Compiled:
+def compile_for(where, target: str, name: str, shape: str, jitted, args, details: bool = True) -> Compiled:
     """Lowers and compiles ``jitted(*args)`` for ``where``, a device or a mesh (``jitted`` then says every
-    argument's sharding); ``args`` is a pytree of ShapeDtypeStructs."""
+    argument's sharding); ``args`` is a pytree of ShapeDtypeStructs. details: the memory, the cost and the HLO
+    text of the compiled program too (else just whether it compiled, and how long it took)."""
     on_mesh = isinstance(where, Mesh)
     sharding = None if on_mesh else SingleDeviceSharding(where)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
@@ -84,6 +87,8 @@ def compile_for(where, target: str, name: str, shape: str, jitted, args) -> Comp
     except Exception as e:  # the compiler's message is the result
         return Compiled(target, name, shape, False, time.perf_counter() - start, _first_line(e))
     seconds = time.perf_counter() - start
+    if not details:
+        return Compiled(target, name, shape, True, seconds)
     stats = compiled.memory_analysis()
     memory = {key: getattr(stats, f"{key}_size_in_bytes", 0)
               for key in ("argument", "output", "alias", "temp", "generated_code")}
@@ -339,6 +344,50 @@ def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
                                    ("swap-in scatter", moves.scatter, (pool, ids, data)))]
 
 
+@dataclasses.dataclass
+class Warmup:
+    """One engine's whole warm-up compiled for a chip: every program (``Compiled``), and the wall time of
+    compiling them on ``threads`` threads, block moves included."""
+
+    target: str
+    model: str
+    threads: int
+    buckets: list
+    seconds: float
+    programs: list
+
+
+def compile_warmup(chip: str, model: str, config=None, threads: int | None = None) -> Warmup:
+    """Every program an engine of ``config`` compiles before serving (``warmup.warmup_programs``: the step of each
+    bucket, async scheduling's substitutions), compiled for ``chip`` on ``threads`` threads the way the runner
+    does (``warmup.compile_all``), then the block moves."""
+    from jaxpage.attention.kv_cache import abstract_kv_pool, packs_kv
+    from jaxpage.models import abstract_params
+    from jaxpage.worker.step import jit_step, substitute_placeholders
+    from jaxpage.worker.warmup import compile_all, compile_threads, program_inputs, warmup_programs
+
+    config = config or engine_config(model)
+    where = tpu_device(chip)
+    params = abstract_params(config.model, config.dtype)
+    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype,
+                            packs_kv(config.model, config.attention_backend))
+    step = jit_step(config, where)
+    substitute = jax.jit(substitute_placeholders, out_shardings=SingleDeviceSharding(where))
+    programs = warmup_programs(config, substitutes=config.async_scheduling)
+    threads = threads or compile_threads(len(programs), "tpu")
+
+    def one(p):
+        if p.kind == "step":
+            return compile_for(where, chip, f"step {model}", f"T{p.num_tokens}", step,
+                               (params, pool, *program_inputs(config, p)), details=False)
+        return compile_for(where, chip, "substitute", f"T{p.num_tokens} S{p.num_sampled}", substitute,
+                           program_inputs(config, p), details=False)
+
+    start = time.perf_counter()
+    compiled = list(compile_all(one, programs, threads).values()) + compile_block_moves(chip, model, config)
+    return Warmup(chip, model, threads, config.token_buckets(), time.perf_counter() - start, compiled)
+
+
 def qwen3_moe_30b_config():
     """Qwen3-30B-A3B's shapes: 128 experts of width 768, top-8, hidden 2048."""
     from transformers import Qwen3MoeConfig
@@ -429,6 +478,18 @@ def run_tp(chips: list[str], weights=("bfloat16", "int8")) -> list[Compiled]:
     return results
 
 
+def run_warmup(chip: str, model: str, threads: int | None) -> Warmup:
+    w = compile_warmup(chip, model, threads=threads)
+    steps = [p for p in w.programs if p.name.startswith("step")]
+    slowest = max(w.programs, key=lambda p: p.seconds)
+    failed = [f"{p.name} {p.shape}: {p.error}" for p in w.programs if not p.ok]
+    print(f"| {chip} | {model} | {len(w.buckets)} buckets {w.buckets[0]}-{w.buckets[-1]} | {w.threads} | "
+          f"{len(w.programs)} | {w.seconds:.1f} s | {sum(p.seconds for p in w.programs):.1f} s | "
+          f"{sum(p.seconds for p in steps):.1f} s | {slowest.name} {slowest.shape} {slowest.seconds:.1f} s | "
+          f"{'; '.join(failed) or 'all compiled'} |", flush=True)
+    return w
+
+
 def _report(r: Compiled) -> Compiled:
     memory = (f"args {r.memory['argument'] / 2**30:.2f} GiB, temp {r.memory['temp'] / 2**20:.0f} MiB"
               if r.ok else r.error)
@@ -445,6 +506,12 @@ def main() -> None:
     parser.add_argument("--tp-only", action="store_true", help="only the tensor-parallel (TP=8) steps")
     parser.add_argument("--tp-weights", nargs="+", default=["bfloat16", "int8"], choices=["bfloat16", "int8"],
                         help="the TP steps' weights")
+    parser.add_argument("--warmup", nargs="+", choices=list(STEP_TARGETS), metavar="MODEL",
+                        help="only each model's whole engine warm-up (every program the runner compiles before "
+                        "serving), on --threads threads, per chip")
+    parser.add_argument("--threads", type=int, help="--warmup's compile threads (default: the runner's)")
+    parser.add_argument("--cache-dir", help="the persistent compilation cache's directory (as the engine's: a "
+                        "second run with the same directory shows a restart)")
     parser.add_argument("--blocks", action="store_true", help="only SmolLM2's KV blocks per GiB on a TPU, unpacked "
                         "and packed (arithmetic, no compile)")
     args = parser.parse_args()
@@ -452,6 +519,19 @@ def main() -> None:
         print("| KV | block | blocks/GiB unpacked | packed | packed / unpacked |\n| --- | --- | --- | --- | --- |")
         for r in blocks_per_gib():
             print(f"| {r['kv']} | {r['block_size']} | {r['unpacked']:,.0f} | {r['packed']:,.0f} | {r['ratio']:.2f}x |")
+        return
+    if args.cache_dir:
+        from jaxpage.worker.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache(args.cache_dir)
+    if args.warmup:
+        print("| chip | model | buckets | threads | programs | warm-up wall | compiles summed | steps summed | "
+              "slowest | result |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        warmups = [run_warmup(chip, model, args.threads) for model in args.warmup for chip in args.chips
+                   if chip in STEP_TARGETS[model]]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(w) for w in warmups], f, indent=1)
         return
     print("| chip | kernel / step | shape | result | compile | memory per chip (arguments incl. weights and "
           "pool; temporaries) |\n| --- | --- | --- | --- | --- | --- |")

@@ -243,15 +243,18 @@ class EngineConfig:
         return cdiv(self.max_model_len, self.block_size)
 
     def token_buckets(self) -> list[int]:
-        """Padded sizes of the flat token axis: 8, 16, then powers of two and the halfway sizes between them
-        (24, 32, 48, 64, 96, ...) up to the token budget. The halfway sizes cut the padding of a step from up
-        to 50% to up to 33% (a step costs in proportion to its padded tokens on a CPU) for one compile more per
-        octave. On the XLA path a 1-token bucket comes first: a lone decode step then reads the weights for
-        one row, not eight (the Pallas kernels take tokens in blocks of 8)."""
+        """Padded sizes of the flat token axis: 8, 16, then powers of two up to the token budget. On the CPU
+        (the XLA path) a step costs in proportion to its padded tokens, so the halfway sizes (24, 48, 96, ...)
+        come in too, cutting a step's padding from up to 50% to up to 33% for one compile more per octave, and a
+        1-token bucket comes first: a lone decode step then reads the weights for one row, not eight (the Pallas
+        kernels take tokens in blocks of 8). A TPU or GPU step below a few hundred tokens is bound by its weight
+        and K/V reads (``benchmarks/step_model.py``), which padding does not add to: there each halfway size
+        would cost a compile at start for a step a few percent shorter."""
         octaves = _powers(8, 2, self.max_num_batched_tokens)
+        if self.attention_backend != "xla":
+            return octaves
         halves = [size * 3 // 2 for size in octaves[1:-1]]
-        single = [1] if self.attention_backend == "xla" else []
-        return sorted(set(single + octaves + [h for h in halves if h < self.max_num_batched_tokens]))
+        return sorted(set([1] + octaves + [h for h in halves if h < self.max_num_batched_tokens]))
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         """The sequence axis is tied to the token axis, so the bucket grid stays two-dimensional."""

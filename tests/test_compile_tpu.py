@@ -231,3 +231,16 @@ def test_llama3_70b_whole_step_with_int8_weights_fits_eight_v5e_chips():
     assert r.memory["alias"] >= pool_bytes(config) // 8, r.memory
     assert r.memory["argument"] + r.memory["temp"] < 15.75 * 2**30, r.memory
     assert_no_vocabulary_collective(r.hlo, config.model.vocab_size // 8)
+
+
+def test_the_warmup_compiles_every_program_for_v6e():
+    """The runner's warm-up list (steps, async scheduling's substitutions) compiled for a chip as the runner
+    compiles it (one thread on a TPU: ``warmup.compile_threads``), here for a 2-layer SmolLM2 at 16 tokens."""
+    config = ct.engine_config("smollm2-135m", num_layers=2, max_num_batched_tokens=16, max_num_seqs=16)
+    w = ct.compile_warmup("v6e", "smollm2-135m", config)
+    assert w.threads == 1
+    failed = [f"{p.name} {p.shape}: {p.error}" for p in w.programs if not p.ok]
+    assert not failed, failed
+    steps = sorted(p.shape for p in w.programs if p.name.startswith("step"))
+    assert w.buckets == [8, 16] and steps == ["T16", "T8"]
+    assert sum(p.name == "substitute" for p in w.programs) == 4  # each bucket after a step of 8 or 16 rows

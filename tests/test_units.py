@@ -62,6 +62,45 @@ def test_token_buckets_leave_at_most_a_third_of_a_step_as_padding(budget):
         pick_bucket(buckets, budget + 1)
 
 
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_accelerator_token_buckets_are_powers_of_two(backend):
+    """A TPU/GPU step is bound by its reads, not its padded tokens: no halfway buckets (fewer compiles at start),
+    every bucket a whole number of the Pallas kernels' 8-token blocks."""
+    from jaxpage.config import pick_bucket
+
+    config = _engine(_smollm2_shape(), num_kv_blocks=600, max_num_batched_tokens=512, attention_backend=backend)
+    assert config.token_buckets() == [8, 16, 32, 64, 128, 256, 512]
+    odd = _engine(_smollm2_shape(), num_kv_blocks=600, max_num_batched_tokens=200, attention_backend=backend)
+    assert odd.token_buckets() == [8, 16, 32, 64, 128, 200]
+    assert all(pick_bucket(odd.token_buckets(), n) < 2 * n for n in range(8, 201))
+
+
+def test_warmup_compiles_on_several_threads_and_raises_a_compile_error():
+    import threading
+
+    from jaxpage.worker.warmup import WarmupProgram, compile_all
+
+    programs = [WarmupProgram("step", n) for n in (8, 16, 32, 64)]
+    both = threading.Barrier(2, timeout=10)  # two compiles must be running at once, or this times out
+
+    def compile_one(program):
+        if program.num_tokens in (8, 16):
+            both.wait()
+        return program.num_tokens * 2, threading.current_thread().name
+
+    done = compile_all(compile_one, programs, threads=2)
+    assert list(done) == programs and [v[0] for v in done.values()] == [16, 32, 64, 128]
+    assert len({v[1] for v in done.values()}) == 2
+
+    def failing(program):
+        if program.num_tokens == 32:
+            raise ValueError("no compile for T32")
+        return program
+
+    with pytest.raises(ValueError, match="T32"):
+        compile_all(failing, programs, threads=2)
+
+
 def test_budget_too_small_for_one_sequence_says_how_much_is_needed():
     model = _smollm2_shape()
     per_block = bytes_per_block(model, 16, "float32")

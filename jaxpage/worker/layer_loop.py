@@ -13,8 +13,10 @@ its variants (one per adapter slots bucket) share the stages around it.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import threading
 
 import jax
 import numpy as np
@@ -45,7 +47,9 @@ class LayerLoop:
     prompt: object  # (top weights, final-normed x, prompt targets) -> prompt logprobs (step_tail.prompt_logprobs_of)
     consts: tuple  # each layer's LayerConstants, on the device(s)
     inputs: object  # the batch's sharding, placed once for all layers
-    compiled: dict  # compiled begin, end, sampler and prompt stages by their inputs' shapes, shared by the buckets
+    # the compiled begin, end, sampler and prompt stages (futures) by their inputs' shapes, shared by the buckets
+    compiled: dict
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # buckets compile on several threads
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
@@ -107,13 +111,26 @@ class LayerLoop:
     def _shared(self, name: str, jitted, *args):
         """``jitted`` compiled for these inputs once, for every bucket (and adapter slots bucket) that has them."""
         key = (name, *((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
-        if key not in self.compiled:
-            self.compiled[key] = jitted.lower(*args).compile()
-            if name == "greedy":  # the runner's first run on padding samples through the general sampler: this
-                # one's first run (0.3-0.7 s of the runtime's set-up on a CPU) is taken here
-                zeros = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.zeros(a.shape, a.dtype), args)
-                jax.block_until_ready(self.compiled[key](*zeros))
-        return self.compiled[key]
+        with self.lock:  # the first thread to ask compiles it; the others wait for its result
+            future = self.compiled.get(key)
+            first = future is None
+            if first:
+                future = self.compiled[key] = concurrent.futures.Future()
+        if first:
+            try:
+                future.set_result(self._compile_stage(name, jitted, args))
+            except BaseException as e:
+                future.set_exception(e)
+        return future.result()
+
+    @staticmethod
+    def _compile_stage(name: str, jitted, args):
+        compiled = jitted.lower(*args).compile()
+        if name == "greedy":  # the runner's first run on padding samples through the general sampler: this one's
+            # first run (0.3-0.7 s of the runtime's set-up on a CPU) is taken here
+            zeros = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.zeros(a.shape, a.dtype), args)
+            jax.block_until_ready(compiled(*zeros))
+        return compiled
 
     def as_text(self) -> str:
         """The compiled executables' HLO, as a compiled step's ``as_text``."""

@@ -10,14 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
 
 from jaxpage.attention.block_moves import BlockMoves, padded_ids
 from jaxpage.attention.kv_cache import allocate_kv_pool, host_kv_pool, packs_kv
-from jaxpage.config import EngineConfig, pick_bucket
+from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq, num_sampled_rows
-from jaxpage.distributed.parallel import placement, put
+from jaxpage.distributed.parallel import placement
 from jaxpage.lora.models import LoRAModel
 from jaxpage.lora.worker_manager import (
     SlotWriter,
@@ -26,7 +25,6 @@ from jaxpage.lora.worker_manager import (
     with_empty_slots,
 )
 from jaxpage.models import TokenBatch, unstack_layers
-from jaxpage.models.lora_slots import lora_buckets
 from jaxpage.models.placement import place_params, replicate_kv_heads
 from jaxpage.models.weights import pack_params
 from jaxpage.worker.input_batch import InputBatch, build_batch
@@ -34,13 +32,13 @@ from jaxpage.worker.kv_tiers import TIER_MOVES, KVTierMoves, kv_identity
 from jaxpage.worker.layer_loop import LayerLoop
 from jaxpage.worker.sampler import SamplerOutput, SamplingBatch
 from jaxpage.worker.step import (
-    abstract_step_inputs,
     compile_step,
     jit_step,
     replicated,
     substitute_placeholders,
     weight_shardings,
 )
+from jaxpage.worker.warmup import WarmupProgram, compile_all, compile_threads, program_inputs, warmup_programs
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +83,7 @@ class ModelRunner:
         where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
         self.mesh = where if isinstance(where, Mesh) else None
         device = self.mesh.devices.flat[0] if self.mesh is not None else where
+        self._platform = device.platform
         host_loop = config.scan_layers and device.platform in HOST_LAYER_LOOP_PLATFORMS and self.mesh is None
         unrolled = host_loop or not config.scan_layers
         # LoRA: the adapters on the host and in the device slots (all zeros until an adapter is written in)
@@ -106,9 +105,7 @@ class ModelRunner:
                           if config.num_host_blocks else None)
         self._step = (LayerLoop.make(config, shardings, where) if host_loop
                       else jit_step(config, where))
-        self._executables: dict[int, object] = {}  # token bucket -> compiled step (no adapter in it)
-        # (token bucket, adapter slots bucket) -> compiled step with adapters (lora_slots.lora_buckets)
-        self._lora_executables: dict[tuple[int, int], object] = {}
+        self._compiled: dict[WarmupProgram, object] = {}  # the warm-up's executables
         self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
         self.block_moves = BlockMoves.jit(where, kv_dtype, packed)
         # the prefix cache's host and disk tiers (the engine hands the disk tier to its KV manager)
@@ -118,62 +115,43 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()
         self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
         self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))
-        self._substitutes: dict[int, object] = {}  # token bucket -> compiled substitution (async scheduling)
 
     def warm_up(self, progress: bool = True) -> None:
-        """Compiles (and runs once) every token bucket and the block-move functions ahead of time; serving never
-        compiles."""
-        buckets = self.config.token_buckets()
-        with tqdm(total=len(buckets) + 1, desc="compiling", disable=not progress, leave=False) as bar:
-            for num_tokens in buckets:
-                if num_tokens not in self._executables:
-                    self._executables[num_tokens] = self._compile(num_tokens, 0)
-                for num_loras in lora_buckets(self.config.model.max_loras, self.config.model.cpu_lora_kernel):
-                    if (num_tokens, num_loras) not in self._lora_executables:
-                        self._lora_executables[num_tokens, num_loras] = self._compile(num_tokens, num_loras)
-                # several processes must make the same device calls: the leader's steps stay synchronous
-                if self.config.async_scheduling and self.supports_async_scheduling and jax.process_count() == 1:
-                    previous = self._previous_buckets(num_tokens)
-                    for num_sampled in sorted({self.config.num_seqs_for(b) for b in previous}):
-                        self._compile_substitute(num_tokens, num_sampled)
-                bar.update()
-            idle = np.zeros(self._move_size, np.int32)  # null block onto itself: compiles, changes nothing
-            moves = self.block_moves
-            self.kv_pool = moves.copy(self.kv_pool, idle, idle)
-            if self.host_pool is not None or self.tiers is not None:
-                self.kv_pool = moves.scatter(self.kv_pool, idle, moves.gather(self.kv_pool, idle))
-            if self._lora_writer is not None:  # zeros into slot 0: compiles the slot write, changes nothing
-                self.params = self._lora_writer.write(self.params, 0, None)
-            bar.update()
+        """Compiles every warm-up program (``warmup.warmup_programs``) on several threads, then runs each step
+        once, and compiles the block-move functions; serving never compiles."""
+        # several processes must make the same device calls: the leader's steps stay synchronous
+        substitutes = (self.config.async_scheduling and self.supports_async_scheduling
+                       and jax.process_count() == 1)
+        programs = [p for p in warmup_programs(self.config, substitutes) if p not in self._compiled]
+        threads = compile_threads(len(programs), self._platform)
+        compiled = compile_all(self._compile, programs, threads, progress)
+        for program in programs:  # in order: each run donates the pool
+            self._first_run(program, compiled[program])
+            self._compiled[program] = compiled[program]
+        idle = np.zeros(self._move_size, np.int32)  # null block onto itself: compiles, changes nothing
+        moves = self.block_moves
+        self.kv_pool = moves.copy(self.kv_pool, idle, idle)
+        if self.host_pool is not None or self.tiers is not None:
+            self.kv_pool = moves.scatter(self.kv_pool, idle, moves.gather(self.kv_pool, idle))
+        if self._lora_writer is not None:  # zeros into slot 0: compiles the slot write, changes nothing
+            self.params = self._lora_writer.write(self.params, 0, None)
 
-    def _compile(self, num_tokens: int, num_loras: int):
-        """The step's executable for one token bucket and ``num_loras`` adapter slots (0: none), run once."""
-        batch, sampling = abstract_step_inputs(self.config, num_tokens, num_loras)
-        compiled = compile_step(self._step, self.params, self.kv_pool, batch, sampling)
-        # The first run of an executable costs 0.3-0.7 s more on a CPU (one-time set-up in the runtime): take it
-        # here, on an all-padding batch (writes only the null block).
-        padding = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), (batch, sampling))
-        out, self.kv_pool = compiled(self.params, self.kv_pool, *padding)
+    def _compile(self, program: WarmupProgram):
+        """One warm-up program's executable (called on a compile thread)."""
+        inputs = program_inputs(self.config, program)
+        if program.kind == "substitute":
+            return self._substitute.lower(*inputs).compile()
+        return compile_step(self._step, self.params, self.kv_pool, *inputs)
+
+    def _first_run(self, program: WarmupProgram, compiled) -> None:
+        """Runs a new executable once on zeros (a step's all-padding batch writes only the null block): the first
+        run of an executable costs 0.3-0.7 s more on a CPU (one-time set-up in the runtime)."""
+        zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), program_inputs(self.config, program))
+        if program.kind == "substitute":
+            jax.block_until_ready(compiled(*zeros))
+            return
+        out, self.kv_pool = compiled(self.params, self.kv_pool, *zeros)
         jax.block_until_ready(out)
-        return compiled
-
-    def _previous_buckets(self, num_tokens: int) -> list[int]:
-        """The buckets of the step before that a step of this bucket may take placeholders from: any, without
-        speculative decoding (a decode step after a step of prompt chunks of the same rows is smaller); with it,
-        any smaller decode step's (the same rows and their drafts, proposed one step late)."""
-        if self.config.speculative_config is None:
-            return self.config.token_buckets()
-        decode = pick_bucket(self.config.token_buckets(), self.config.max_num_seqs)
-        return [b for b in self.config.token_buckets() if b <= min(num_tokens, decode)]
-
-    def _compile_substitute(self, num_tokens: int, num_sampled: int) -> None:
-        """Compiles the placeholder substitution of one bucket, the step before sampling ``num_sampled`` rows,
-        ahead of time, so that nothing (not even jax.clear_caches) makes serving compile it again."""
-        ids, rows = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-        sampled = put(np.zeros(num_sampled, np.int32), replicated(self.config))
-        compiled = self._substitute.lower(ids, sampled, rows).compile()
-        jax.block_until_ready(compiled(ids, sampled, rows))
-        self._substitutes[num_tokens, num_sampled] = compiled
 
     def apply(self, ops: DeviceOps) -> None:
         """Carries out the queued block copies and swaps, in order, in padded fixed-size calls."""
@@ -213,8 +191,8 @@ class ModelRunner:
             batch = self._with_lora_slots(scheduled, batch)
         if previous is not None:
             rows = placeholder_rows(scheduled, previous.scheduled, batch.token_seq)
-            key = (batch.token_ids.shape[0], previous.out.tokens.shape[0])
-            substitute = self._substitutes.get(key, self._substitute)
+            key = WarmupProgram("substitute", batch.token_ids.shape[0], num_sampled=previous.out.tokens.shape[0])
+            substitute = self._compiled.get(key, self._substitute)
             batch = dataclasses.replace(batch, token_ids=substitute(batch.token_ids, previous.out.tokens, rows))
         out = self.run(batch, sampling)
         for leaf in jax.tree.leaves(out):
@@ -258,10 +236,8 @@ class ModelRunner:
         """The compiled step of the batch's bucket (tokens, and adapter slots if any) on it (the pool updated in
         place)."""
         num_tokens = batch.token_ids.shape[0]
-        if batch.lora is None:
-            compiled = self._executables.get(num_tokens)
-        else:
-            compiled = self._lora_executables.get((num_tokens, batch.lora.slots.shape[0]))
+        num_loras = 0 if batch.lora is None else batch.lora.slots.shape[0]
+        compiled = self._compiled.get(WarmupProgram("step", num_tokens, num_loras))
         if compiled is None:
             raise RuntimeError(f"no compiled step for {num_tokens} tokens; call warm_up() first")
         out, self.kv_pool = compiled(self.params, self.kv_pool, batch, sampling)
