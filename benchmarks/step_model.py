@@ -1,5 +1,5 @@
 """A step-time model per chip: the bytes and FLOPs an engine step must move, the chip's roofline lower bound on
-its time, and how close the TPU attention kernel's DMA plan comes to the bytes it needs (issue 24, item 4).
+its time, and how close the attention kernel's plan comes to the bytes it needs (issue 24, item 4).
 
     python -m benchmarks.step_model [--chips v5e v6e v5p A100 H100 H200] [--models smollm2-135m llama-3-8b]
                                     [--context 1024] [--buckets 8 64 512] [--no-compile] [--json out.json]
@@ -25,9 +25,14 @@ the remaining tokens. Per step:
   a Pallas custom call with no ``pl.CostEstimate`` (the optimized HLO carries none), and the layers are a scanned
   ``while`` loop whose body XLA's count does not multiply by the trip count (SmolLM2 at T=8 on v5e: 1.06 GFLOP
   compiled with 1, 2 or 30 layers; bytes accessed 867, 682 and 623 MB, not monotone in the layers either);
-- the attention kernel's DMA plan (``ragged_kernel_bytes``, modelled from pallas_kernels/ragged_tpu.py) against
-  the K/V bytes needed, and the same for the old two-kernel design (``two_kernel_bytes``). GPUs get the bound
-  only: their kernel's plan is not modelled.
+- the attention kernel's plan against the K/V bytes needed: on a TPU its DMAs (``ragged_kernel_bytes``, from
+  pallas_kernels/ragged_tpu.py) and the old two-kernel design's (``two_kernel_bytes``); on a GPU the K/V loads
+  and stores of the ``pallas_gpu`` backend's kernel (``ragged_gpu_kernel_bytes``, from
+  pallas_kernels/ragged_gpu.py; the engine does not call gpu_decode.py's decode kernel). A GPU's loads go
+  through L1/L2, which may serve a page several programs load (a prompt chunk's query blocks, a null block):
+  its figure is the bytes the programs load, an upper bound on the HBM traffic, where a TPU's DMAs are the
+  traffic. Neither counts the wrapper's copies of the new K/V (XLA ops, activations) or the kernel's read of
+  each new token's K/V for its write (once per token, as much as the write).
 
 | chip | HBM GB/s | bf16 dense TFLOP/s | source |
 | --- | --- | --- | --- |
@@ -39,7 +44,7 @@ the remaining tokens. Per step:
 | H200 SXM | 4800 | 989 | NVIDIA H200 datasheet |
 
 For scale: tpu-inference (vLLM's TPU backend) reports its ragged paged attention kernel reaching 86% of HBM
-bandwidth in decode; the DMA-plan ratio here is an upper bound on such a figure for this kernel (bytes needed /
+bandwidth in decode; the plan's ratio here is an upper bound on such a figure for this kernel (bytes needed /
 bytes it moves), before any latency the kernel does not hide.
 """
 from __future__ import annotations
@@ -53,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import compile_targets
+from jaxpage.utils import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +113,17 @@ class KVLayout:
         return cls(layers, bs, bytes_per_block(model, bs, dtype, lanes=128, packed=packed) // layers,
                    bytes_per_block(model, 1, dtype) // layers, tile_rows(dtype))
 
+    @classmethod
+    def gpu(cls, config) -> KVLayout:
+        """The pool as the GPU kernel sees it: unpacked, unpadded (``memory_lanes`` is 1 off a TPU), written a
+        token's row of each head at a time."""
+        from jaxpage.attention.kv_cache import bytes_per_block
+
+        model, bs, dtype = config.model, config.block_size, config.kv_dtype
+        layers = model.num_layers
+        return cls(layers, bs, bytes_per_block(model, bs, dtype) // layers,
+                   bytes_per_block(model, 1, dtype) // layers, 1)
+
     @property
     def tile_bytes(self) -> int:
         return self.page_bytes * self.tile_rows // self.block_size
@@ -155,6 +172,36 @@ def two_kernel_bytes(layout: KVLayout, seqs: list[Seq], tokens_per_block: int = 
     written = sum(len(set(tiles[i:i + block])) for i in range(0, len(tiles), block))
     return (attention_read + len(tokens) * layout.tile_bytes * layout.layers,
             written * layout.tile_bytes * layout.layers)
+
+
+def gpu_blocking(config) -> tuple[int, int]:
+    """(queries per block, pages per chunk) that ragged_paged_attention_gpu picks by default, as the engine
+    calls it: 64 query rows over the G heads padded to a power of two, and about 64 keys of the block table."""
+    from pallas_kernels.gpu_decode import default_pages_per_block, next_pow2
+
+    model = config.model
+    group = next_pow2(model.num_heads // model.num_kv_heads)
+    return max(1, 64 // group), default_pages_per_block(config.block_size, config.max_blocks_per_seq)
+
+
+def ragged_gpu_kernel_bytes(layout: KVLayout, seqs: list[Seq], queries_per_block: int, pages_per_block: int,
+                            new_tokens_per_block: int = 16) -> tuple[int, int]:
+    """(read, written) K/V bytes that ragged_gpu's programs load and store, over every layer, no window; pass
+    ``KVLayout.gpu``. Each row's run is cut into query blocks of ``queries_per_block`` tokens from its start;
+    one program per (block, KV head) loads from the pool the pages below the run's first position, in whole
+    chunks of ``pages_per_block`` (pages past the row's length included: the loads are not masked), and the
+    run's new K/V from the step's inputs in chunks of ``new_tokens_per_block`` tokens, from the run's first
+    token through the block's last. So every query block of a prompt chunk re-reads the chunk's context and
+    its new keys so far, and a decode loads ``new_tokens_per_block`` tokens' K/V for its one. Its tokens' K/V
+    are stored a row of a head each: the write moves what it needs. KV heads split the loads: they add nothing."""
+    read = 0
+    for s in seqs:
+        old_pages = cdiv(s.length - s.new, layout.block_size)  # hold the keys below the run's first position
+        pool = cdiv(old_pages, pages_per_block) * pages_per_block * layout.page_bytes
+        for first in range(0, s.new, queries_per_block):
+            through = min(first + queries_per_block, s.new)  # the run's tokens up to the block's last
+            read += pool + cdiv(through, new_tokens_per_block) * new_tokens_per_block * layout.token_bytes
+    return read * layout.layers, sum(s.new for s in seqs) * layout.token_bytes * layout.layers
 
 
 @dataclasses.dataclass
@@ -213,12 +260,12 @@ class StepRow:
     bound_s: float  # weights and K/V
     bound_with_activations_s: float
     bound_by: str  # "memory" or "compute"
-    kernel_read_bytes: int = 0  # the TPU kernel's DMA plan
+    kernel_read_bytes: int = 0  # the attention kernel's plan: a TPU's DMAs, a GPU's loads and stores
     kernel_write_bytes: int = 0
     kv_ratio: float = 0.0  # K/V bytes needed / K/V bytes the kernel moves
     read_ratio: float = 0.0  # the same, reads only
     step_ratio: float = 0.0  # the bound / the bound with the kernel's K/V bytes in place of the needed ones
-    old_kv_ratio: float = 0.0  # the two-kernel design on the unpacked pool
+    old_kv_ratio: float | None = None  # the two-kernel TPU design on the unpacked pool
     xla_flops: float | None = None  # cost_analysis() of the compiled step (the Pallas call counts nothing)
     xla_bytes: float | None = None
     compile_s: float | None = None
@@ -230,7 +277,7 @@ class StepRow:
 
 
 def model_step(model: str, chip: Chip, num_tokens: int, context: int, config=None) -> StepRow:
-    """The analytical part of a row: bytes, FLOPs, the bound, and on a TPU the kernel's DMA plan."""
+    """The analytical part of a row: bytes, FLOPs, the bound, and the attention kernel's plan."""
     config = config or compile_targets.engine_config(model)
     seqs = step_batch(config, num_tokens, context)
     layout = KVLayout.of(config)
@@ -247,11 +294,12 @@ def model_step(model: str, chip: Chip, num_tokens: int, context: int, config=Non
                   "memory" if bound(needed) > compute_s else "compute")
     if chip.tpu:
         read, written = ragged_kernel_bytes(layout, seqs)
-        old = two_kernel_bytes(KVLayout.of(config, packed=False), seqs)
-        row.kernel_read_bytes, row.kernel_write_bytes = read, written
-        row.kv_ratio, row.read_ratio = (kv_read + kv_write) / (read + written), kv_read / read
-        row.step_ratio = row.bound_s / bound(weights.bytes + read + written)
-        row.old_kv_ratio = (kv_read + kv_write) / sum(old)
+        row.old_kv_ratio = (kv_read + kv_write) / sum(two_kernel_bytes(KVLayout.of(config, packed=False), seqs))
+    else:
+        read, written = ragged_gpu_kernel_bytes(KVLayout.gpu(config), seqs, *gpu_blocking(config))
+    row.kernel_read_bytes, row.kernel_write_bytes = read, written
+    row.kv_ratio, row.read_ratio = (kv_read + kv_write) / (read + written), kv_read / read
+    row.step_ratio = row.bound_s / bound(weights.bytes + read + written)
     return row
 
 
@@ -288,8 +336,9 @@ def table_line(r: StepRow) -> str:
     mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
     xla = (f"{r.xla_flops / 1e9:,.2f} / {mb(r.xla_bytes)}" if r.xla_flops is not None and r.xla_bytes is not None
            else (r.compile_error[:60] or "-"))
+    old = "-" if r.old_kv_ratio is None else f"{r.old_kv_ratio:.3f}"
     kernel = (f"{mb(r.kernel_read_bytes + r.kernel_write_bytes)} | {r.kv_ratio:.3f} ({r.read_ratio:.3f}) | "
-              f"{r.step_ratio:.3f} | {r.old_kv_ratio:.3f}" if r.kernel_read_bytes else "- | - | - | -")
+              f"{r.step_ratio:.3f} | {old}" if r.kernel_read_bytes else "- | - | - | -")
     cells = [r.model, r.chip, r.num_tokens, r.rows, f"{mb(r.weight_bytes)} / {mb(r.activation_bytes)}",
              f"{mb(r.kv_read_bytes)} / {mb(r.kv_write_bytes)}",
              f"{r.flops / 1e9:,.2f} ({r.attention_flops / 1e9:,.2f})",

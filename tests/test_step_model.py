@@ -88,3 +88,78 @@ def test_flop_and_activation_counts(config):
     row = step_model.model_step("smollm2-135m", CHIPS["v5e"], 8, 64, config)
     attention = 4 * 9 * 64 * 8 * 64 * 2  # 8 decodes seeing 64 keys, 2 layers
     assert row.flops == 2 * weights.decoder_params * 8 + 2 * weights.head_params * 8 + attention
+
+
+def _gpu_layout(head_dim=64):
+    model = dataclasses.replace(compile_targets.smollm2_config(), num_layers=1, num_kv_heads=2, head_dim=head_dim)
+    config = compile_targets.engine_config("smollm2-135m", num_layers=1)
+    return KVLayout.gpu(dataclasses.replace(config, model=model))
+
+
+def test_gpu_pool_is_unpadded():
+    layout = _gpu_layout(64)
+    assert layout.token_bytes == 2 * 2 * 64 * 2  # K and V x 2 KV heads x 64 x bfloat16
+    assert layout.page_bytes == 16 * layout.token_bytes  # no lanes padding to 128, unlike _layout(64, False)
+    assert _layout(64, False).page_bytes == 2 * layout.page_bytes
+
+
+def test_gpu_blocking(config):
+    assert step_model.gpu_blocking(config) == (16, 4)  # G = 3 padded to 4: 64 // 4 queries; 64 keys / block 16
+    model = dataclasses.replace(config.model, num_heads=8, num_kv_heads=1)
+    assert step_model.gpu_blocking(dataclasses.replace(config, model=model)) == (8, 4)
+
+
+def test_gpu_plan_by_hand():
+    layout = _gpu_layout()
+    tokens = lambda n: n * layout.token_bytes  # noqa: E731
+    plan = lambda seqs: step_model.ragged_gpu_kernel_bytes(layout, seqs, 16, 4)  # noqa: E731
+    # decode at 65: keys 0..63 are 4 pages, one chunk of 4; the new key comes in a chunk of 16 input rows
+    assert plan([Seq(65, 1)]) == (tokens(64 + 16), tokens(1))
+    # decode at 66: keys 0..64 need 5 pages: two chunks, 8 pages
+    assert plan([Seq(66, 1)]) == (tokens(128 + 16), tokens(1))
+    # a 64-token prompt: 4 query blocks, no pool page; block b loads new-key chunks 0..b
+    assert plan([Seq(64, 64)]) == (tokens((1 + 2 + 3 + 4) * 16), tokens(64))
+    # 20 new tokens after 80: blocks of 16 and 4 tokens each load 8 pages; new keys 1 chunk, then 2
+    assert plan([Seq(100, 20)]) == (tokens(2 * 128 + 16 + 32), tokens(20))
+
+
+def test_gpu_plan_against_the_kernels_blocking():
+    """The same count from ragged_gpu.query_blocks on the flat batch, program by program."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.ragged_gpu import query_blocks
+
+    layout, queries, pages = _gpu_layout(), 16, 4
+    seqs = [Seq(40, 1), Seq(300, 1), Seq(100, 37), Seq(17, 17), Seq(33, 1)]
+    token_seq = np.array([i for i, s in enumerate(seqs) for _ in range(s.new)], np.int32)
+    positions = np.array([p for s in seqs for p in range(s.length - s.new, s.length)])
+    max_blocks = min(len(token_seq), -(-len(token_seq) // queries) + len(seqs) + 1)
+    run_start, first, count = map(np.asarray, query_blocks(jnp.asarray(token_seq), queries, max_blocks))
+    keys = 0
+    for f, c in zip(first, count):
+        if c == 0:
+            continue
+        start, start_pos = run_start[f], positions[run_start[f]]
+        keys += -(-(-(-start_pos // 16)) // pages) * pages * 16 + -(-(f + c - start) // 16) * 16
+    read, written = step_model.ragged_gpu_kernel_bytes(layout, seqs, queries, pages)
+    assert (read, written) == (keys * layout.token_bytes, len(token_seq) * layout.token_bytes)
+
+
+def test_gpu_plan_moves_at_least_what_is_needed():
+    layout = _gpu_layout()
+    for length in range(1, 300, 7):
+        for new in (1, 5, 16, 17, 40):
+            seqs = [Seq(max(length, new), new)]
+            read, written = step_model.ragged_gpu_kernel_bytes(layout, seqs, 16, 4)
+            needed_read, needed_write = step_model.kv_bytes_needed(layout, seqs)
+            assert read >= needed_read and written == needed_write
+            if new == 1:  # a decode never matches: 15 spare input rows, and up to 63 keys of a 4-page chunk
+                assert 15 <= (read - needed_read) // layout.token_bytes <= 15 + 63
+
+
+def test_gpu_row(config):
+    row = step_model.model_step("smollm2-135m", CHIPS["H100"], 8, 1024, config)
+    assert row.old_kv_ratio is None and row.kernel_write_bytes == row.kv_write_bytes
+    assert row.read_ratio == pytest.approx(1024 / (1024 + 16))  # 64 pages of the pool and 16 input rows per decode
+    assert 0 < row.step_ratio < 1 and step_model.table_line(row).split(" | ")[12] == "-"  # the old design's column
