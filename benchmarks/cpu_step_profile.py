@@ -79,7 +79,7 @@ def kind_of(name: str, hlo: str) -> str:
 
 def profile(llm: LLM, num_tokens: int, top: int, hlo_dir: str | None = None) -> dict:
     runner = llm.engine.runner
-    loop, config = runner._executables[num_tokens], runner.config
+    loop, config = runner.executable(num_tokens), runner.config
     batch, sampling = greedy_padding(config, num_tokens)
     batch = jax.tree.map(lambda a: jax.device_put(a, loop.inputs), batch)
     weights, layers = top_weights(runner.params), runner.params["layers"]

@@ -50,7 +50,7 @@ def median_ms(fn, repeats: int = 7) -> float:
 
 def parts(llm: LLM, num_tokens: int) -> dict:
     runner = llm.engine.runner
-    loop, config = runner._executables[num_tokens], runner.config
+    loop, config = runner.executable(num_tokens), runner.config
     batch, sampling = greedy_padding(config, num_tokens)
     batch = jax.tree.map(lambda a: jax.device_put(a, loop.inputs), batch)
     top, layers = top_weights(runner.params), runner.params["layers"]

@@ -44,7 +44,7 @@ def decode_step_seconds(llm: LLM, streams: int, max_tokens: int) -> list[float]:
 
 def collectives(llm: LLM) -> list[str]:
     """The cross-device collectives of the compiled step's HLO (op and result shape), one per line."""
-    compiled = next(iter(llm.engine.runner._executables.values()))
+    compiled = llm.engine.runner.executable(llm.engine.config.token_buckets()[0])
     ops = re.findall(r"= (\S+\[[^\]]*\][^ ]*) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
                      r"(?:-start)?\(", compiled.as_text())
     return sorted({f"{op} {shape}" for shape, op in ops})

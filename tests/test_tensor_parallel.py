@@ -233,8 +233,8 @@ if IN_CHILD:
         """SmolLM2 at TP 3: each device's LM head and sampler see its own third of the 49152-token vocabulary;
         no array of the compiled step (per device, after partitioning) spans the whole vocabulary."""
         llm = engine("smollm2", 3, "xla")
-        vocab = llm.engine.config.model.vocab_size
-        hlo = "\n".join(e.as_text() for e in llm.engine.runner._executables.values())
+        vocab, runner = llm.engine.config.model.vocab_size, llm.engine.runner
+        hlo = "\n".join(runner.executable(t).as_text() for t in runner.config.token_buckets())
         assert re.search(rf"f32\[\d+,{vocab // 3}\]", hlo)  # the logits, split
         assert not re.search(rf"[\[,]{vocab}[\],]", hlo), re.findall(rf".*[\[,]{vocab}[\],].*", hlo)[:3]
 

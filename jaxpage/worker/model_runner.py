@@ -117,7 +117,7 @@ class ModelRunner:
         self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))
 
     def warm_up(self, progress: bool = True) -> None:
-        """Compiles every warm-up program (``warmup.warmup_programs``) on several threads, then runs each step
+        """Compiles every warm-up program (``warmup.warmup_programs``; on the CPU on several threads), runs each
         once, and compiles the block-move functions; serving never compiles."""
         # several processes must make the same device calls: the leader's steps stay synchronous
         substitutes = (self.config.async_scheduling and self.supports_async_scheduling
@@ -135,6 +135,10 @@ class ModelRunner:
             self.kv_pool = moves.scatter(self.kv_pool, idle, moves.gather(self.kv_pool, idle))
         if self._lora_writer is not None:  # zeros into slot 0: compiles the slot write, changes nothing
             self.params = self._lora_writer.write(self.params, 0, None)
+
+    def executable(self, num_tokens: int, num_loras: int = 0):
+        """The compiled step of a token bucket (with ``num_loras`` adapter slots; 0: none), None before warm-up."""
+        return self._compiled.get(WarmupProgram("step", num_tokens, num_loras))
 
     def _compile(self, program: WarmupProgram):
         """One warm-up program's executable (called on a compile thread)."""
@@ -236,8 +240,7 @@ class ModelRunner:
         """The compiled step of the batch's bucket (tokens, and adapter slots if any) on it (the pool updated in
         place)."""
         num_tokens = batch.token_ids.shape[0]
-        num_loras = 0 if batch.lora is None else batch.lora.slots.shape[0]
-        compiled = self._compiled.get(WarmupProgram("step", num_tokens, num_loras))
+        compiled = self.executable(num_tokens, 0 if batch.lora is None else batch.lora.slots.shape[0])
         if compiled is None:
             raise RuntimeError(f"no compiled step for {num_tokens} tokens; call warm_up() first")
         out, self.kv_pool = compiled(self.params, self.kv_pool, batch, sampling)
