@@ -1,4 +1,4 @@
-"""What an engine compiles before it serves (its warm-up programs), and compiling them on several threads.
+"""What an engine compiles before it serves (its warm-up programs), and compiling them (on the CPU, on several threads).
 
 XLA:CPU's compile of one program runs mostly on one core and releases the GIL, so the buckets compile side by side
 (tpu-inference precompiles the same way) on the CPU; on a TPU or GPU one thread (``compile_threads``). The
