@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -171,58 +172,114 @@ inline float Sum16(F16 x) {
 
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256, in chunks of 16
 
-// Folds keys [from, to) of one page (k, v [BS, D] float32) into one query vector's running softmax (max m, sum l,
-// output out [D]); q [D] is scaled. kChunks: head_dim / 16 when known at compile time (its accumulators then stay
-// in registers), else 0 and ``chunks`` says. s and w: scratch of BS floats.
+#if defined(__clang__)
+#define SHUFFLE2(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define SHUFFLE2(x, y, ...) __builtin_shuffle(x, y, I16{__VA_ARGS__})
+#endif
+
+inline F16 Select(I16 mask, F16 a, F16 b) { return (F16)(((I16)a & mask) | ((I16)b & ~mask)); }
+
+inline float Max16(F16 x) {
+  float r = x[0];
+  for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+// exp(x) for x <= 0 on 16 lanes: ExpNonPositive's polynomial with a vector floor
+inline F16 Exp16(F16 x) {
+  const F16 lowest = F16{} - 87.0f;
+  x = Select(x < lowest, lowest, x);
+  const F16 t = x * 1.44269504f + 0.5f;
+  I16 ni = __builtin_convertvector(t, I16);  // toward zero, then down where that rounded up
+  F16 n = __builtin_convertvector(ni, F16);
+  const I16 above = n > t;
+  ni += above;
+  n = __builtin_convertvector(ni, F16);
+  const F16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F16 y = F16{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  return y * (F16)((ni + 127) << 23);
+}
+
+// The lane sums of 16 vectors as one vector (lane j: the sum of x[j]'s lanes): four rounds of pairwise
+// shuffles and adds, 15 in all, where a reduction per vector would take 16 of four rounds each.
+inline F16 TransposedSums(F16* x) {
+  for (int i = 0; i < 8; ++i)
+    x[i] = SHUFFLE2(x[2 * i], x[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           SHUFFLE2(x[2 * i], x[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)
+    x[i] = SHUFFLE2(x[2 * i], x[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUFFLE2(x[2 * i], x[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    x[i] = SHUFFLE2(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUFFLE2(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return SHUFFLE2(x[0], x[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         SHUFFLE2(x[0], x[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// Folds keys [from, to) of one page (k, v [BS, D] float32, BS <= 16) into one query vector's running softmax
+// (max m, sum l, output out [D]); q [D] is scaled. The page's scores, weights and their sum are computed as one
+// vector of 16 lanes. kChunks: head_dim / 16 (its accumulators stay in registers). Keys outside [from, to) are
+// not read (a stale slot may hold a NaN) and weigh zero.
 template <int64_t kChunks>
-void FoldPage(const float* q, const float* k, const float* v, int64_t chunks, int64_t from, int64_t to,
-              float soft_cap, float& m, float& l, float* out, float* s, float* w) {
-  const int64_t n = kChunks ? kChunks : chunks, dim = 16 * n;
-  F16 qv[kChunks ? kChunks : kMaxChunks], o[kChunks ? kChunks : kMaxChunks];
-  for (int64_t c = 0; c < n; ++c) qv[c] = Load16(q + 16 * c);
-  float page_max = kNegInf;
-  for (int64_t j = from; j < to; ++j) {
+void FoldPage(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float& m,
+              float& l, float* out) {
+  constexpr int64_t dim = 16 * kChunks;
+  F16 qv[kChunks], o[kChunks], dots[16];
+  for (int64_t c = 0; c < kChunks; ++c) qv[c] = Load16(q + 16 * c);
+  for (int64_t j = 0; j < 16; ++j) {
+    dots[j] = F16{};
+    if (j < from || j >= to) continue;
     const float* key = k + j * dim;
-    F16 acc = qv[0] * Load16(key);
-    for (int64_t c = 1; c < n; ++c) acc += qv[c] * Load16(key + 16 * c);
-    float score = Sum16(acc);
-    if (soft_cap > 0) score = soft_cap * std::tanh(score / soft_cap);
-    s[j] = score;
-    page_max = std::max(page_max, score);
+    for (int64_t c = 0; c < kChunks; ++c) dots[j] += qv[c] * Load16(key + 16 * c);
   }
-  const float new_max = std::max(m, page_max), correction = ExpNonPositive(m - new_max);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = from; j < to; ++j) {
-    w[j] = ExpNonPositive(s[j] - new_max);
-    sum += w[j];
-  }
-  for (int64_t c = 0; c < n; ++c) o[c] = Load16(out + 16 * c) * correction;
+  F16 s = TransposedSums(dots);
+  if (soft_cap > 0)
+    for (int64_t j = from; j < to; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
+  const I16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const I16 in = (lane >= static_cast<int32_t>(from)) & (lane < static_cast<int32_t>(to));
+  s = Select(in, s, F16{} + kNegInf);
+  const float new_max = std::max(m, Max16(s)), correction = ExpNonPositive(m - new_max);
+  const F16 w = Select(in, Exp16(s - new_max), F16{});
+  for (int64_t c = 0; c < kChunks; ++c) o[c] = Load16(out + 16 * c) * correction;
   for (int64_t j = from; j < to; ++j) {
     const float* value = v + j * dim;
-    for (int64_t c = 0; c < n; ++c) o[c] += w[j] * Load16(value + 16 * c);
+    for (int64_t c = 0; c < kChunks; ++c) o[c] += w[j] * Load16(value + 16 * c);
   }
-  for (int64_t c = 0; c < n; ++c) Store16(out + 16 * c, o[c]);
-  l = l * correction + sum;
+  for (int64_t c = 0; c < kChunks; ++c) Store16(out + 16 * c, o[c]);
+  l = l * correction + Sum16(w);
   m = new_max;
 }
 
-using FoldFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, float, float&, float&,
-                        float*, float*, float*);
-
-FoldFn FoldFor(int64_t dim) {
-  switch (dim) {
-    case 64: return FoldPage<4>;
-    case 128: return FoldPage<8>;
-    case 256: return FoldPage<16>;
-    default: return FoldPage<0>;
-  }
+// Pages of more than 16 keys: the keys [from, to) in pages of 16.
+template <int64_t kChunks>
+void FoldKeys(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float& m,
+              float& l, float* out) {
+  constexpr int64_t dim = 16 * kChunks;
+  for (int64_t first = from - from % 16; first < to; first += 16)
+    FoldPage<kChunks>(q, k + first * dim, v + first * dim, std::max(from - first, int64_t{0}),
+                      std::min(to - first, int64_t{16}), soft_cap, m, l, out);
 }
 
-struct Scratch {  // one thread's: a page's K, V, scores and weights; the tile's maxima and sums
-  std::vector<float> k, v, s, w, m, l;
-  Scratch(int64_t bs, int64_t dim, int64_t vectors)
-      : k(bs * dim), v(bs * dim), s(bs), w(bs), m(vectors), l(vectors) {}
+using FoldFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float&, float&, float*);
+
+template <size_t... kChunks>
+FoldFn FoldFor(int64_t dim, std::index_sequence<kChunks...>) {  // head_dim = 16 * (kChunks + 1)
+  static constexpr FoldFn kFolds[] = {FoldKeys<kChunks + 1>...};
+  return kFolds[dim / 16 - 1];
+}
+
+FoldFn FoldFor(int64_t dim) { return FoldFor(dim, std::make_index_sequence<kMaxChunks>()); }
+
+struct Scratch {  // one thread's: a page's K and V; the tile's maxima and sums
+  std::vector<float> k, v, m, l;
+  Scratch(int64_t bs, int64_t dim, int64_t vectors) : k(bs * dim), v(bs * dim), m(vectors), l(vectors) {}
 };
 
 // One tile's rows on one KV head: qf [rows * group, D] (scaled, float32) -> acc [rows * group, D], normalised.
@@ -252,8 +309,7 @@ void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const float
       const int64_t pos = p.positions[tile.first + vec / p.group], start = WindowStart(pos, p.window);
       const int64_t from = std::max(start - page * bs, int64_t{0}), to = std::min(pos - page * bs + 1, bs);
       if (from >= to) continue;
-      fold(qf + vec * dim, x.k.data(), x.v.data(), dim / 16, from, to, p.soft_cap, m[vec], l[vec], acc + vec * dim,
-           x.s.data(), x.w.data());
+      fold(qf + vec * dim, x.k.data(), x.v.data(), from, to, p.soft_cap, m[vec], l[vec], acc + vec * dim);
     }
   }
   for (int64_t vec = 0; vec < vectors; ++vec) {
