@@ -83,17 +83,17 @@ def profile(llm: LLM, num_tokens: int, top: int, hlo_dir: str | None = None) -> 
     batch, sampling = greedy_padding(config, num_tokens)
     batch = jax.tree.map(lambda a: jax.device_put(a, loop.inputs), batch)
     weights, layers = top_weights(runner.params), runner.params["layers"]
-    x, plans = loop.begin(weights, batch)
+    x, shared = loop.begin(weights, batch)
     per_row = dataclasses.replace(sampling, prompt_targets=None)  # the tail without prompt logprobs
 
     def all_layers():
         y = x
         for i, consts in enumerate(loop.consts):
-            y, runner.kv_pool = loop.layer(layers[i], consts, y, runner.kv_pool, batch, plans)
+            y, runner.kv_pool = loop.layer(layers[i], consts, y, runner.kv_pool, batch, shared)
         return y
 
     def one_layer():
-        y, runner.kv_pool = loop.layer(layers[0], loop.consts[0], x, runner.kv_pool, batch, plans)
+        y, runner.kv_pool = loop.layer(layers[0], loop.consts[0], x, runner.kv_pool, batch, shared)
         return y
 
     _, rows = loop.end(weights, x, batch)

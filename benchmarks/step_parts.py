@@ -54,13 +54,13 @@ def parts(llm: LLM, num_tokens: int) -> dict:
     batch, sampling = greedy_padding(config, num_tokens)
     batch = jax.tree.map(lambda a: jax.device_put(a, loop.inputs), batch)
     top, layers = top_weights(runner.params), runner.params["layers"]
-    x, plans = loop.begin(top, batch)
+    x, shared = loop.begin(top, batch)
 
     def all_layers():
         nonlocal x
         y = x
         for i, consts in enumerate(loop.consts):
-            y, runner.kv_pool = loop.layer(layers[i], consts, y, runner.kv_pool, batch, plans)
+            y, runner.kv_pool = loop.layer(layers[i], consts, y, runner.kv_pool, batch, shared)
         return y
     rows = sampling.temperature.shape[0]
     head = jax.jit(lambda top, h: compute_logits(config.model, top, h))

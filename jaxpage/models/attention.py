@@ -1,7 +1,8 @@
 """The attention layer of every architecture: projections, q/k norms, RoPE, then paged attention on the pool.
 
-What differs between layers of one model (window, RoPE frequencies) comes in ``LayerConstants``, arrays scanned
-with the weights; what is the same for a whole step (the batch, the XLA path's page plans) in ``StepContext``.
+What differs between layers of one model (window, which RoPE frequencies) comes in ``LayerConstants``, arrays
+scanned with the weights; what is the same for a whole step (the batch, the XLA path's page plans, the RoPE
+cos/sin of the step's positions) in ``StepContext``.
 """
 from __future__ import annotations
 
@@ -16,48 +17,59 @@ from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import Linear, QKVParallelLinear, RMSNorm
-from jaxpage.models.rope import apply_rope, rope_inv_freq
+from jaxpage.models.rope import apply_rope, rope_inv_freq, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerConstants:
     """Per-layer values derived from the config ([L, ...] when stacked): the layer's index in the pool, its
-    sliding window (0: full attention), its RoPE inverse frequencies and which of the step's page plans it
-    reads (the index of its window among the model's distinct windows)."""
+    sliding window (0: full attention), which of the step's RoPE tables it reads (the index of its inverse
+    frequencies in ``rope_frequencies``) and which of the step's page plans (the index of its window among the
+    model's distinct windows)."""
 
     index: jax.Array
     window: jax.Array
-    inv_freq: jax.Array
+    rope: jax.Array
     plan: jax.Array
 
 
 jax.tree_util.register_dataclass(
-    LayerConstants, data_fields=["index", "window", "inv_freq", "plan"], meta_fields=[])
+    LayerConstants, data_fields=["index", "window", "rope", "plan"], meta_fields=[])
 
 
 def distinct_windows(cfg: ModelConfig) -> list[int]:
     return sorted(set(cfg.layer_windows().tolist()))
 
 
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The model's RoPE inverse frequencies [R, head_dim / 2]: the full-attention layers', then the sliding
+    layers' where they differ (Gemma 3's local theta)."""
+    full = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_parameters))
+    local = dict(cfg.local_rope_parameters)
+    if not local:
+        return full[None]
+    return np.stack([full, rope_inv_freq(cfg.head_dim, local.pop("rope_theta"), local)])
+
+
 def layer_constants(cfg: ModelConfig) -> LayerConstants:
     """Stacked [num_layers, ...] constants, as numpy (constants of the compiled step)."""
     windows = cfg.layer_windows()
-    full = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_parameters))
-    local = dict(cfg.local_rope_parameters)
-    sliding = (rope_inv_freq(cfg.head_dim, local.pop("rope_theta"), local) if local else full)
-    inv_freq = np.stack([sliding if w else full for w in windows])
+    rope = (windows > 0).astype(np.int32) * (len(rope_frequencies(cfg)) - 1)
     plan = np.asarray([distinct_windows(cfg).index(w) for w in windows.tolist()], np.int32)
-    return LayerConstants(np.arange(cfg.num_layers, dtype=np.int32), windows, inv_freq, plan)
+    return LayerConstants(np.arange(cfg.num_layers, dtype=np.int32), windows, rope, plan)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """What every layer of one step shares: the batch, the attention backend and, on the XLA path, the page
-    plan of each distinct window, stacked (made once per step, not once per layer)."""
+    """What every layer of one step shares, made once per step, not once per layer: the batch, the attention
+    backend, on the XLA path the page plan of each distinct window (stacked), and the RoPE cos and sin of the
+    step's positions for each of the model's inverse frequencies (XLA recomputed them in every layer: 4-7 % of
+    a CPU decode step, benchmarks/RESULTS.md). ``shared`` is what a caller running the layers one by one
+    passes from the step's beginning to each layer."""
 
     batch: TokenBatch
     backend: str
-    plans: object  # PagePairs stacked over the model's distinct windows; None unless backend == "xla"
+    shared: tuple  # (page plans or None unless backend == "xla", (cos, sin) each [R, T, head_dim / 2] float32)
 
     @classmethod
     def make(cls, cfg: ModelConfig, batch: TokenBatch, backend: str, block_size: int) -> "StepContext":
@@ -65,10 +77,16 @@ class StepContext:
         if backend == "xla":
             plans = page_pairs_by_window(batch.token_seq, batch.positions, batch.block_tables, block_size,
                                          distinct_windows(cfg))
-        return cls(batch, backend, plans)
+        return cls(batch, backend, (plans, rope_tables(batch.positions, rope_frequencies(cfg))))
 
     def plan(self, layer: LayerConstants):
-        return None if self.plans is None else select_pairs(self.plans, layer.plan)
+        plans = self.shared[0]
+        return None if plans is None else select_pairs(plans, layer.plan)
+
+    def rotary(self, layer: LayerConstants) -> tuple[jax.Array, jax.Array]:
+        """The layer's RoPE (cos, sin), each [T, head_dim / 2]."""
+        cos, sin = self.shared[1]
+        return cos[layer.rope], sin[layer.rope]
 
 
 class Attention(nnx.Module):
@@ -91,7 +109,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         b = ctx.batch
-        q, k = apply_rope(q, b.positions, layer.inv_freq), apply_rope(k, b.positions, layer.inv_freq)
+        cos, sin = ctx.rotary(layer)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         options = {}
         if self.windowed:
             options["window"] = layer.window

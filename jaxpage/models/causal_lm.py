@@ -135,16 +135,16 @@ def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: Token
 
 def begin_layers(cfg: ModelConfig, top: dict, batch: TokenBatch, backend: str, block_size: int):
     """What runs before the first layer, for a caller that runs the layers one by one (``run_layer``): the
-    embedded tokens [T, D] and the step's XLA page plans (None on other backends)."""
+    embedded tokens [T, D] and what the step's layers share (``StepContext.shared``: page plans, RoPE tables)."""
     x, ctx = _bind_top(cfg, top).begin(batch, backend, block_size)
-    return x, ctx.plans
+    return x, ctx.shared
 
 
 def run_layer(cfg: ModelConfig, layer: dict, consts: LayerConstants, x: jax.Array, pool: jax.Array,
-              batch: TokenBatch, plans, backend: str) -> tuple[jax.Array, jax.Array]:
+              batch: TokenBatch, shared, backend: str) -> tuple[jax.Array, jax.Array]:
     """One decoder layer (its weights: one entry of the unrolled ``layers``; its constants: one row of
     ``layer_constants``); returns (x, pool)."""
-    return nnx.merge(_layer_graph(cfg), layer)(x, pool, consts, StepContext(batch, backend, plans))
+    return nnx.merge(_layer_graph(cfg), layer)(x, pool, consts, StepContext(batch, backend, shared))
 
 
 def final_norm(cfg: ModelConfig, top: dict, x: jax.Array) -> jax.Array:

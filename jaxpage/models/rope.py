@@ -58,10 +58,15 @@ def sliding_rope_parameters(hf_config) -> dict:
     return _rope_parameters(hf_config, "sliding_attention")
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, rotate-half convention (as transformers): x [T, heads, hd]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [R, T, hd/2] of positions [T] times each row of inv_freq [R, hd/2], in float32."""
+    freqs = positions.astype(jnp.float32)[None, :, None] * jnp.asarray(inv_freq, jnp.float32)[:, None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding, rotate-half convention (as transformers): x [T, heads, hd], cos and sin [T, hd/2]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

@@ -37,8 +37,8 @@ class LayerLoop:
     (sampler output, pool), params with the layers unrolled. ``make`` gives them jitted; ``compile``, one bucket's
     executables."""
 
-    begin: object  # (top weights, batch) -> (x, page plans)
-    layer: object  # (layer weights, layer constants, x, pool, batch, page plans) -> (x, pool)
+    begin: object  # (top weights, batch) -> (x, what the layers share: page plans, RoPE tables)
+    layer: object  # (layer weights, layer constants, x, pool, batch, shared) -> (x, pool)
     end: object  # (top weights, x, batch) -> (final-normed x, its rows at the batch's logits indices)
     sampler: object  # (top weights, rows, sampling) -> sampler output (step_tail.sample_rows)
     # (top weights, rows) -> the sampler's output where every row is plain greedy (greedy_rows); None where the
@@ -56,9 +56,9 @@ class LayerLoop:
         # host arrays placed; a device array (async scheduling's token ids) stays where it is, not read back
         batch = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else put(np.asarray(a), self.inputs), batch)
         base = dataclasses.replace(batch, lora=None)  # the layers alone take the adapters
-        x, plans = self.begin(top, base)
+        x, shared = self.begin(top, base)
         for i, consts in enumerate(self.consts):
-            x, pool = self.layer(layers[i], consts, x, pool, batch, plans)
+            x, pool = self.layer(layers[i], consts, x, pool, batch, shared)
         x, rows = self.end(top, x, base)
         targets = sampling.prompt_targets
         if self.greedy is not None and is_plain_greedy(sampling):
@@ -78,8 +78,8 @@ class LayerLoop:
         def begin(top, batch):
             return begin_layers(cfg, top, batch, backend, config.block_size)
 
-        def one_layer(layer, consts, x, pool, batch, plans):
-            return run_layer(cfg, layer, consts, x, pool, batch, plans, backend)
+        def one_layer(layer, consts, x, pool, batch, shared):
+            return run_layer(cfg, layer, consts, x, pool, batch, shared, backend)
 
         def end(top, x, batch):
             x = final_norm(cfg, top, x)
@@ -97,12 +97,12 @@ class LayerLoop:
     def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
         """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled."""
         top, layer, base = top_weights(params), params["layers"][0], dataclasses.replace(batch, lora=None)
-        x, plans = jax.eval_shape(self.begin, top, base)
+        x, shared = jax.eval_shape(self.begin, top, base)
         _, rows = jax.eval_shape(self.end, top, x, base)
         targets, sampling = sampling.prompt_targets, dataclasses.replace(sampling, prompt_targets=None)
         return dataclasses.replace(
             self, begin=self._shared("begin", self.begin, top, base),
-            layer=self.layer.lower(layer, self.consts[0], x, pool, batch, plans).compile(),
+            layer=self.layer.lower(layer, self.consts[0], x, pool, batch, shared).compile(),
             end=self._shared("end", self.end, top, x, base), sampler=self._shared("sampler", self.sampler, top, rows,
                                                                                  sampling),
             greedy=self._shared("greedy", self.greedy, top, rows) if self.greedy is not None else None,
