@@ -1,0 +1,140 @@
+"""Where a served step's time goes on the CPU: the engine's own steps at C streams, traced thunk by thunk.
+
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/engine_step_profile.py [--concurrency 32] [--steps 24]
+        [--mixed 6] [--json out.json]
+
+SmolLM2-135M with serve's defaults (bfloat16 on an avx512_bf16 CPU, async scheduling, 2048 batched tokens), C
+requests of 64 random prompt tokens, greedy, every one running to its max_tokens. Once all of them decode, --steps
+calls of ``LLMEngine.step`` run under ``jax.profiler.trace`` (decode steps: 64-190 tokens of context). Then
+--mixed times: one request is aborted and a new 64-token prompt added, and the step that computes it beside the
+other C-1 decodes is traced (the spread workload's step, where a new prompt arrives beside running decodes).
+
+Per kind of step: the wall time of an engine step, and the XLA:CPU threads' thunks summed per step, in kinds read
+from the compiled layer's and sampler's HLO (benchmarks/cpu_step_profile.py): thread-ms of work, the ms when
+at least one thread ran a thunk ("busy", the union over threads) and when none did ("idle": the host between
+launches, or the scheduler and detokenizer, on the step's critical path). OpenMP threads inside a custom call
+(oneDNN, the packed products, the attention kernel) are not traced: their time is inside the call's thunk.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.cpu_step_profile import BOOKKEEPING, INSIDE_LOOP, kind_of
+from jaxpage import LLM, SamplingParams
+
+SERVE = {"max_num_batched_tokens": 2048, "progress": False, "enable_prefix_caching": False}
+
+
+def add_requests(llm: LLM, ids: range, rng, prompt_len: int, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in ids:  # ids below the special tokens, as vLLM's random dataset draws them
+        prompt = {"prompt_token_ids": rng.integers(100, 40000, prompt_len).tolist()}
+        llm.engine.add_request(str(i), prompt, params)
+
+
+def traced_steps(llm: LLM, steps: int, before_each=None) -> tuple[list[float], list]:
+    """``steps`` engine steps under one profiler session: each step's wall ms, and the XLA threads' thunk events
+    (thread, name, start, end) that start while a step runs (times are the session's own)."""
+    walls = []
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                if before_each is not None:
+                    before_each()
+                start = time.perf_counter_ns()
+                with jax.profiler.TraceAnnotation("engine_step"):
+                    llm.engine.step()
+                walls.append((time.perf_counter_ns() - start) / 1e6)
+        data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    events, windows = [], []
+    for plane in data.planes:
+        for line in plane.lines:
+            for e in line.events:
+                if e.name == "engine_step":
+                    windows.append((e.start_ns, e.end_ns))
+                elif "XLA" in line.name and not e.name.startswith(BOOKKEEPING):
+                    events.append((line.name, e.name, e.start_ns, e.end_ns))
+    return walls, [e for e in events if any(a <= e[2] < b for a, b in windows)]
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -float("inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6
+
+
+def summarize(sessions: list[tuple[list[float], list]], hlo: str, top: int = 16) -> dict:
+    """Per step, over profiler sessions of (walls, events): wall, thunk thread-ms by kind (a thunk that XLA splits
+    over its threads counts on each), busy (any XLA thread in a thunk) and idle ms."""
+    walls = [w for session_walls, _ in sessions for w in session_walls]
+    n = len(walls)
+    kinds, per_thread, thunks = collections.Counter(), collections.Counter(), collections.Counter()
+    busy = 0.0
+    for _, events in sessions:
+        events = [e for e in events if kind_of(e[1], hlo) != INSIDE_LOOP]
+        busy += union_ms([(a, b) for *_, a, b in events]) / n
+        for line, name, a, b in events:
+            kinds[kind_of(name, hlo)] += (b - a) / 1e6 / n
+            per_thread[line] += (b - a) / 1e6 / n
+            thunks[name] += (b - a) / 1e6 / n
+    return {"steps": n, "wall_ms_mean": sum(walls) / n, "wall_ms_median": float(np.median(walls)),
+            "walls_ms": [round(w, 1) for w in walls], "busy_ms": busy, "idle_ms": sum(walls) / n - busy,
+            "thread_ms": dict(per_thread), "kinds_ms": {k: round(v, 3) for k, v in kinds.most_common()},
+            "top_thunks_ms": {t: [round(ms, 3), kind_of(t, hlo)] for t, ms in thunks.most_common(top)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--mixed", type=int, default=6, help="mixed steps to trace (a new prompt beside decodes)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    llm, rng = LLM(**SERVE), np.random.default_rng(0)
+    c, budget = args.concurrency, args.steps + 3 * args.mixed + 16
+    add_requests(llm, range(c), rng, args.prompt_len, budget)
+    for _ in range(6):  # the prompts' steps (one wave) and the first decodes
+        llm.engine.step()
+    runner = llm.engine.runner
+    bucket = lambda n: min(b for b in runner.config.token_buckets() if b >= n)  # noqa: E731
+    hlo = {kind: runner.executable(bucket(n)).as_text() for kind, n in
+           (("decode", c), ("mixed", c - 1 + args.prompt_len))}
+    result = {"concurrency": c, "load_1min_before": os.getloadavg()[0], "jax": jax.__version__,
+              "dtype": str(runner.config.dtype)}
+    result["decode"] = summarize([traced_steps(llm, args.steps)], hlo["decode"])
+    next_id = iter(range(c, 10 * c))
+
+    def swap_one():  # the async step in flight finishes first; then one row leaves and a new prompt comes
+        llm.engine.wait_for_step()
+        victim = next(r for r in llm.engine.requests)
+        llm.engine.abort_request(victim)
+        new = next(next_id)
+        add_requests(llm, range(new, new + 1), rng, args.prompt_len, budget)
+    sessions = []
+    for _ in range(args.mixed):
+        sessions.append(traced_steps(llm, 1, swap_one))
+        for _ in range(2):
+            llm.engine.step()
+    result["mixed"] = summarize(sessions, hlo["mixed"])
+    result["load_1min_after"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**result, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
