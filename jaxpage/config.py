@@ -209,7 +209,7 @@ class EngineConfig:
     # takes at most long_prefill_token_threshold tokens a step (0: no cap); at most max_num_partial_prefills
     # prefills a step, max_long_partial_prefills of them with more than the threshold left
     long_prefill_token_threshold: int = 64
-    max_num_partial_prefills: int = 2
+    max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     # a step whose decodes are fewer than the prompts that could compute in it lifts those caps (prefill_limits.py)
     wave_prefill: bool = True

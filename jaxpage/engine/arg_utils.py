@@ -146,7 +146,7 @@ class EngineArgs(CliArgs):
     long_prefill_token_threshold: int = dataclasses.field(default=64, metadata=_option(
         "most tokens a prompt computes in one step; a prompt with more left is long (0: no cap, or with "
         "--max-num-partial-prefills > 1: 4%% of max-model-len)"))
-    max_num_partial_prefills: int = dataclasses.field(default=2, metadata=_option(
+    max_num_partial_prefills: int = dataclasses.field(default=1, metadata=_option(
         "most prompts computing in one step beside the running decodes"))
     max_long_partial_prefills: int = dataclasses.field(default=1, metadata=_option(
         "most long prompts (see --long-prefill-token-threshold) of those; a shorter one behind them goes first"))
