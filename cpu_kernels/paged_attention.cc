@@ -126,24 +126,6 @@ struct Problem {
 
 int64_t WindowStart(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
 
-// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), written so that a loop of it vectorizes
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, 4);
-  return y * two_n;
-}
-
 typedef float F16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX ones
 typedef int32_t I16 __attribute__((vector_size(64)));
 
@@ -186,7 +168,7 @@ inline float Max16(F16 x) {
   return r;
 }
 
-// exp(x) for x <= 0 on 16 lanes: ExpNonPositive's polynomial with a vector floor
+// exp(x) for x <= 0 on 16 lanes (Cephes' expf polynomial, ~1 ulp)
 inline F16 Exp16(F16 x) {
   const F16 lowest = F16{} - 87.0f;
   x = Select(x < lowest, lowest, x);
@@ -245,7 +227,7 @@ void FoldPage(const float* q, const float* k, const float* v, int64_t from, int6
   const I16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const I16 in = (lane >= static_cast<int32_t>(from)) & (lane < static_cast<int32_t>(to));
   s = Select(in, s, F16{} + kNegInf);
-  const float new_max = std::max(m, Max16(s)), correction = ExpNonPositive(m - new_max);
+  const float new_max = std::max(m, Max16(s)), correction = Exp16(F16{} + (m - new_max))[0];
   const F16 w = Select(in, Exp16(s - new_max), F16{});
   for (int64_t c = 0; c < kChunks; ++c) o[c] = Load16(out + 16 * c) * correction;
   for (int64_t j = from; j < to; ++j) {
