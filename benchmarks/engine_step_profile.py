@@ -5,7 +5,7 @@
 
 SmolLM2-135M with serve's defaults (bfloat16 on an avx512_bf16 CPU, async scheduling, 2048 batched tokens), C
 requests of 64 random prompt tokens, greedy, every one running to its max_tokens. Once all of them decode, --steps
-calls of ``LLMEngine.step`` run under ``jax.profiler.trace`` (decode steps: 64-190 tokens of context). Then
+calls of ``LLMEngine.step`` run under ``jax.profiler.trace`` (decode steps: ~70-100 tokens of context). Then
 --mixed times: one request is aborted and a new 64-token prompt added, and the step that computes it beside the
 other C-1 decodes is traced (the spread workload's step, where a new prompt arrives beside running decodes).
 
@@ -36,7 +36,7 @@ SERVE = {"max_num_batched_tokens": 2048, "progress": False, "enable_prefix_cachi
 
 def add_requests(llm: LLM, ids: range, rng, prompt_len: int, max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in ids:  # ids below the special tokens, as vLLM's random dataset draws them
+    for i in ids:  # token ids past the special ones, as vLLM's random dataset draws them
         prompt = {"prompt_token_ids": rng.integers(100, 40000, prompt_len).tolist()}
         llm.engine.add_request(str(i), prompt, params)
 
