@@ -124,19 +124,30 @@ def prefill_bench(setup: dict, interpret: bool) -> dict:
 
 
 # --- 3. the engine ----------------------------------------------------------------------------------------
-def engine_benchmark(setup: dict, started: float, budget_s: float) -> dict:
-    """Paged vs the contiguous baselines on one random-weight model; the runner and the caches (256 slots of
-    max_len tokens each: every stream count fits) are compiled once and shared by the stream counts."""
-    model, dtype = setup["model"], setup["dtype"]
+def paged_setup(setup: dict, scan_layers: bool = True):
+    """The random-weight model's paged runner, compiled, with a slot of max_len for each of the most streams:
+    (loaded, runner, the throughput.py args it was built from, the weights)."""
+    model = setup["model"]
     max_len = -(-(setup["prompt"] + setup["output"]) // 16) * 16
     slots = max(setup["streams"])
-    args = types.SimpleNamespace(dtype=dtype, block_size=16, max_num_batched_tokens=setup["max_num_batched_tokens"],
-                                 max_len=max_len, scan_layers=True, preemption_mode="recompute", sequential=False,
-                                 systems=list(throughput.SYSTEMS), **throughput.prefill_limits_defaults())
+    args = types.SimpleNamespace(dtype=setup["dtype"], block_size=16, max_len=max_len, scan_layers=scan_layers,
+                                 max_num_batched_tokens=setup["max_num_batched_tokens"], preemption_mode="recompute",
+                                 sequential=False, systems=list(throughput.SYSTEMS),
+                                 **throughput.prefill_limits_defaults())
     loaded = types.SimpleNamespace(tokenizer=None, eos_token_ids=(), name=f"random {model.num_layers}-layer")
-    t = time.perf_counter()
-    params = random_model.random_params(model, jnp.dtype(dtype))
+    params = random_model.random_params(model, jnp.dtype(setup["dtype"]))
     runner = throughput.paged_runner(loaded, model, params, args, slots * (max_len // 16) + 1, slots)
+    return loaded, runner, args, params
+
+
+def engine_benchmark(setup: dict, started: float, budget_s: float, report=lambda partial: None) -> dict:
+    """Paged vs the contiguous baselines on one random-weight model; the runner and the caches (256 slots of
+    max_len tokens each: every stream count fits) are compiled once and shared by the stream counts.
+    ``report`` gets the partial result after each stream count, so a run cut off by its lease keeps them."""
+    model, dtype = setup["model"], setup["dtype"]
+    t = time.perf_counter()
+    loaded, runner, args, params = paged_setup(setup)
+    max_len, slots = args.max_len, max(setup["streams"])
     caches = throughput.contiguous_caches(model, params, args, slots, runner.config.attention_backend)
     result = {"model": dict(layers=model.num_layers, hidden=model.hidden_size, heads=model.num_heads,
                             kv_heads=model.num_kv_heads, head_dim=model.head_dim, vocab=model.vocab_size),
@@ -152,6 +163,7 @@ def engine_benchmark(setup: dict, started: float, budget_s: float) -> dict:
         result["streams"][n] = {name: {k: run[name][k] for k in ("output_tokens_per_s", "requests_per_s",
                                                                  "seconds", "peak_concurrency")}
                                 for name in throughput.SYSTEMS}
+        report(result)
     return result
 
 
@@ -192,7 +204,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, result: dict) -> None:
+def write(out: Path, result: dict, started: float) -> None:
+    """Both files, rewritten after every section: what a run cut off at its time limit finished stays."""
+    result["total_s"] = time.perf_counter() - started
     (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "device_check.md").write_text(markdown(result))
 
@@ -216,21 +230,22 @@ def main(argv=None) -> int:
     result["self_checks"] = self_checks(setup, interpret=args.smoke)
     result["seconds"] = {"self_checks": time.perf_counter() - started}
     print(f"self-checks: {json.dumps(result['self_checks'])}", flush=True)
+    write(out, result, started)
     if not checks_ok(result["self_checks"]):
-        result["total_s"] = time.perf_counter() - started
-        write(out, result)
         print("FAILED: a GPU kernel does not match its reference")
         return 1
     result["kernel_bench"] = kernel_bench.main(setup["kernel_bench"] + ["--json", str(out / "kernel_bench.json")])
     result["seconds"]["kernel_bench"] = result["kernel_bench"]["total_s"]
+    write(out, result, started)
     t = time.perf_counter()
     result["prefill"] = prefill_bench(setup, interpret=args.smoke)
     result["seconds"]["prefill"] = time.perf_counter() - t
+    write(out, result, started)
     t = time.perf_counter()
-    result["engine"] = engine_benchmark(setup, started, setup["engine_budget_s"])
+    result["engine"] = engine_benchmark(setup, started, setup["engine_budget_s"],
+                                        lambda partial: write(out, {**result, "engine": partial}, started))
     result["seconds"]["engine"] = time.perf_counter() - t
-    result["total_s"] = time.perf_counter() - started
-    write(out, result)
+    write(out, result, started)
     print(markdown(result))
     return 0
 

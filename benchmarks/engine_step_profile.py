@@ -41,9 +41,14 @@ def add_requests(llm: LLM, ids: range, rng, prompt_len: int, max_tokens: int) ->
         llm.engine.add_request(str(i), prompt, params)
 
 
-def traced_steps(llm: LLM, steps: int, before_each=None) -> tuple[list[float], list]:
-    """``steps`` engine steps under one profiler session: each step's wall ms, and the XLA threads' thunk events
-    (thread, name, start, end) that start while a step runs (times are the session's own)."""
+def xla_cpu_thunk(plane: str, line: str, event: str) -> bool:
+    return "XLA" in line and not event.startswith(BOOKKEEPING)
+
+
+def traced_steps(engine, steps: int, before_each=None, keep=xla_cpu_thunk) -> tuple[list[float], list]:
+    """``steps`` engine steps under one profiler session: each step's wall ms, and the events (line, name, start,
+    end) that ``keep(plane, line, name)`` selects (by default the XLA:CPU threads' thunks) that start while a
+    step runs (times are the session's own)."""
     walls = []
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -52,7 +57,7 @@ def traced_steps(llm: LLM, steps: int, before_each=None) -> tuple[list[float], l
                     before_each()
                 start = time.perf_counter_ns()
                 with jax.profiler.TraceAnnotation("engine_step"):
-                    llm.engine.step()
+                    engine.step()
                 walls.append((time.perf_counter_ns() - start) / 1e6)
         data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     events, windows = [], []
@@ -61,7 +66,7 @@ def traced_steps(llm: LLM, steps: int, before_each=None) -> tuple[list[float], l
             for e in line.events:
                 if e.name == "engine_step":
                     windows.append((e.start_ns, e.end_ns))
-                elif "XLA" in line.name and not e.name.startswith(BOOKKEEPING):
+                elif keep(plane.name, line.name, e.name):
                     events.append((line.name, e.name, e.start_ns, e.end_ns))
     return walls, [e for e in events if any(a <= e[2] < b for a, b in windows)]
 
@@ -114,7 +119,7 @@ def main() -> None:
            (("decode", c), ("mixed", c - 1 + args.prompt_len))}
     result = {"concurrency": c, "load_1min_before": os.getloadavg()[0], "jax": jax.__version__,
               "dtype": str(runner.config.dtype)}
-    result["decode"] = summarize([traced_steps(llm, args.steps)], hlo["decode"])
+    result["decode"] = summarize([traced_steps(llm.engine, args.steps)], hlo["decode"])
     next_id = iter(range(c, 10 * c))
 
     def swap_one():  # the async step in flight finishes first; then one row leaves and a new prompt comes
@@ -125,7 +130,7 @@ def main() -> None:
         add_requests(llm, range(new, new + 1), rng, args.prompt_len, budget)
     sessions = []
     for _ in range(args.mixed):
-        sessions.append(traced_steps(llm, 1, swap_one))
+        sessions.append(traced_steps(llm.engine, 1, swap_one))
         for _ in range(2):
             llm.engine.step()
     result["mixed"] = summarize(sessions, hlo["mixed"])

@@ -1,0 +1,158 @@
+"""Where an engine step's time goes on a GPU, and what the prefill limits cost the paged engine there.
+
+    python -m benchmarks.gpu_step_profile --out DIR            # one H200 (or H100): about 3 minutes
+    python -m benchmarks.gpu_step_profile --out DIR --smoke    # anywhere: the tiny model, a few steps
+
+1. Decode steps of a Llama-3-8B-shaped model (random bfloat16 weights, benchmarks/random_model.py; the engine as
+   benchmarks/device_check.py builds it) at 1 and 32 streams: the wall time of ``LLMEngine.step`` and the device's
+   busy time in it (the union of the GPU streams' kernel events, from ``jax.profiler``). Wall minus busy is the
+   time the device waits for the host. The floor for comparison: the weights' bytes over the copy bandwidth.
+2. The paged engine on 256 streams of 128 + 128 tokens, all at t=0, with serve's prefill limits
+   (long_prefill_token_threshold, max_num_partial_prefills) and with them lifted (only the step's token
+   budget, as vLLM V1 schedules by default): output tokens/s, peak running sequences and steps.
+3. With --layouts, only part 1, for each way the step can hold the layers: ``scan`` (serve's default on a GPU: one
+   compiled layer in a ``lax.scan`` over stacked weights), ``unrolled`` (``scan_layers=False``) and ``host_loop``
+   (one compiled layer called once per layer from the host, each layer's own weight buffers: what the CPU runs,
+   jaxpage.worker.layer_loop; switched on here by adding the GPU to model_runner.HOST_LAYER_LOOP_PLATFORMS).
+Writes DIR/gpu_step_profile.json and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import device_check, kernel_bench, random_model, throughput  # noqa: E402
+from benchmarks.engine_step_profile import traced_steps, union_ms  # noqa: E402
+from jaxpage import SamplingParams  # noqa: E402
+from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxpage.worker import model_runner  # noqa: E402
+
+LIFTED = {"long_prefill_token_threshold": 0, "max_num_partial_prefills": 256, "max_long_partial_prefills": 256}
+
+
+def gpu_event(plane: str, line: str, name: str) -> bool:
+    return plane.startswith("/device:GPU")
+
+
+def engine_for(loaded, runner, **limits) -> LLMEngine:
+    return LLMEngine(dataclasses.replace(runner.config, **limits), runner, tokenizer=None, eos_token_ids=(),
+                     model_name=loaded.name)
+
+
+def add(engine: LLMEngine, n: int, prompt: int, output: int, vocab: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        engine.add_request(str(i), {"prompt_token_ids": rng.integers(100, vocab, prompt).tolist()},
+                           SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True))
+
+
+def decode_profile(loaded, runner, streams: int, steps: int, prompt: int, vocab: int) -> dict:
+    """Wall and GPU-busy ms per decode step once all ``streams`` decode (untimed steps first, then traced)."""
+    engine = engine_for(loaded, runner)
+    add(engine, streams, prompt, 2 * steps + 16, vocab)
+    while any(len(s.token_ids) - s.num_computed_tokens > 1 for r in engine.requests.values() for s in r.group.seqs):
+        engine.step()
+    untraced = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        untraced.append((time.perf_counter() - started) * 1e3)
+    try:
+        walls, events = traced_steps(engine, steps, keep=gpu_event)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot trace here still leaves the untraced walls
+        return {"streams": streams, "untraced_wall_ms_median": float(np.median(untraced)), "trace_error": repr(e)}
+    lines = collections.defaultdict(list)
+    for line, _, a, b in events:
+        lines[line].append((a, b))
+    streams_ms = union_ms([iv for line, ivs in lines.items() if line.startswith("Stream") for iv in ivs]) / steps
+    return {"streams": streams, "steps": steps, "untraced_wall_ms_median": float(np.median(untraced)),
+            "wall_ms_median": float(np.median(walls)),
+            "wall_ms_mean": float(np.mean(walls)), "gpu_busy_ms": streams_ms,
+            "gpu_idle_ms": float(np.mean(walls)) - streams_ms,
+            "per_line_union_ms": {line: union_ms(ivs) / steps for line, ivs in lines.items()},
+            "kernels": collections.Counter(name for line, name, *_ in events if line.startswith("Stream"))
+            .most_common(12)}
+
+
+def policy_run(loaded, runner, limits: dict, streams: int, prompt: int, output: int, vocab: int) -> dict:
+    engine = engine_for(loaded, runner, **limits)
+    add(engine, streams, prompt, output, vocab, seed=1)
+    steps, peak, started = 0, 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        peak = max(peak, engine.scheduler.num_running_seqs())
+    seconds = time.perf_counter() - started
+    return {"limits": limits or "serve's defaults", "output_tokens_per_s": streams * output / seconds,
+            "seconds": seconds, "steps": steps, "peak_running": peak}
+
+
+def layouts(setup: dict, steps: int, out: Path) -> int:
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layouts": {}}
+    platforms = model_runner.HOST_LAYER_LOOP_PLATFORMS
+    for name, scan, loop_here in (("host_loop", True, True), ("unrolled", False, False), ("scan", True, False)):
+        model_runner.HOST_LAYER_LOOP_PLATFORMS = platforms + ((jax.devices()[0].platform,) if loop_here else ())
+        try:
+            started = time.perf_counter()
+            loaded, runner, _, _ = device_check.paged_setup(setup, scan_layers=scan)
+            entry = {"compile_and_init_s": time.perf_counter() - started}
+            entry["decode"] = [decode_profile(loaded, runner, n, steps, setup["prompt"], setup["model"].vocab_size)
+                               for n in (1, min(32, max(setup["streams"])))]
+        except Exception as e:  # noqa: BLE001 - a layout that fails here is recorded; the others still run
+            entry = {"error": repr(e)}
+        finally:
+            model_runner.HOST_LAYER_LOOP_PLATFORMS = platforms
+        result["layouts"][name] = entry
+        print(name, json.dumps(entry, default=str)[:600], flush=True)
+        (out / "gpu_layouts.json").write_text(json.dumps(result, indent=1, default=str))
+        loaded = runner = None  # noqa: F841 - the weights and the pool go before the next layout's
+        jax.clear_caches()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, a few steps (runs on a CPU)")
+    parser.add_argument("--layouts", action="store_true", help="decode steps of each layer layout (part 3) only")
+    args = parser.parse_args(argv)
+    setup = dict(device_check.SMOKE, output=40) if args.smoke else device_check.FULL
+    model, steps, many = setup["model"], (4 if args.smoke else 24), max(setup["streams"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.layouts:
+        return layouts(setup, steps, out)
+    loaded, runner, _, params = device_check.paged_setup(setup)
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": model.num_layers,
+              "config": {k: getattr(runner.config, k) for k in ("max_num_batched_tokens", "async_scheduling",
+                                                                 *throughput.PREFILL_LIMITS)}}
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    result["weights_gb"] = weights / 1e9
+    result["copy_gbps"] = kernel_bench.copy_bandwidth(2 ** 28 if args.smoke else 2 ** 32, 5)
+    result["floor_ms"] = weights / (result["copy_gbps"] * 1e9) * 1e3  # each weight read once per step
+    write = lambda: (out / "gpu_step_profile.json").write_text(json.dumps(result, indent=1, default=str))  # noqa: E731
+    result["prefill_limits"] = []
+    for limits in ({}, LIFTED, {}, LIFTED):
+        result["prefill_limits"].append(policy_run(loaded, runner, limits, many, setup["prompt"], setup["output"],
+                                                   model.vocab_size))
+        write()
+    result["decode"] = []
+    for n in (1, min(32, many)):
+        result["decode"].append(decode_profile(loaded, runner, n, steps, setup["prompt"], model.vocab_size))
+        write()
+    print(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
