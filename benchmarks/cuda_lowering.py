@@ -217,6 +217,33 @@ def step_cases(buckets=None) -> list[LoweringCase]:
     return cases
 
 
+def layer_loop_cases() -> list[LoweringCase]:
+    """The GPU's step as it runs on one device (model_runner.HOST_LAYER_LOOP_PLATFORMS): the layer loop's one
+    compiled decoder layer (``run_layer``, over one layer's own weights) of SmolLM2-135M and Llama-3-8B in
+    bfloat16, at the largest token bucket; the stages around it hold no kernel of ours."""
+    from benchmarks.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.models import begin_layers, run_layer, top_weights
+    from jaxpage.models.attention import layer_constants
+    from jaxpage.worker.step import abstract_step_inputs
+
+    cases = []
+    for name, model, max_len, seqs, tokens in (("SmolLM2-135M", SMOLLM2_135M, 2048, 64, 256),
+                                               ("Llama-3-8B", LLAMA3_8B, 8192, 256, 512)):
+        config = gpu_engine_config(model, "bfloat16", max_len, seqs, tokens, 8192)
+        params, num_tokens = param_shapes(model, jnp.bfloat16), config.token_buckets()[-1]
+        batch, _ = abstract_step_inputs(config, num_tokens)
+        x, shared = jax.eval_shape(functools.partial(begin_layers, model, backend="pallas_gpu", block_size=16),
+                                   top_weights(params), batch)
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["layers"])
+        consts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layer_constants(model))
+        pool = abstract_kv_pool(model, config.num_kv_blocks, 16, config.kv_dtype)
+        cases.append(LoweringCase("layer", f"{name} bfloat16 layer T{num_tokens}",
+                                  functools.partial(run_layer, model, backend="pallas_gpu"),
+                                  (layer, consts, x, pool, batch, shared)))
+    return cases
+
+
 def tp_step_case(tp: int = 4) -> LoweringCase:
     """Llama-3-8B's jitted engine step (bfloat16, smallest bucket) at tensor_parallel_size ``tp``, over the
     first ``tp`` devices (forced CPU devices stand in for the GPUs: only their number is lowered into the
@@ -308,7 +335,7 @@ def table(targets=None, compile_ir: bool = False) -> list[dict]:
     """Every case for every target; the rows main() prints (and the lead's compile_targets can print)."""
     targets = targets or (list(TARGETS) if TARGET_HONOURED else ["sm90"])
     rows = []
-    cases = kernel_cases() + step_cases() + [lora_step_case()] + spec_step_cases()
+    cases = kernel_cases() + step_cases() + layer_loop_cases() + [lora_step_case()] + spec_step_cases()
     for case in cases + ([tp_step_case(4), lora_step_case(3)] if len(jax.devices()) >= 4 else []):
         for target in targets:
             rows.append({"what": case.what, "shape": case.shape, "target": target,

@@ -10,10 +10,11 @@
 2. The paged engine on 256 streams of 128 + 128 tokens, all at t=0, with serve's prefill limits
    (long_prefill_token_threshold, max_num_partial_prefills) and with them lifted (only the step's token
    budget, as vLLM V1 schedules by default): output tokens/s, peak running sequences and steps.
-3. With --layouts, only part 1, for each way the step can hold the layers: ``scan`` (serve's default on a GPU: one
-   compiled layer in a ``lax.scan`` over stacked weights), ``unrolled`` (``scan_layers=False``) and ``host_loop``
-   (one compiled layer called once per layer from the host, each layer's own weight buffers: what the CPU runs,
-   jaxpage.worker.layer_loop; switched on here by adding the GPU to model_runner.HOST_LAYER_LOOP_PLATFORMS).
+3. With --layouts, only part 1, for each way the step can hold the layers: ``host_loop`` (one compiled layer
+   called once per layer from the host over each layer's own weight buffers, jaxpage.worker.layer_loop: serve's
+   default on a CPU and, since this measurement, on a GPU), ``unrolled`` (``scan_layers=False``) and ``scan`` (one
+   compiled layer in a ``lax.scan`` over stacked weights: the GPU's default before), chosen here through
+   model_runner.HOST_LAYER_LOOP_PLATFORMS.
 Writes DIR/gpu_step_profile.json and prints it.
 """
 from __future__ import annotations
@@ -101,7 +102,8 @@ def layouts(setup: dict, steps: int, out: Path) -> int:
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layouts": {}}
     platforms = model_runner.HOST_LAYER_LOOP_PLATFORMS
     for name, scan, loop_here in (("host_loop", True, True), ("unrolled", False, False), ("scan", True, False)):
-        model_runner.HOST_LAYER_LOOP_PLATFORMS = platforms + ((jax.devices()[0].platform,) if loop_here else ())
+        here = jax.devices()[0].platform
+        model_runner.HOST_LAYER_LOOP_PLATFORMS = tuple(p for p in platforms if p != here) + ((here,) * loop_here)
         try:
             started = time.perf_counter()
             loaded, runner, _, _ = device_check.paged_setup(setup, scan_layers=scan)

@@ -19,8 +19,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.gpu_decode import triton_params
 
 from benchmarks.cuda_lowering import (SHARED_MEMORY_BYTES, TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase,
-                                      compile_for_cuda, kernel_cases, lower_for_cuda, run_case, spec_step_cases,
-                                      step_cases)
+                                      compile_for_cuda, kernel_cases, layer_loop_cases, lower_for_cuda, run_case,
+                                      spec_step_cases, step_cases)
 
 KERNELS = kernel_cases()
 STEPS = step_cases()
@@ -45,6 +45,16 @@ def test_engine_step_lowers_with_the_triton_kernel(case):
     text = lower_for_cuda(case, TARGET_LIST[-1])
     assert triton_calls(text) == 1, "the layers' scan body holds one Triton attention call"
     assert case.args[1].shape[0] == (32 if "Llama" in case.shape else 30)  # the pool has every layer
+
+
+@pytest.mark.parametrize("case", layer_loop_cases(), ids=lambda c: c.shape.split()[0])
+def test_gpu_layer_loop_layer_lowers_with_the_triton_kernel(case):
+    """What a GPU runs per layer (the host layer loop): one Triton attention call, over one layer's weights."""
+    text = lower_for_cuda(case, TARGET_LIST[-1])
+    assert triton_calls(text) == 1
+    hidden = 576 if "SmolLM2" in case.shape else 4096
+    assert f"tensor<{hidden}x2x" in text  # gate_up [D, 2, F]: one layer's own weights, no layer axis to slice
+    assert "stablehlo.while" not in text  # no scan over layers (the fused step lowers its scan to a while loop)
 
 
 def test_lora_step_lowers_with_the_triton_kernel():

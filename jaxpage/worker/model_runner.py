@@ -43,10 +43,32 @@ from jaxpage.worker.warmup import WarmupProgram, compile_all, compile_threads, p
 log = logging.getLogger(__name__)
 
 # where one compiled layer runs once per layer from the host (jaxpage.worker.layer_loop) instead of in a lax.scan:
-# XLA:CPU copies a scanned layer's weights out of the stack. One device only: a tensor-parallel layer call is a
-# launch on every device of the mesh, and 30 of them made a step 4x the fused step's on 3 forced CPU devices
-# (SmolLM2, 8 streams: 4.0 s against 1.0 s).
-HOST_LAYER_LOOP_PLATFORMS = ("cpu",)
+# XLA:CPU and XLA:GPU copy a scanned layer's weights out of the stack (on an H200, Llama-3-8B bfloat16: the GPU
+# busy 12.1 ms a decode step against 4.9 ms in the loop; benchmarks/gpu_step_profile.py --layouts). TPU: not
+# measured, so it keeps the scan. One device only: a tensor-parallel layer call is a launch on every device of
+# the mesh, and 30 of them made a step 4x the fused step's on 3 forced CPU devices (SmolLM2, 8 streams: 4.0 s
+# against 1.0 s).
+HOST_LAYER_LOOP_PLATFORMS = ("cpu", "gpu")
+
+
+def runs_host_loop(config: EngineConfig, device, mesh: Mesh | None = None) -> bool:
+    """Whether a step of ``config`` on ``device`` (or ``mesh``) runs the host layer loop over unrolled weights."""
+    return config.scan_layers and device.platform in HOST_LAYER_LOOP_PLATFORMS and mesh is None
+
+
+def step_weights(config: EngineConfig, params: dict, where, host_loop: bool) -> tuple[dict, dict]:
+    """The checkpoint's weights as the step takes them, placed on ``where`` (a device or a mesh), and their
+    shardings: packed for oneDNN where the model packs, LoRA slots added (all zeros), the layers unrolled for the
+    host loop or ``scan_layers=False``, the KV heads replicated where tensor parallelism needs it."""
+    unrolled = host_loop or not config.scan_layers
+    params = pack_params(config.model, params)
+    if config.model.max_loras:
+        params = with_empty_slots(config, params)
+    if unrolled:
+        params = unstack_layers(params)
+    params = replicate_kv_heads(params, config.model.num_kv_heads)
+    shardings = weight_shardings(config, where if isinstance(where, Mesh) else None, where, unrolled=unrolled)
+    return place_params(params, shardings, jnp.dtype(config.dtype)), shardings
 
 
 @dataclasses.dataclass
@@ -79,23 +101,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, params: dict):
         self.config = config
         identity = kv_identity(config, params) if config.kv_offloading_dir else {}  # of the checkpoint's weights
-        dtype = jnp.dtype(config.dtype)
         where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
         self.mesh = where if isinstance(where, Mesh) else None
         device = self.mesh.devices.flat[0] if self.mesh is not None else where
         self._platform = device.platform
-        host_loop = config.scan_layers and device.platform in HOST_LAYER_LOOP_PLATFORMS and self.mesh is None
-        unrolled = host_loop or not config.scan_layers
+        host_loop = runs_host_loop(config, device, self.mesh)
         # LoRA: the adapters on the host and in the device slots (all zeros until an adapter is written in)
         self.lora = WorkerLoRAManager(config) if config.model.max_loras else None
-        params = pack_params(config.model, params)
-        if self.lora is not None:
-            params = with_empty_slots(config, params)
-        if unrolled:
-            params = unstack_layers(params)
-        params = replicate_kv_heads(params, config.model.num_kv_heads)
-        shardings = weight_shardings(config, self.mesh, where, unrolled=unrolled)
-        self.params = place_params(params, shardings, dtype)
+        self.params, shardings = step_weights(config, params, where, host_loop)
         self._lora_writer = SlotWriter(self.params) if self.lora is not None else None
         kv_dtype = jnp.dtype(config.kv_dtype)
         packed = packs_kv(config.model, config.attention_backend)
