@@ -13,32 +13,37 @@ import functools
 import jax
 import numpy as np
 
-from cpu_kernels.library import available, library
+from cpu_kernels.library import available, cpu_flags, library
 
 __all__ = ["available", "fast_bfloat16", "matmul", "pack", "packs"]
 
 
-def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool = False,
+           gemv_rows: int | None = None) -> jax.Array:
     """x [..., K] . w [K, N] (or w [N, K] with ``transposed``) -> [..., N] in x's dtype, float32 accumulation;
-    ``packed``: w holds ``pack``'s bytes (its shape and ``transposed`` still name K and N). CPU only, and only
-    where ``available()``."""
+    ``packed``: w holds ``pack``'s bytes (its shape and ``transposed`` still name K and N); ``gemv_rows``: the
+    most rows of a packed bfloat16 product that packed_gemv.cc computes (at most 8; default ``gemv_rows()``),
+    oneDNN's kernel the rest. CPU only, and only where ``available()``."""
     n = w.shape[0] if transposed else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
-    return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed), packed=int(packed))
+    rows = default_gemv_rows() if gemv_rows is None else gemv_rows
+    return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed), packed=int(packed),
+                                                          gemv_rows=int(rows))
+
+
+@functools.cache
+def default_gemv_rows() -> int:
+    """Rows up to which packed_gemv.cc beats oneDNN's matmul: 8 on avx512_bf16 without AMX (AMD EPYC: oneDNN's
+    kernel was slower there up to 8 rows), 1 with AMX, whose tiles oneDNN's kernel uses: at 2-8 rows it took
+    0.38-0.95x the gemv's time on SmolLM2's products (benchmarks/RESULTS.md, "AMX")."""
+    return 1 if "amx_bf16" in cpu_flags().split() else 8
 
 
 @functools.cache
 def fast_bfloat16() -> bool:
     """Whether bfloat16 runs faster than float32 here: oneDNN's matmul available on a CPU with bfloat16 dot
-    instructions (avx512_bf16 or AMX; Linux's /proc/cpuinfo flags)."""
-    if not available():
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = {word for line in f if line.startswith("flags") for word in line.split()}
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    instructions (avx512_bf16 or AMX)."""
+    return available() and bool(set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
 
 
 @functools.cache

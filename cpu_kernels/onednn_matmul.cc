@@ -94,8 +94,9 @@ Matmuls Primitive(const Shape& s) {
   return it->second;
 }
 
+// gemv_rows: the most rows packed_gemv.cc takes (packed bfloat16 only; cpu_kernels/onednn.py chooses it per CPU)
 ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t transposed,
-                  int64_t packed) {
+                  int64_t packed, int64_t gemv_rows) {
   auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("onednn_matmul: weights must be 2-D");
   Shape s;
@@ -113,7 +114,7 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
     return ffi::Error::InvalidArgument("onednn_matmul: x, w and y shapes do not match");
   if (s.m == 0) return ffi::Error::Success();
   const auto bf16 = memory::data_type::bf16;
-  if (s.packed && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n) &&
+  if (s.packed && s.m <= gemv_rows && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n) &&
       jaxpage::PackedGemvBf16(static_cast<const uint16_t*>(x.untyped_data()),
                               static_cast<const uint16_t*>(w.untyped_data()),
                               static_cast<uint16_t*>(y->untyped_data()), s.m, s.k, s.n))
@@ -173,4 +174,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageOnednnMatmul, Matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("transposed")
-                                  .Attr<int64_t>("packed"));
+                                  .Attr<int64_t>("packed")
+                                  .Attr<int64_t>("gemv_rows"));

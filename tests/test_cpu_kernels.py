@@ -61,6 +61,24 @@ def test_packed_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape,
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("gemv_rows", [8, 0])
+def test_few_row_packed_products_on_either_kernel(rows, gemv_rows):
+    """A few rows against packed bfloat16 weights run on packed_gemv.cc up to ``gemv_rows`` and on oneDNN's kernel
+    above (the default depends on the CPU: 1 with AMX, 8 without); forced either way, each equals float32 math
+    to bfloat16 rounding."""
+    from cpu_kernels import onednn
+
+    rng = np.random.default_rng(rows)
+    kernel = np.asarray(jnp.asarray(rng.standard_normal((1536, 576)), jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((rows, 1536)), jnp.bfloat16)
+    packed = jnp.asarray(onednn.pack(kernel))
+    y = jax.jit(lambda x, w: onednn.matmul(x, w, packed=True, gemv_rows=gemv_rows))(x, packed)
+    ref = np.asarray(x, np.float32) @ np.asarray(kernel, np.float32)
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
+
+
+@needs_onednn
 def test_independent_matmuls_of_one_shape_run_at_once():
     """XLA:CPU runs independent ops of a program on its threads at once: oneDNN primitives of one shape executed
     together shared the library's scratchpad and crashed (a segfault at 8-32 rows, before the scratchpad became
