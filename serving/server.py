@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -85,6 +86,14 @@ async def _warm_up(engine) -> None:
                                       SamplingParams(temperature=0, max_tokens=2, output_kind="delta"))
     async for _ in stream:
         pass
+
+
+def _freeze_startup_heap() -> None:
+    """Takes what start-up made (~0.8M objects: the tokenizer, the weights' host side, compiled programs) out of
+    the collector's generations, as vLLM's engine does: a full collection over them took ~0.3 s of the engine's
+    thread here, a stall of every running stream."""
+    gc.collect()
+    gc.freeze()
 
 
 class Server:
@@ -178,6 +187,7 @@ class Server:
     async def load(self) -> bool:
         """Loads and warms the engine unless a stop comes first; True once SERVING."""
         started = time.monotonic()
+        gc.unfreeze()  # a restarted engine's predecessor becomes collectable again
         loading = asyncio.ensure_future(_in_thread(self.make_engine))
         stop = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -187,6 +197,7 @@ class Server:
         engine = loading.result()  # a failed load raises here
         await _warm_up(engine)
         await self.models.check_all(engine, restart=self.restarts > 0)  # --lora-modules, and those loaded since
+        _freeze_startup_heap()
         self.requests.engine = engine
         if self.stopping.is_set():
             return False
