@@ -35,7 +35,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
 def default_gemv_rows() -> int:
     """Rows up to which packed_gemv.cc beats oneDNN's matmul: 8 on avx512_bf16 without AMX (AMD EPYC: oneDNN's
     kernel was slower there up to 8 rows), 1 with AMX, whose tiles oneDNN's kernel uses: at 2-8 rows it took
-    0.38-0.95x the gemv's time on SmolLM2's products (benchmarks/RESULTS.md, "AMX")."""
+    0.38-0.95x the gemv's time on SmolLM2's products (benchmarks/RESULTS.md, "On an AMX CPU")."""
     return 1 if "amx_bf16" in cpu_flags().split() else 8
 
 
