@@ -22,7 +22,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
            gemv_rows: int | None = None) -> jax.Array:
     """x [..., K] . w [K, N] (or w [N, K] with ``transposed``) -> [..., N] in x's dtype, float32 accumulation;
     ``packed``: w holds ``pack``'s bytes (its shape and ``transposed`` still name K and N); ``gemv_rows``: the
-    most rows of a packed bfloat16 product that packed_gemv.cc computes (at most 8; default ``gemv_rows()``),
+    most rows of a packed bfloat16 product that packed_gemv.cc computes (at most 8; default ``default_gemv_rows()``),
     oneDNN's kernel the rest. CPU only, and only where ``available()``."""
     n = w.shape[0] if transposed else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
