@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import device_check, kernel_bench, random_model, throughput  # noqa: E402
+from benchmarks import device_check, kernel_bench, throughput  # noqa: E402
 from benchmarks.engine_step_profile import traced_steps, union_ms  # noqa: E402
 from jaxpage import SamplingParams  # noqa: E402
 from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
