@@ -97,11 +97,12 @@ def profile(llm: LLM, num_tokens: int, top: int, hlo_dir: str | None = None) -> 
         return y
 
     _, rows = loop.end(weights, x, batch)
+    sampler, greedy = loop.for_rows("sampler", rows.shape[0]), loop.for_rows("greedy", rows.shape[0])
     parts = {"begin": lambda: loop.begin(weights, batch), "30 layers": all_layers,
              "end (final norm, row pick)": lambda: loop.end(weights, x, batch),
-             "sampler (LM head, greedy)": lambda: loop.sampler(weights, rows, per_row)}
-    if getattr(loop, "greedy", None) is not None:  # the plain greedy sampler: what the step runs for these rows
-        parts["plain greedy sampler (LM head, argmax)"] = lambda: loop.greedy(weights, rows)
+             "sampler (LM head, greedy)": lambda: sampler(weights, rows, per_row)}
+    if greedy is not None:  # the plain greedy sampler: what the step runs for these rows
+        parts["plain greedy sampler (LM head, argmax)"] = lambda: greedy(weights, rows)
     result = {"parts_ms": {name: median_ms(fn) for name, fn in parts.items()}}
 
     def step():
@@ -109,10 +110,9 @@ def profile(llm: LLM, num_tokens: int, top: int, hlo_dir: str | None = None) -> 
         return out
     result["step_ms"] = median_ms(step)
     # plain greedy rows: the step runs the plain greedy sampler, not the general one
-    in_step = [name for name in parts if not (getattr(loop, "greedy", None) is not None
-                                              and name == "sampler (LM head, greedy)")]
+    in_step = [name for name in parts if not (greedy is not None and name == "sampler (LM head, greedy)")]
     result["host_gap_ms"] = result["step_ms"] - sum(result["parts_ms"][name] for name in in_step)
-    executables = {"layer": (one_layer, loop.layer), "sampler": (parts["sampler (LM head, greedy)"], loop.sampler)}
+    executables = {"layer": (one_layer, loop.layer), "sampler": (parts["sampler (LM head, greedy)"], sampler)}
     for name, (fn, compiled) in executables.items():
         hlo, thunks = compiled.as_text(), thunk_ms(fn, 10)
         if hlo_dir:

@@ -21,14 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(argv: list[str], log_path: str | os.PathLike, env: dict | None = None, **popen) -> subprocess.Popen:
-    """Runs ``python ARGV...`` from the repository root with its output in log_path (env: the environment,
-    default this process's; the repository goes on its PYTHONPATH)."""
+def spawn(argv: list[str], log_path: str | os.PathLike, env: dict | None = None, root: str | os.PathLike = ROOT,
+          **popen) -> subprocess.Popen:
+    """Runs ``python ARGV...`` from the repository root (``root``: another checkout's) with its output in
+    log_path (env: the environment, default this process's; the root goes first on its PYTHONPATH)."""
     env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     log = open(log_path, "wb")
     try:
-        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen([sys.executable, *argv], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 **popen)
     finally:
         log.close()

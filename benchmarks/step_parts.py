@@ -66,7 +66,7 @@ def parts(llm: LLM, num_tokens: int) -> dict:
     head = jax.jit(lambda top, h: compute_logits(config.model, top, h))
     hidden = jax.numpy.ones((rows, config.model.hidden_size), np.float32)
     per_row = dataclasses.replace(sampling, prompt_targets=None)  # the tail without prompt logprobs
-    tail = lambda: loop.sampler(top, loop.end(top, x, batch)[1], per_row)  # noqa: E731
+    tail = lambda: loop.for_rows("sampler", rows)(top, loop.end(top, x, batch)[1], per_row)  # noqa: E731
     return {"layers_ms": median_ms(all_layers), "end_ms": median_ms(tail),
             "lm_head_ms": median_ms(lambda: head(top, hidden)), "rows": rows}
 

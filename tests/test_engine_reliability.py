@@ -203,3 +203,39 @@ def test_fuzz_no_exception_but_value_error_and_the_engine_serves_on(tiny_llm, re
     engine.add_request("plain", {"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=2,
                                                                              ignore_eos=True))
     assert len(run(engine)["plain"].outputs[0].token_ids) == 2
+
+
+def test_a_step_samples_only_its_rows_and_the_same_tokens(tiny_llm):
+    """On the host layer loop a step's sampled rows pad to their own bucket (InputBatch.sampled_rows_apart): a
+    lone 20-token prompt in the 24-token bucket samples 1 row, not the bucket's 8 sequences. Its seeded samples,
+    logprobs and prompt logprobs are those of the same engine sampling all 8 rows (the rows tied to the bucket,
+    as the fused step samples), and every block comes back."""
+    from jaxpage.core.scheduler_output import ScheduledSeq
+    from jaxpage.sequence import Sequence, SequenceGroup
+    from jaxpage.worker.input_batch import InputBatch, build_batch
+
+    engine = tiny_llm.engine
+    config, state = engine.config, engine.runner.input_batch
+    assert state.sampled_rows_apart  # a CPU engine runs the host layer loop
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 23 + i))} for i in range(2)]
+    seq = Sequence(0, prompts[0]["prompt_token_ids"], 20, 26, block_table=[1, 2])
+    batch, sampling = build_batch(config, [ScheduledSeq(seq, 20, SequenceGroup("r", [seq], params, 0), True)],
+                                  state=InputBatch(config, sampled_rows_apart=True))
+    assert (batch.block_tables.shape[0], sampling.temperature.shape[0]) == (8, 1)
+
+    def generate():
+        return [tiny_llm.generate(p, params)[0] for p in prompts]  # one at a time: steps of one row
+    apart = generate()
+    state.sampled_rows_apart = False
+    try:
+        tied = generate()
+    finally:
+        state.sampled_rows_apart = True
+    for a, t in zip(apart, tied):
+        assert a.outputs[0].token_ids == t.outputs[0].token_ids
+        for got, want in zip(a.outputs[0].logprobs + a.prompt_logprobs[1:],
+                             t.outputs[0].logprobs + t.prompt_logprobs[1:], strict=True):
+            assert got.keys() == want.keys()
+            np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
+    assert all_blocks_free(engine)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import MODEL_AXIS
-from jaxpage.models.layers import Linear, activation, param
+from jaxpage.models.layers import Linear, gated_activation, param
 from jaxpage.models.lora_slots import LoRAMapping
 
 
@@ -54,7 +54,7 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)
         sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
         rows = x[order // k]
-        h = activation(self.act)(self.gate(rows, sizes)) * self.up(rows, sizes)
+        h = gated_activation(self.act, self.gate(rows, sizes), self.up(rows, sizes))
         y = self.down(h, sizes)
         unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
         y = y[unsort].reshape(t, k, -1)

@@ -30,6 +30,10 @@ class InputBatch:
     which engines sharing a runner reuse), whose seed and sampling parameters are fixed for its life. Rows of
     sequences gone are taken back when the rows run out. Row 0 stays the padding row (null blocks, neutral
     sampling settings).
+
+    ``sampled_rows_apart``: the sampling part of a batch pads its rows to ``config.sampled_row_buckets()`` instead of
+    the token bucket's sequence count (the host layer loop, whose sampler is a program of its own per row count;
+    the fused step is one program per token bucket, so there they stay tied).
     """
 
     _FIELDS = {"tables": (np.int32, 0), "temperature": (np.float32, 0), "top_k": (np.int32, 0),
@@ -38,8 +42,9 @@ class InputBatch:
                "num_prompt": (np.int64, 0),
                "logit_bias_ids": (np.int32, -1), "logit_bias": (np.float32, 0)}  # [rows, MAX_LOGIT_BIAS]
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, sampled_rows_apart: bool = False):
         self.config = config
+        self.sampled_rows_apart = sampled_rows_apart
         self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
         self._allocate(config.max_num_seqs * 2 + 1)
         self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len, replicated(config),
@@ -118,8 +123,9 @@ def build_batch(config: EngineConfig, scheduled: list[ScheduledSeq], eos_token_i
 def build_token_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
                       state: InputBatch) -> tuple[TokenBatch, np.ndarray, bool]:
     """The batch's token part: token ids, positions, slots, each token's row, block tables and each row's
-    logits index, padded to the token bucket; with each row's InputBatch row (``index``; padding rows read row
-    0, the padding row) and whether every row is a decode row (one token, its sequence's last, sampled)."""
+    logits index, padded to the token bucket; with each sampled row's InputBatch row (``index``, padded to the
+    sampled rows' size; padding rows read row 0, the padding row) and whether every row is a decode row (one
+    token, its sequence's last, sampled)."""
     num_rows, rows = len(scheduled), state.rows(scheduled)
     decode_tokens = _decode_tokens(scheduled)
     if decode_tokens is not None:
@@ -141,7 +147,9 @@ def build_token_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
     ids[:count], pos[:count] = token_ids, positions
     tok_seq, logits = _token_rows(count, num_rows, num_tokens, num_seqs, token_seq, logits_indices)
     slots = _slots(tables, tok_seq[:count], pos[:count], config.block_size, num_tokens)
-    return TokenBatch(ids, pos, slots, tok_seq, tables, logits), index, decode_tokens is not None
+    sampled = (pick_bucket(config.sampled_row_buckets(), max(num_rows, 1)) if state.sampled_rows_apart
+               else num_seqs)
+    return TokenBatch(ids, pos, slots, tok_seq, tables, logits), index[:sampled], decode_tokens is not None
 
 
 def _decode_tokens(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int]] | None:

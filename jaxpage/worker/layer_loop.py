@@ -40,6 +40,8 @@ class LayerLoop:
     begin: object  # (top weights, batch) -> (x, what the layers share: page plans, RoPE tables)
     layer: object  # (layer weights, layer constants, x, pool, batch, shared) -> (x, pool)
     end: object  # (top weights, x, batch) -> (final-normed x, its rows at the batch's logits indices)
+    # (rows, like) -> the first len(like) rows: a step whose sampled rows are fewer than its bucket's sequences
+    first_rows: object
     sampler: object  # (top weights, rows, sampling) -> sampler output (step_tail.sample_rows)
     # (top weights, rows) -> the sampler's output where every row is plain greedy (greedy_rows); None where the
     # step returns each row's distribution (a draft model's runner)
@@ -47,7 +49,8 @@ class LayerLoop:
     prompt: object  # (top weights, final-normed x, prompt targets) -> prompt logprobs (step_tail.prompt_logprobs_of)
     consts: tuple  # each layer's LayerConstants, on the device(s)
     inputs: object  # the batch's sharding, placed once for all layers
-    # the compiled begin, end, sampler and prompt stages (futures) by their inputs' shapes, shared by the buckets
+    # the compiled begin, end, sampler and prompt stages (futures) by their inputs' shapes, shared by the buckets.
+    # A compiled LayerLoop holds first_rows, sampler and greedy by the number of rows they sample.
     compiled: dict
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # buckets compile on several threads
 
@@ -60,11 +63,13 @@ class LayerLoop:
         for i, consts in enumerate(self.consts):
             x, pool = self.layer(layers[i], consts, x, pool, batch, shared)
         x, rows = self.end(top, x, base)
-        targets = sampling.prompt_targets
+        targets, num_sampled = sampling.prompt_targets, np.shape(sampling.temperature)[0]
+        if num_sampled < rows.shape[0]:  # InputBatch.sampled_rows_apart
+            rows = self.for_rows("first_rows", num_sampled)(rows, sampling.temperature)
         if self.greedy is not None and is_plain_greedy(sampling):
-            out = self.greedy(top, rows)
+            out = self.for_rows("greedy", num_sampled)(top, rows)
         else:
-            out = self.sampler(top, rows, dataclasses.replace(sampling, prompt_targets=None))
+            out = self.for_rows("sampler", num_sampled)(top, rows, dataclasses.replace(sampling, prompt_targets=None))
         if targets is not None and (isinstance(targets, jax.Array) or np.any(np.asarray(targets) >= 0)):
             out = dataclasses.replace(out, prompt=self.prompt(top, x, targets))
         return out, pool
@@ -90,22 +95,30 @@ class LayerLoop:
         consts = tuple(jax.tree.map(lambda a, i=i: put(a[i], inputs), consts) for i in range(cfg.num_layers))
         layer_step = jit_on_pool(one_layer, 6, 3, "pair", where, {0: weights["layers"][0]}, config.kv_dtype,
                                  packs_kv(config.model, config.attention_backend))
-        return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(functools.partial(sample_rows, config)),
+        return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(_first_rows),
+                   jax.jit(functools.partial(sample_rows, config)),
                    None if config.sampler_returns_probs else jax.jit(functools.partial(greedy_rows, config)),
                    jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {})
 
-    def compile(self, params: dict, pool, batch, sampling) -> "LayerLoop":
-        """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled."""
+    def compile(self, params: dict, pool, batch, sampling, fewer_rows: tuple = ()) -> "LayerLoop":
+        """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled; its
+        tail also for each of ``fewer_rows``, sampling inputs of fewer rows than the batch's sequences."""
         top, layer, base = top_weights(params), params["layers"][0], dataclasses.replace(batch, lora=None)
         x, shared = jax.eval_shape(self.begin, top, base)
         _, rows = jax.eval_shape(self.end, top, x, base)
-        targets, sampling = sampling.prompt_targets, dataclasses.replace(sampling, prompt_targets=None)
+        targets = sampling.prompt_targets
+        tails = {np.shape(s.temperature)[0]: dataclasses.replace(s, prompt_targets=None)
+                 for s in (sampling, *fewer_rows)}
+        rows_of = {n: jax.ShapeDtypeStruct((n, *rows.shape[1:]), rows.dtype) for n in tails}
         return dataclasses.replace(
             self, begin=self._shared("begin", self.begin, top, base),
             layer=self.layer.lower(layer, self.consts[0], x, pool, batch, shared).compile(),
-            end=self._shared("end", self.end, top, x, base), sampler=self._shared("sampler", self.sampler, top, rows,
-                                                                                 sampling),
-            greedy=self._shared("greedy", self.greedy, top, rows) if self.greedy is not None else None,
+            end=self._shared("end", self.end, top, x, base),
+            first_rows={n: self._shared("first_rows", self.first_rows, rows, s.temperature)
+                        for n, s in tails.items() if n < rows.shape[0]},
+            sampler={n: self._shared("sampler", self.sampler, top, rows_of[n], s) for n, s in tails.items()},
+            greedy=({n: self._shared("greedy", self.greedy, top, rows_of[n]) for n in tails}
+                    if self.greedy is not None else None),
             prompt=self._shared("prompt", self.prompt, top, x, targets) if targets is not None else None)
 
     def _shared(self, name: str, jitted, *args):
@@ -126,13 +139,25 @@ class LayerLoop:
     @staticmethod
     def _compile_stage(name: str, jitted, args):
         compiled = jitted.lower(*args).compile()
-        if name == "greedy":  # the runner's first run on padding samples through the general sampler: this one's
-            # first run (0.3-0.7 s of the runtime's set-up on a CPU) is taken here
+        if name in ("greedy", "first_rows"):  # stages the runner's first run on padding does not run: their
+            # first run (0.3-0.7 s of the runtime's set-up on a CPU for the sampler) is taken here
             zeros = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.zeros(a.shape, a.dtype), args)
             jax.block_until_ready(compiled(*zeros))
         return compiled
 
+    def for_rows(self, stage: str, num_rows: int):
+        """The tail stage ``stage`` ("first_rows", "sampler", "greedy") for ``num_rows`` sampled rows: the jitted
+        function, or in a compiled LayerLoop its executable for them."""
+        found = getattr(self, stage)
+        return found[num_rows] if isinstance(found, dict) else found
+
     def as_text(self) -> str:
-        """The compiled executables' HLO, as a compiled step's ``as_text``."""
-        stages = (self.begin, self.layer, self.end, self.sampler, self.greedy, self.prompt)
+        """The compiled executables' HLO, as a compiled step's ``as_text`` (the tail's of its bucket's rows)."""
+        stages = (self.begin, self.layer, self.end, *(max(s.items())[1] for s in (self.sampler, self.greedy)
+                                                      if s is not None), self.prompt)
         return "\n".join(f.as_text() for f in stages if f is not None)
+
+
+def _first_rows(rows, like):
+    return rows[:like.shape[0]]
+

@@ -38,7 +38,14 @@ from jaxpage.worker.step import (
     substitute_placeholders,
     weight_shardings,
 )
-from jaxpage.worker.warmup import WarmupProgram, compile_all, compile_threads, program_inputs, warmup_programs
+from jaxpage.worker.warmup import (
+    WarmupProgram,
+    compile_all,
+    compile_threads,
+    fewer_rows_inputs,
+    program_inputs,
+    warmup_programs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +133,8 @@ class ModelRunner:
                       if config.num_offload_blocks else None)
         self.disk_tier = self.tiers.disk_tier if self.tiers is not None else None
         self.eos_token_ids: tuple[int, ...] = ()
-        self.input_batch = InputBatch(config)  # build_batch's persistent block tables and sampling settings
+        # build_batch's persistent block tables and sampling settings; the host loop samples a step's rows only
+        self.input_batch = InputBatch(config, sampled_rows_apart=host_loop and jax.process_count() == 1)
         self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))
 
     def warm_up(self, progress: bool = True) -> None:
@@ -158,7 +166,8 @@ class ModelRunner:
         inputs = program_inputs(self.config, program)
         if program.kind == "substitute":
             return self._substitute.lower(*inputs).compile()
-        return compile_step(self._step, self.params, self.kv_pool, *inputs)
+        fewer = fewer_rows_inputs(self.config, program) if self.input_batch.sampled_rows_apart else ()
+        return compile_step(self._step, self.params, self.kv_pool, *inputs, fewer)
 
     def _first_run(self, program: WarmupProgram, compiled) -> None:
         """Runs a new executable once on zeros (a step's all-padding batch writes only the null block): the first

@@ -46,10 +46,11 @@ def jit_step(config: EngineConfig, where=None):
                        packs_kv(config.model, config.attention_backend))
 
 
-def compile_step(jitted, params, pool, batch, sampling):
-    """A bucket's executable of ``jit_step`` or a jitted ``LayerLoop``, for these (abstract) inputs."""
+def compile_step(jitted, params, pool, batch, sampling, fewer_rows: tuple = ()):
+    """A bucket's executable of ``jit_step`` or a jitted ``LayerLoop``, for these (abstract) inputs; a
+    LayerLoop's also samples each of ``fewer_rows`` (abstract sampling inputs of fewer rows than the bucket's)."""
     if isinstance(jitted, LayerLoop):
-        return jitted.compile(params, pool, batch, sampling)
+        return jitted.compile(params, pool, batch, sampling, fewer_rows)
     return jitted.lower(params, pool, batch, sampling).compile()
 
 
@@ -79,27 +80,30 @@ def replicated(config: EngineConfig):
     return NamedSharding(where, PartitionSpec()) if isinstance(where, Mesh) else SingleDeviceSharding(where)
 
 
-def abstract_step_inputs(config: EngineConfig, num_tokens: int, num_loras: int | None = None):
+def abstract_step_inputs(config: EngineConfig, num_tokens: int, num_loras: int | None = None,
+                         num_sampled: int | None = None):
     """The shapes of one bucket's (batch, sampling) inputs, for compiling ahead of time; with ``num_loras``
-    adapter slots in the step (0: none; None: an engine with LoRA's largest slots bucket, every slot)."""
+    adapter slots in the step (0: none; None: an engine with LoRA's largest slots bucket, every slot) and
+    ``num_sampled`` sampled rows (None: the bucket's sequence count; fewer: InputBatch.sampled_rows_apart)."""
     num_seqs = config.num_seqs_for(num_tokens)
     if num_loras is None:
         num_loras = lora_buckets(config.model.max_loras)[-1] if config.model.max_loras else 0
+    rows = num_seqs if num_sampled is None else num_sampled
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     batch = TokenBatch(i32(num_tokens), i32(num_tokens), i32(num_tokens), i32(num_tokens),
                        i32(num_seqs, config.max_blocks_per_seq), i32(num_seqs),
                        LoRAMapping(i32(num_tokens), i32(num_loras)) if num_loras else None)
-    sampling = SamplingBatch(f32(num_seqs), i32(num_seqs), f32(num_seqs), f32(num_seqs),
-                             jax.ShapeDtypeStruct((num_seqs,), jnp.uint32), i32(num_seqs),
-                             f32(num_seqs), f32(num_seqs), f32(num_seqs),
-                             i32(config.max_num_seqs + 1, config.max_model_len), i32(num_seqs), i32(num_seqs),
-                             i32(num_seqs, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
-                             i32(num_seqs, bitmask_words(config.model.vocab_size)),
-                             i32(num_seqs, MAX_LOGIT_BIAS), f32(num_seqs, MAX_LOGIT_BIAS), i32(num_tokens),
-                             *((i32(num_seqs), f32(num_seqs, config.model.vocab_size))
+    sampling = SamplingBatch(f32(rows), i32(rows), f32(rows), f32(rows),
+                             jax.ShapeDtypeStruct((rows,), jnp.uint32), i32(rows),
+                             f32(rows), f32(rows), f32(rows),
+                             i32(config.max_num_seqs + 1, config.max_model_len), i32(rows), i32(rows),
+                             i32(rows, MAX_BANNED), jax.ShapeDtypeStruct((), jnp.bool_),
+                             i32(rows, bitmask_words(config.model.vocab_size)),
+                             i32(rows, MAX_LOGIT_BIAS), f32(rows, MAX_LOGIT_BIAS), i32(num_tokens),
+                             *((i32(rows), f32(rows, config.model.vocab_size))
                                if config.verifies_draft_probs else (None, None)),
-                             i32(num_seqs, config.num_draft_tokens) if config.num_draft_tokens else None)
+                             i32(rows, config.num_draft_tokens) if config.num_draft_tokens else None)
     return batch, sampling
 
 

@@ -57,6 +57,14 @@ def program_inputs(config: EngineConfig, program: WarmupProgram) -> tuple:
     return ids, jax.ShapeDtypeStruct((program.num_sampled,), jnp.int32, sharding=replicated(config)), ids
 
 
+def fewer_rows_inputs(config: EngineConfig, program: WarmupProgram) -> tuple:
+    """A step program's abstract sampling inputs for each sampled rows' size below its bucket's sequence count
+    (``config.sampled_row_buckets()``; InputBatch.sampled_rows_apart)."""
+    num_seqs = config.num_seqs_for(program.num_tokens)
+    return tuple(abstract_step_inputs(config, program.num_tokens, program.num_loras, num_sampled=n)[1]
+                 for n in config.sampled_row_buckets() if n < num_seqs)
+
+
 def previous_buckets(config: EngineConfig, num_tokens: int) -> list[int]:
     """The buckets of the step before that a step of this bucket may take placeholders from: any, without
     speculative decoding (a decode step after a step of prompt chunks of the same rows is smaller); with it, any
