@@ -105,6 +105,9 @@ class LLMEngine:
         # Async scheduling, where the runner can leave a step running (launch/fetch; not across several hosts)
         self.async_scheduling = config.async_scheduling and getattr(runner, "supports_async_scheduling", False)
         self._in_flight: InFlight | None = None  # the decode step left running on the device
+        # a launched step that is not the decode fast path, read at the start of the next step() (async
+        # scheduling): the step before's outputs go out while it runs, not after it
+        self._unread = None
         self._ready: list[RequestOutput] = []  # outputs of a step in flight read outside step(), for the next
 
     @classmethod
@@ -262,9 +265,12 @@ class LLMEngine:
 
         With async scheduling a decode step is left running on the device: the next call schedules and launches
         the step after it (its tokens taken from the device) before it reads this one's, so outputs come a step
-        late; anything but the decode fast path waits for the step in flight first (see DESIGN.md, the step)."""
+        late; anything but the decode fast path waits for the step in flight first, and is itself read at the
+        start of the next call when this one has outputs to return (see DESIGN.md, the step)."""
         outputs, self._ready = self._ready, []
-        if self._in_flight is not None:
+        if self._unread is not None:
+            outputs += self._read_unread()
+        elif self._in_flight is not None:
             ahead = self.scheduler.schedule_ahead() if self.async_scheduling else None
             if ahead is not None:
                 self.runner.apply(ahead.ops)
@@ -295,11 +301,16 @@ class LLMEngine:
         if not failed and self.scheduler.runs_ahead(out.scheduled):
             self._hold(launched)
             return outputs
+        if outputs and not failed:
+            self._unread = launched
+            return outputs
         return outputs + self._update(out.scheduled, self.runner.fetch(launched), failed)
 
     def wait_for_step(self) -> None:
-        """Waits for the step in flight, if any (async scheduling), and takes its tokens: the queues are then as
-        after a synchronous step. Its outputs come with the next ``step()``."""
+        """Waits for the step in flight or unread, if any (async scheduling), and takes its tokens: the queues are
+        then as after a synchronous step. Its outputs come with the next ``step()``."""
+        if self._unread is not None:
+            self._ready += self._read_unread()
         if self._in_flight is not None:
             self._ready += self._finish_in_flight()
 
@@ -325,6 +336,11 @@ class LLMEngine:
         flight, self._in_flight = self._in_flight, None
         self.scheduler.remove_placeholders([flight.launched.scheduled[i] for i in flight.rows])
         return self._finish(flight.launched, flight.rows)
+
+    def _read_unread(self) -> list[RequestOutput]:
+        """The unread step's tokens, waited for and taken as a synchronous step's."""
+        launched, self._unread = self._unread, None
+        return self._update(launched.scheduled, self.runner.fetch(launched), {})
 
     def _finish(self, launched, rows: list[int]) -> list[RequestOutput]:
         """A launched step's tokens read, those of ``rows`` taken (a row whose sequence ended since its launch
