@@ -213,8 +213,6 @@ class EngineConfig:
     max_long_partial_prefills: int = 1
     # a step whose decodes are fewer than the prompts that could compute in it lifts those caps (prefill_limits.py)
     wave_prefill: bool = True
-    # on the XLA path a prefill chunk that takes the step just past a token bucket ends on it (prefill_limits.py)
-    bucket_fit_prefill: bool = True
     max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     sampler_returns_probs: bool = False  # a draft model's runner: the step returns each row's distribution (q)

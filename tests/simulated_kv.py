@@ -68,7 +68,6 @@ class FakeRunner:
         self.window = config.model.sliding_window if config.model.every_layer_windowed else 0
         self.moves: list[tuple[str, int, int]] = []
         self.max_rows = 0
-        self.step_rows: list[list[int]] = []  # each step's rows' new tokens, in order
 
     def warm_up(self, progress: bool = False) -> None:
         pass
@@ -134,7 +133,6 @@ class FakeRunner:
         cfg, bs = self.config, self.config.block_size
         n = len(scheduled)
         self.max_rows = max(self.max_rows, n)
-        self.step_rows.append([s.num_new_tokens for s in scheduled])
         assert n <= cfg.max_num_seqs, f"{n} sequences in one step, max_num_seqs={cfg.max_num_seqs}"
         drafts = [(s, j) for s in scheduled for j in range(len(s.spec_token_ids))]  # a sampled row each, after
         assert n + len(drafts) <= cfg.max_sampled_rows, f"{n} rows and {len(drafts)} draft rows in one step"
@@ -251,8 +249,7 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                 max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                wave_prefill: bool = EngineArgs.wave_prefill, bucket_fit_prefill: bool = EngineArgs.bucket_fit_prefill,
-                async_scheduling: bool = True, max_loras: int = 0,
+                wave_prefill: bool = EngineArgs.wave_prefill, async_scheduling: bool = True, max_loras: int = 0,
                 speculative: int = 0, disable_by_batch_size: int | None = None, num_offload_blocks: int = 0,
                 offload_disk: bool | str = False, offload_disk_bytes: int = 1 << 30) -> LLMEngine:
     """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off.
@@ -270,8 +267,7 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  preemption_mode=mode, long_prefill_token_threshold=long_prefill_token_threshold,
                                  max_num_partial_prefills=max_num_partial_prefills,
                                  max_long_partial_prefills=max_long_partial_prefills,
-                                 wave_prefill=wave_prefill, bucket_fit_prefill=bucket_fit_prefill,
-                                 async_scheduling=async_scheduling,
+                                 wave_prefill=wave_prefill, async_scheduling=async_scheduling,
                                  enable_lora=max_loras > 0,                                 max_loras=max(max_loras, 1),
                                  speculative_config={"method": "ngram", "num_speculative_tokens": speculative,
                                                      "disable_by_batch_size": disable_by_batch_size}
@@ -410,7 +406,6 @@ def scenarios(draw, tiers: bool = False):
         "max_num_partial_prefills": partial,
         "max_long_partial_prefills": draw(st.integers(1, partial)),
         "wave_prefill": draw(st.booleans()),
-        "bucket_fit_prefill": draw(st.booleans()),
         "max_loras": draw(st.sampled_from([0, 1, 2])),  # LoRA adapter slots (0: no LoRA)
     }
     if setup["prefix_caching"]:  # the prefix cache's host tier (small: its LRU evicts) and disk tier

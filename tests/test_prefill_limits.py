@@ -76,7 +76,7 @@ def test_one_prefill_a_step_admits_every_queued_prompt_in_turn():
     none starves."""
     rng = np.random.default_rng(2)
     engine = make_engine(num_kv_blocks=60, max_num_seqs=8, max_num_batched_tokens=64, max_num_partial_prefills=1,
-                         wave_prefill=False, bucket_fit_prefill=False)  # a fitted chunk ends a step later
+                         wave_prefill=False)
     for i in range(5):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt(rng, 6)}, GREEDY)
     first_token: dict[str, int] = {}
@@ -194,29 +194,3 @@ def test_several_partial_prefills_default_the_threshold_to_4_percent_of_max_mode
     engine = make_engine(num_kv_blocks=20, max_model_len=64, long_prefill_token_threshold=0,
                          max_num_partial_prefills=2)
     assert engine.config.long_prefill_token_threshold == int(64 * 0.04) == 2
-
-
-@pytest.mark.parametrize("fit", [True, False])
-def test_a_prompt_chunk_is_cut_to_end_on_a_token_bucket(fit):
-    """bucket_fit_prefill on the XLA path: with 7 decodes in a step, a 64-token prompt would make a 71-token step
-    padded to the 96-token bucket; it computes 57 tokens (the 64-token bucket) and its last 7 in the next step,
-    beside the decodes (which still get a token every step). A chunk that ends on a bucket, or whose cut would
-    keep less than half of it, is not cut. Without the option it computes in one step."""
-    rng = np.random.default_rng(2)
-    engine = make_engine(num_kv_blocks=80, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128,
-                         bucket_fit_prefill=fit, long_prefill_token_threshold=64)
-    assert engine.config.token_buckets()[4:8] == [32, 48, 64, 96]
-    limits = PrefillLimits.for_step(engine.config, decodes=7, prefills=1)
-    assert limits.tokens_for(64, 128) == (57 if fit else 64)
-    assert PrefillLimits.for_step(engine.config, decodes=0, prefills=1).tokens_for(64, 128) == 64  # on a bucket
-    assert PrefillLimits.for_step(engine.config, decodes=45, prefills=1).tokens_for(8, 128) == 8  # cut: 3 of 8
-    for i in range(7):
-        engine.add_request(f"d{i}", {"prompt_token_ids": prompt(rng, 3)},
-                           SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    for _ in range(4):  # their prompts, then decodes
-        engine.step()
-    engine.add_request("p", {"prompt_token_ids": prompt(rng, 64)}, GREEDY)
-    run_checked(engine)
-    prompt_steps = [rows for rows in engine.runner.step_rows if len(rows) == 8][:2]
-    assert prompt_steps == ([[1] * 7 + [57], [1] * 7 + [7]] if fit else [[1] * 7 + [64], [1] * 8])
-    check_all_free(engine)

@@ -22,12 +22,7 @@ class PrefillLimits:
       (running ones with tokens left, and queued ones up to the free rows of max_num_seqs: a backlog deeper than
       that waits either way) has none of the three caps, only the step's token budget: a wave of arrivals then
       prefills in as few steps as the budget allows, and the few decodes beside it wait once, rather than every
-      decode of the next steps waiting beside a chunk each step;
-    - with ``config.bucket_fit_prefill`` on the XLA path (a step there costs in proportion to its padded token
-      bucket, see ``EngineConfig.token_buckets``), a prefill whose tokens would take the step just past a bucket
-      is cut to end on that bucket, when it keeps at least half of them: 7 decodes and a 64-token prompt are a
-      71-token step padded to 96; cut to 57 tokens they fill a 64-token step, and the prompt's last 7 tokens go
-      beside the decodes of the next step (padded from 8 to 16)."""
+      decode of the next steps waiting beside a chunk each step."""
 
     threshold: int
     max_prefills: int
@@ -35,18 +30,14 @@ class PrefillLimits:
     decodes_left: int = 0
     prefills: int = 0
     long: int = 0
-    buckets: tuple[int, ...] = ()  # the token buckets a prefill's chunk is cut to fit (empty: no cut)
-    max_tokens: int = 0  # the step's token budget (max_num_batched_tokens)
 
     @classmethod
     def for_step(cls, config: EngineConfig, decodes: int, prefills: int) -> PrefillLimits:
         """The limits of a step with ``decodes`` decode rows running and ``prefills`` prompts to compute."""
         if config.wave_prefill and decodes < prefills:
             return cls(0, config.max_num_seqs, config.max_num_seqs, decodes_left=decodes)
-        fit = config.bucket_fit_prefill and config.attention_backend == "xla"
         return cls(config.long_prefill_token_threshold, config.max_num_partial_prefills,
-                   config.max_long_partial_prefills, decodes_left=decodes,
-                   buckets=tuple(config.token_buckets()) if fit else (), max_tokens=config.max_num_batched_tokens)
+                   config.max_long_partial_prefills, decodes_left=decodes)
 
     def is_long(self, num_left: int) -> bool:
         return 0 < self.threshold < num_left
@@ -65,21 +56,12 @@ class PrefillLimits:
             return min(num_left, budget)
         if not self.can_start(num_left):
             return 0
-        num_new = self._fit_bucket(min(num_left, self.threshold or num_left, budget - self.decodes_left), budget)
+        num_new = min(num_left, self.threshold or num_left, budget - self.decodes_left)
         if num_new <= 0:
             return 0
         self.prefills += 1
         self.long += self.is_long(num_left)
         return num_new
-
-    def _fit_bucket(self, num_new: int, budget: int) -> int:
-        """num_new cut so that the step (the tokens before it, it and the decodes still to come) ends on the
-        bucket below, where that keeps at least half of it."""
-        before = self.max_tokens - budget + self.decodes_left
-        if not self.buckets or before + num_new in self.buckets:
-            return num_new
-        below = max((b for b in self.buckets if b < before + num_new), default=0)
-        return below - before if 2 * (below - before) >= num_new else num_new
 
 
 def decodes_and_prefills(groups) -> tuple[int, int]:

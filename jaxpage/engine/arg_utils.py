@@ -153,9 +153,6 @@ class EngineArgs(CliArgs):
     wave_prefill: bool = dataclasses.field(default=True, metadata=_option(
         "a step whose running decodes are fewer than the prompts waiting to compute lifts the three caps above "
         "(only --max-num-batched-tokens bounds it): a wave of arrivals prefills in as few steps as it allows"))
-    bucket_fit_prefill: bool = dataclasses.field(default=True, metadata=_option(
-        "on the XLA path (the CPU's), a prompt chunk that would take the step just past a token bucket is cut "
-        "to end on that bucket (keeping at least half of it); its rest goes in the next step"))
     async_scheduling: bool = dataclasses.field(default=True, metadata=_option(
         "schedule and build step N+1 while step N runs; the sampled tokens stay on the device and enter the next "
         "step there, the host reads them a step late (steps that need them first, e.g. structured outputs, beams "
