@@ -45,10 +45,12 @@ def xla_cpu_thunk(plane: str, line: str, event: str) -> bool:
     return "XLA" in line and not event.startswith(BOOKKEEPING)
 
 
-def traced_steps(engine, steps: int, before_each=None, keep=xla_cpu_thunk) -> tuple[list[float], list]:
+def traced_steps(engine, steps: int, before_each=None, keep=xla_cpu_thunk,
+                 read: bool = False) -> tuple[list[float], list]:
     """``steps`` engine steps under one profiler session: each step's wall ms, and the events (line, name, start,
     end) that ``keep(plane, line, name)`` selects (by default the XLA:CPU threads' thunks) that start while a
-    step runs (times are the session's own)."""
+    step runs (times are the session's own). ``read``: each step's own tokens are read in its window
+    (``wait_for_step``): a step that is not the decode fast path is read by the next call otherwise."""
     walls = []
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -58,6 +60,8 @@ def traced_steps(engine, steps: int, before_each=None, keep=xla_cpu_thunk) -> tu
                 start = time.perf_counter_ns()
                 with jax.profiler.TraceAnnotation("engine_step"):
                     engine.step()
+                    if read:
+                        engine.wait_for_step()
                 walls.append((time.perf_counter_ns() - start) / 1e6)
         data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     events, windows = [], []
@@ -130,7 +134,7 @@ def main() -> None:
         add_requests(llm, range(new, new + 1), rng, args.prompt_len, budget)
     sessions = []
     for _ in range(args.mixed):
-        sessions.append(traced_steps(llm.engine, 1, swap_one))
+        sessions.append(traced_steps(llm.engine, 1, swap_one, read=True))
         for _ in range(2):
             llm.engine.step()
     result["mixed"] = summarize(sessions, hlo["mixed"])

@@ -45,6 +45,7 @@ class InputBatch:
     def __init__(self, config: EngineConfig, sampled_rows_apart: bool = False):
         self.config = config
         self.sampled_rows_apart = sampled_rows_apart
+        self.sampled_row_buckets = config.sampled_row_buckets()
         self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
         self._allocate(config.max_num_seqs * 2 + 1)
         self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len, replicated(config),
@@ -147,8 +148,7 @@ def build_token_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
     ids[:count], pos[:count] = token_ids, positions
     tok_seq, logits = _token_rows(count, num_rows, num_tokens, num_seqs, token_seq, logits_indices)
     slots = _slots(tables, tok_seq[:count], pos[:count], config.block_size, num_tokens)
-    sampled = (pick_bucket(config.sampled_row_buckets(), max(num_rows, 1)) if state.sampled_rows_apart
-               else num_seqs)
+    sampled = pick_bucket(state.sampled_row_buckets, max(num_rows, 1)) if state.sampled_rows_apart else num_seqs
     return TokenBatch(ids, pos, slots, tok_seq, tables, logits), index[:sampled], decode_tokens is not None
 
 

@@ -160,4 +160,3 @@ class LayerLoop:
 
 def _first_rows(rows, like):
     return rows[:like.shape[0]]
-
