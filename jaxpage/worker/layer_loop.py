@@ -110,11 +110,12 @@ class LayerLoop:
         tails = {np.shape(s.temperature)[0]: dataclasses.replace(s, prompt_targets=None)
                  for s in (sampling, *fewer_rows)}
         rows_of = {n: jax.ShapeDtypeStruct((n, *rows.shape[1:]), rows.dtype) for n in tails}
+        placed = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.inputs)  # noqa: E731 (no weights)
         return dataclasses.replace(
             self, begin=self._shared("begin", self.begin, top, base),
             layer=self.layer.lower(layer, self.consts[0], x, pool, batch, shared).compile(),
             end=self._shared("end", self.end, top, x, base),
-            first_rows={n: self._shared("first_rows", self.first_rows, rows, s.temperature)
+            first_rows={n: self._shared("first_rows", self.first_rows, placed(rows), placed(s.temperature))
                         for n, s in tails.items() if n < rows.shape[0]},
             sampler={n: self._shared("sampler", self.sampler, top, rows_of[n], s) for n, s in tails.items()},
             greedy=({n: self._shared("greedy", self.greedy, top, rows_of[n]) for n in tails}
