@@ -34,7 +34,8 @@ from hypothesis import HealthCheck, event, given, settings
 
 from jaxpage.core.kv_cache_manager import COPY, SWAP_OUT
 from jaxpage.sampling_params import SamplingParams
-from tests.simulated_kv import EOS, VOCAB, check_accounting, check_all_free, make_engine, play, run_checked, scenarios
+from tests.simulated_kv import (BLOCK_SIZE, EOS, VOCAB, check_accounting, check_all_free, make_engine, play,
+                                run_checked, scenarios)
 
 
 # --- the property test ------------------------------------------------------------------------------
@@ -114,6 +115,30 @@ def test_async_scheduling_runs_ahead_and_drops_the_extra_token(mode):
                                stop_token_ids=[3] if i == 3 else [], ignore_eos=i < 2)
             engine.add_request(f"r{i}", {"prompt_token_ids": [1 + (i * 7 + j) % (VOCAB - 1) for j in range(9)]}, p)
         done = run_checked(engine)
+        check_all_free(engine)
+        return _ends(done), asked
+    expected, _ = run(False)
+    got, asked = run(True)
+    assert got == expected
+    assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
+
+
+def test_requests_over_a_cached_prefix_are_scheduled_ahead():
+    """Requests whose prompts share full blocks found in the prefix cache (blocks with several holders, never
+    written: a prompt's last token goes into a block of its own) still take the decode fast path while a step
+    runs, with synchronous scheduling's tokens; a fork's first token, written into a shared block, is copied
+    first. Every block comes back."""
+    def run(async_scheduling):
+        engine = make_engine(num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
+                             async_scheduling=async_scheduling)
+        asked = _count_ahead(engine)
+        prefix = [1 + j % (VOCAB - 1) for j in range(3 * BLOCK_SIZE)]
+        for i in range(4):
+            p = SamplingParams(temperature=0.0, seed=i, max_tokens=12 + 3 * i, ignore_eos=True, n=2 if i == 3 else 1)
+            engine.add_request(f"r{i}", {"prompt_token_ids": prefix + [5 + i, 9 + i]}, p)
+            engine.step()  # the first prompt is cached before the next one arrives
+        done = run_checked(engine)
+        assert engine.kv.prefix_cache_hits > 0
         check_all_free(engine)
         return _ends(done), asked
     expected, _ = run(False)

@@ -84,14 +84,16 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def has_shared_blocks(self) -> bool:
-        """Whether some block has several holders (a write into it first copies it)."""
-        return self.pool.num_shared > 0
+    def writes_shared_block(self, seq: Sequence) -> bool:
+        """Whether the sequence's next token goes into a block someone else holds (it is copied first). A prefix
+        cache's shared blocks are full, so only a fork's partly filled last block is ever written shared."""
+        return self.pool.num_shared > 0 and self._shared_write_block(seq) is not None
 
     def has_room(self, seq: Sequence, num_new: int) -> bool:
         """Whether the sequence's blocks hold num_new more tokens with no block to allocate or copy (the common
         decode step)."""
-        return not self.pool.num_shared and seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_size
+        return (seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_size
+                and not self.writes_shared_block(seq))
 
     def blocks_to_recompute(self, seqs: list[Sequence]) -> int:
         """Blocks to compute these sequences afresh: with prefix caching the full blocks of their common prefix
@@ -215,7 +217,7 @@ class KVCacheManager:
         """New blocks to write num_new more tokens: growth plus a copy of a shared block written into."""
         end = seq.num_computed_tokens + num_new
         growth = max(0, cdiv(end, self.block_size) - len(seq.block_table))
-        return growth + (self.pool.num_shared > 0 and self._shared_write_block(seq) is not None)
+        return growth + self.writes_shared_block(seq)
 
     def allocate_slots(self, seq: Sequence, num_new: int) -> bool:
         """Reserves the blocks to write num_new more tokens, if the pool has them (vLLM's allocate_slots); False,

@@ -250,8 +250,8 @@ class Scheduler:
         scheduling pass would rebuild them, the blocks a row now needs allocated in the same order, then the
         drafts proposed (speculative decoding). None (and nothing changed) when anything differs, or when a row
         cannot get its block without a preemption."""
-        if self.waiting or self.swapped or self._failed or self.kv.has_shared_blocks():
-            return None  # admission, swap-in or copy-on-write: the full pass
+        if self.waiting or self.swapped or self._failed:
+            return None  # admission or swap-in: the full pass
         if len(rows) > self.config.max_num_batched_tokens:
             return None
         grow = []
@@ -260,6 +260,8 @@ class Scheduler:
             self.kv.free_dead_blocks(seq)
             if len(seq.token_ids) != seq.num_computed_tokens + 1:
                 return None  # not exactly one new token (an engine step did not run; or it finished)
+            if self.kv.writes_shared_block(seq):
+                return None  # copy-on-write (a fork's first token): the full pass
             if not self.kv.has_room(seq, 1):
                 grow.append(seq)
         if grow and sum(self.kv.blocks_needed(seq, 1) for seq in grow) > self.kv.num_free_blocks():
