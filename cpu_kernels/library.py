@@ -24,11 +24,12 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("onednn_matmul.cc", "packed_gemv.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc",
-                             "paged_attention.cc", "lora_delta.cc"))
+                             "paged_attention.cc", "lora_delta.cc", "greedy_pick.cc"))
+HEADERS = (Path(__file__).with_name("simd16.h"),)
 TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
            "jaxpage_gather_rows": "JaxpageGatherRows", "jaxpage_take_blocks": "JaxpageTakeBlocks",
            "jaxpage_put_blocks": "JaxpagePutBlocks", "jaxpage_paged_attention": "JaxpagePagedAttention",
-           "jaxpage_lora_delta": "JaxpageLoraDelta"}
+           "jaxpage_lora_delta": "JaxpageLoraDelta", "jaxpage_greedy_pick": "JaxpageGreedyPick"}
 
 
 def onednn_prefix() -> Path | None:
@@ -59,7 +60,8 @@ def cpu_flags() -> str:
 def build(prefix: Path) -> Path:
     """Compiles the extension once per source, JAX and oneDNN version and CPU; returns the shared library's path."""
     include, flags = jax.ffi.include_dir(), cpu_flags()
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + f"{jax.__version__}{prefix}{flags}".encode())
+    sources = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+    key = hashlib.sha256(sources + f"{jax.__version__}{prefix}{flags}".encode())
     key = key.hexdigest()[:16]
     path = cache_dir() / f"libjaxpage_onednn-{key}.so"
     if path.exists():

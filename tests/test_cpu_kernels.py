@@ -313,3 +313,32 @@ def test_lora_delta_kernel_equals_the_one_hot_form(x_shape, a_shape, b_shape, nu
     np.testing.assert_allclose(ours, ref, rtol=tol, atol=tol * scale)
     cuda = jax.export.export(grouped, platforms=["cuda"])(cast(x), cast(a), cast(b), mapping).mlir_module()
     assert "jaxpage_lora_delta" not in cuda
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,vocab,cap", [(1, 49152, None), (33, 1000, None), (5, 77, 30.0)])
+def test_greedy_pick_kernel_equals_the_numpy_argmax_and_log_softmax(dtype, rows, vocab, cap):
+    """The plain greedy sampler on the CPU (cpu_kernels/greedy_pick.cc, through ``plain_greedy``): the first
+    largest logit's id (ties to the lowest id, as numpy's argmax) and the float64 log-softmax at it, from the LM
+    head's raw output (bfloat16 or float32, soft-capped first where the model caps), and its XLA lowering for
+    another platform keeps XLA's ops."""
+    from jaxpage.worker.sampler import plain_greedy
+
+    rng = np.random.default_rng(rows + vocab)
+    raw = jnp.asarray(rng.standard_normal((rows, vocab)) * 4, dtype)
+    raw = raw.at[rows - 1, [3, vocab - 2]].set(raw[rows - 1].max() + 1)  # a tie: the lower id wins
+    out = jax.jit(lambda x: plain_greedy(x, cap))(raw)
+    logits = np.asarray(raw, np.float64)
+    if cap is not None:
+        logits = cap * np.tanh(logits / cap)
+    logits = np.asarray(logits.astype(np.float32), np.float64)  # the kernel's float32 values
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    tokens = np.argmax(logits, axis=1)
+    np.testing.assert_array_equal(np.asarray(out.tokens), tokens)
+    assert out.tokens[rows - 1] == 3
+    np.testing.assert_allclose(np.asarray(out.logprobs), log_softmax[np.arange(rows), tokens], rtol=1e-5, atol=1e-5)
+    lowered = jax.jit(lambda x: plain_greedy(x, cap)).trace(raw).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jaxpage_greedy_pick" not in lowered
+    assert "jaxpage_greedy_pick" in jax.jit(lambda x: plain_greedy(x, cap)).lower(raw).as_text()

@@ -80,9 +80,12 @@ class CausalLM(nnx.Module):
             x = x * embed_scale(self.cfg.hidden_size, x.dtype)
         return x, StepContext.make(self.cfg, batch, backend, block_size)
 
+    def raw_logits(self, hidden: jax.Array) -> jax.Array:
+        """The LM head's output in the weights' dtype, before the float32 cast and the soft cap."""
+        return self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
-        logits = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
-        return soft_cap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
+        return soft_cap(self.raw_logits(hidden).astype(jnp.float32), self.cfg.final_logit_softcap)
 
 
 def _is_unrolled(params: dict) -> bool:
@@ -154,6 +157,11 @@ def final_norm(cfg: ModelConfig, top: dict, x: jax.Array) -> jax.Array:
 def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
     """float32 logits [N, V] for hidden states [N, D] (params: all the weights, or ``top_weights``)."""
     return _bind_top(cfg, params).logits(hidden)
+
+
+def compute_raw_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """``compute_logits`` before its float32 cast and ``cfg.final_logit_softcap`` (a kernel that takes both)."""
+    return _bind_top(cfg, params).raw_logits(hidden)
 
 
 def unstack_layers(params: dict) -> dict:

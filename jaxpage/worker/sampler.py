@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import greedy_pick as greedy_kernel
 from jaxpage.distributed.parallel import model_axis_size, over_vocab
 from jaxpage.distributed.vocab_shard import VocabShard
+from jaxpage.models.layers import soft_cap
 from jaxpage.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # EOS and stop token ids masked while a sequence is under min_tokens: room for MAX_STOP_TOKEN_IDS and 16 EOS ids
@@ -156,17 +159,30 @@ def is_plain_greedy(sp: SamplingBatch) -> bool:
                 and np.all(np.asarray(sp.allowed) == -1))
 
 
-def plain_greedy(logits: jax.Array) -> SamplerOutput:
-    """``sample``'s output for rows that ``is_plain_greedy`` (one device), without its [S, V] temporaries (the
-    log-softmax, the masks): two thirds of the sampler's time at 32 rows of SmolLM2's logits on a CPU. The
-    log-probability is the log-softmax's at the token, (x - max) - log(sum(exp(x - max)))."""
-    vocab, rows = VocabShard(logits.shape[1], logits.shape[1]), logits.shape[0]
+def plain_greedy(raw_logits: jax.Array, cap: float | None = None) -> SamplerOutput:
+    """``sample``'s output for rows that ``is_plain_greedy`` (one device), from the LM head's output before its
+    float32 cast and soft cap (``compute_raw_logits``; ``cap``: the model's final_logit_softcap). On the CPU one
+    kernel (cpu_kernels/greedy_pick.cc) reads each row once where XLA:CPU makes four passes over [S, V] float32
+    temporaries; elsewhere ``greedy_pick_xla``."""
+    rows = raw_logits.shape[0]
+    no_top = (jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
+    xla = functools.partial(greedy_pick_xla, cap=cap)
+    if not greedy_kernel.available():
+        return SamplerOutput(*xla(raw_logits), *no_top)
+    cpu = functools.partial(greedy_kernel.greedy_pick, soft_cap=cap or 0.0)
+    return SamplerOutput(*jax.lax.platform_dependent(raw_logits, cpu=cpu, default=xla), *no_top)
+
+
+def greedy_pick_xla(raw_logits: jax.Array, cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """(tokens, logprobs) of ``plain_greedy`` in jnp, without the general path's [S, V] temporaries (the
+    log-softmax, the masks): the log-probability is the log-softmax's at the token, (x - max) -
+    log(sum(exp(x - max)))."""
+    logits = soft_cap(raw_logits.astype(jnp.float32), cap)
+    vocab = VocabShard(logits.shape[1], logits.shape[1])
     top = vocab.max(logits)
     tokens = vocab.argmax(logits)
     log_sum = jnp.log(vocab.sum(jnp.exp(logits - top)))
-    logprobs = (vocab.take(logits, tokens) - top[:, 0]) - log_sum[:, 0]
-    return SamplerOutput(tokens, logprobs, jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
-                         jnp.zeros((rows, MAX_LOGPROBS), logits.dtype))
+    return tokens, (vocab.take(logits, tokens) - top[:, 0]) - log_sum[:, 0]
 
 
 def exponential_noise(sp: SamplingBatch, vocab: int) -> jax.Array:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.config import EngineConfig
-from jaxpage.models import TokenBatch, compute_logits
+from jaxpage.models import TokenBatch, compute_logits, compute_raw_logits
 from jaxpage.worker.sampler import (
     PromptLogprobsOutput,
     SamplerOutput,
@@ -41,7 +41,8 @@ def sample_rows(config: EngineConfig, params: dict, rows: jax.Array, sampling: S
 
 def greedy_rows(config: EngineConfig, params: dict, rows: jax.Array) -> SamplerOutput:
     """``sample_rows``' output where every row is plain greedy (``sampler.is_plain_greedy``; one device)."""
-    return plain_greedy(compute_logits(config.model, params, rows))
+    cfg = config.model
+    return plain_greedy(compute_raw_logits(cfg, params, rows), cfg.final_logit_softcap)
 
 
 def prompt_logprobs_of(config: EngineConfig, params: dict, hidden: jax.Array,
