@@ -72,6 +72,15 @@ def _ends(finished: dict) -> dict:
             for rid, out in finished.items()}
 
 
+def _check_ahead_and_synchronous(run) -> None:
+    """run(async_scheduling) -> (the requests' ends, _count_ahead's record): async scheduling ends them as
+    synchronous scheduling does, with most steps scheduled while the one before ran."""
+    expected, _ = run(False)
+    got, asked = run(True)
+    assert got == expected
+    assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
+
+
 def _count_ahead(engine) -> list[bool]:
     """Records, for each time the engine asks, whether the next step was scheduled while one ran."""
     asked, schedule_ahead = [], engine.scheduler.schedule_ahead
@@ -117,10 +126,7 @@ def test_async_scheduling_runs_ahead_and_drops_the_extra_token(mode):
         done = run_checked(engine)
         check_all_free(engine)
         return _ends(done), asked
-    expected, _ = run(False)
-    got, asked = run(True)
-    assert got == expected
-    assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
+    _check_ahead_and_synchronous(run)
 
 
 def test_requests_over_a_cached_prefix_are_scheduled_ahead():
@@ -141,10 +147,7 @@ def test_requests_over_a_cached_prefix_are_scheduled_ahead():
         assert engine.kv.prefix_cache_hits > 0
         check_all_free(engine)
         return _ends(done), asked
-    expected, _ = run(False)
-    got, asked = run(True)
-    assert got == expected
-    assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
+    _check_ahead_and_synchronous(run)
 
 
 @pytest.mark.parametrize("mode, host", [("recompute", 0), ("swap", 32), ("swap", 2)])
