@@ -12,9 +12,10 @@
 //
 // The work is cut into tiles: up to kTile consecutive tokens of one sequence, which read each page once for all
 // of their rows (a prompt chunk), times KV heads; the tiles run on OpenMP threads (the same libgomp team as
-// oneDNN's). Each page's K and V rows are converted to float32 once per tile, and every query row of the tile's
-// KV head (its group of query heads) folds the page into its running softmax (max, sum, output).
+// oneDNN's). Each page's K and V rows are converted to float32 once per tile, and each token's query heads of the
+// tile's KV head (its group, up to four at a time) fold the page into their running softmaxes together.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -143,59 +144,89 @@ inline F16 TransposedSums(F16* x) {
          SHUFFLE2(x[0], x[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-// Folds keys [from, to) of one page (k, v [BS, D] float32, BS <= 16) into one query vector's running softmax
-// (max m, sum l, output out [D]); q [D] is scaled. The page's scores, weights and their sum are computed as one
-// vector of 16 lanes. kChunks: head_dim / 16 (its accumulators stay in registers). Keys outside [from, to) are
-// not read (a stale slot may hold a NaN) and weigh zero.
-template <int64_t kChunks>
-void FoldPage(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float& m,
-              float& l, float* out) {
+// Folds keys [from, to) of one page (k, v [BS, D] float32, BS <= 16) into the running softmaxes (max m, sum l,
+// output out [D]) of kN query vectors q [kN, D] (scaled) that see the same keys: the query heads of one KV head
+// at one token. They share each key and value row's loads and give the core kN independent chains. A page's
+// scores, weights and their sum are vectors of 16 lanes. kChunks: head_dim / 16. Keys outside [from, to) are not
+// read (a stale slot may hold a NaN) and weigh zero.
+template <int64_t kChunks, int64_t kN>
+void FoldPage(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float* m,
+              float* l, float* out) {
   constexpr int64_t dim = 16 * kChunks;
-  F16 qv[kChunks], o[kChunks], dots[16];
-  for (int64_t c = 0; c < kChunks; ++c) qv[c] = Load16(q + 16 * c);
+  F16 qv[kN][kChunks], dots[kN][16], s[kN], w[kN];
+  alignas(64) float weights[kN][16];
+  for (int64_t n = 0; n < kN; ++n)
+    for (int64_t c = 0; c < kChunks; ++c) qv[n][c] = Load16(q + n * dim + 16 * c);
   for (int64_t j = 0; j < 16; ++j) {
-    dots[j] = F16{};
+    for (int64_t n = 0; n < kN; ++n) dots[n][j] = F16{};
     if (j < from || j >= to) continue;
     const float* key = k + j * dim;
-    for (int64_t c = 0; c < kChunks; ++c) dots[j] += qv[c] * Load16(key + 16 * c);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      const F16 kc = Load16(key + 16 * c);
+      for (int64_t n = 0; n < kN; ++n) dots[n][j] += qv[n][c] * kc;
+    }
   }
-  F16 s = TransposedSums(dots);
-  if (soft_cap > 0)
-    for (int64_t j = from; j < to; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
   const I16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const I16 in = (lane >= static_cast<int32_t>(from)) & (lane < static_cast<int32_t>(to));
-  s = Select(in, s, F16{} + kNegInf);
-  const float new_max = std::max(m, Max16(s)), correction = Exp16(F16{} + (m - new_max))[0];
-  const F16 w = Select(in, Exp16(s - new_max), F16{});
-  for (int64_t c = 0; c < kChunks; ++c) o[c] = Load16(out + 16 * c) * correction;
+  F16 shift{};  // lane n: m[n] - its new max
+  for (int64_t n = 0; n < kN; ++n) {
+    s[n] = TransposedSums(dots[n]);
+    if (soft_cap > 0)
+      for (int64_t j = from; j < to; ++j) s[n][j] = soft_cap * std::tanh(s[n][j] / soft_cap);
+    s[n] = Select(in, s[n], F16{} + kNegInf);
+    const float new_max = std::max(m[n], Max16(s[n]));
+    shift[n] = m[n] - new_max;
+    m[n] = new_max;
+    w[n] = Select(in, Exp16(s[n] - new_max), F16{});
+    Store16(weights[n], w[n]);
+  }
+  const F16 correction = Exp16(shift);
+  F16 o[kN][kChunks];
+  for (int64_t n = 0; n < kN; ++n) {
+    for (int64_t c = 0; c < kChunks; ++c) o[n][c] = Load16(out + n * dim + 16 * c) * correction[n];
+    l[n] = l[n] * correction[n] + Sum16(w[n]);
+  }
   for (int64_t j = from; j < to; ++j) {
     const float* value = v + j * dim;
-    for (int64_t c = 0; c < kChunks; ++c) o[c] += w[j] * Load16(value + 16 * c);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      const F16 vc = Load16(value + 16 * c);
+      for (int64_t n = 0; n < kN; ++n) o[n][c] += weights[n][j] * vc;
+    }
   }
-  for (int64_t c = 0; c < kChunks; ++c) Store16(out + 16 * c, o[c]);
-  l = l * correction + Sum16(w);
-  m = new_max;
+  for (int64_t n = 0; n < kN; ++n)
+    for (int64_t c = 0; c < kChunks; ++c) Store16(out + n * dim + 16 * c, o[n][c]);
 }
 
 // Pages of more than 16 keys: the keys [from, to) in pages of 16.
-template <int64_t kChunks>
-void FoldKeys(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float& m,
-              float& l, float* out) {
+template <int64_t kChunks, int64_t kN>
+void FoldKeys(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float* m,
+              float* l, float* out) {
   constexpr int64_t dim = 16 * kChunks;
   for (int64_t first = from - from % 16; first < to; first += 16)
-    FoldPage<kChunks>(q, k + first * dim, v + first * dim, std::max(from - first, int64_t{0}),
-                      std::min(to - first, int64_t{16}), soft_cap, m, l, out);
+    FoldPage<kChunks, kN>(q, k + first * dim, v + first * dim, std::max(from - first, int64_t{0}),
+                          std::min(to - first, int64_t{16}), soft_cap, m, l, out);
 }
 
-using FoldFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float&, float&, float*);
+using FoldFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*, float*);
+
+constexpr int64_t kMaxVectors = 4;  // query vectors folded at once
+
+template <int64_t kChunks, size_t... kN>
+constexpr std::array<FoldFn, kMaxVectors> FoldsOf(std::index_sequence<kN...>) {
+  return {FoldKeys<kChunks, kN + 1>...};
+}
 
 template <size_t... kChunks>
-FoldFn FoldFor(int64_t dim, std::index_sequence<kChunks...>) {  // head_dim = 16 * (kChunks + 1)
-  static constexpr FoldFn kFolds[] = {FoldKeys<kChunks + 1>...};
-  return kFolds[dim / 16 - 1];
+FoldFn FoldFor(int64_t dim, int64_t vectors, std::index_sequence<kChunks...>) {  // head_dim = 16 * (kChunks + 1)
+  static constexpr std::array<FoldFn, kMaxVectors> kFolds[] = {
+      FoldsOf<kChunks + 1>(std::make_index_sequence<kMaxVectors>())...};
+  return kFolds[dim / 16 - 1][vectors - 1];
 }
 
-FoldFn FoldFor(int64_t dim) { return FoldFor(dim, std::make_index_sequence<kMaxChunks>()); }
+// the fold of up to kMaxVectors query vectors at once
+FoldFn FoldFor(int64_t dim, int64_t vectors) {
+  return FoldFor(dim, vectors, std::make_index_sequence<kMaxChunks>());
+}
 
 struct Scratch {  // one thread's: a page's K and V; the tile's maxima and sums
   std::vector<float> k, v, m, l;
@@ -206,7 +237,8 @@ struct Scratch {  // one thread's: a page's K and V; the tile's maxima and sums
 void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const float* qf, float* acc, Scratch& x) {
   const Pool& pool = *p.pool;
   const int64_t bs = pool.block_size, dim = pool.head_dim, vectors = tile.count * p.group;
-  const FoldFn fold = FoldFor(dim);
+  FoldFn folds[kMaxVectors];
+  for (int64_t n = 1; n <= kMaxVectors; ++n) folds[n - 1] = FoldFor(dim, n);
   float *m = x.m.data(), *l = x.l.data();
   std::fill(m, m + vectors, kNegInf);
   std::fill(l, l + vectors, 0.0f);
@@ -225,11 +257,15 @@ void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const float
     if (page < last) pool.Prefetch(p.layer, block_of(page + 1), kv_head);
     pool.Load(p.layer, block, 0, kv_head, x.k.data());
     pool.Load(p.layer, block, 1, kv_head, x.v.data());
-    for (int64_t vec = 0; vec < vectors; ++vec) {
-      const int64_t pos = p.positions[tile.first + vec / p.group], start = WindowStart(pos, p.window);
+    for (int64_t r = 0; r < tile.count; ++r) {
+      const int64_t pos = p.positions[tile.first + r], start = WindowStart(pos, p.window);
       const int64_t from = std::max(start - page * bs, int64_t{0}), to = std::min(pos - page * bs + 1, bs);
       if (from >= to) continue;
-      fold(qf + vec * dim, x.k.data(), x.v.data(), from, to, p.soft_cap, m[vec], l[vec], acc + vec * dim);
+      for (int64_t g = 0; g < p.group; g += kMaxVectors) {
+        const int64_t vec = r * p.group + g, n = std::min(kMaxVectors, p.group - g);
+        folds[n - 1](qf + vec * dim, x.k.data(), x.v.data(), from, to, p.soft_cap, m + vec, l + vec,
+                     acc + vec * dim);
+      }
     }
   }
   for (int64_t vec = 0; vec < vectors; ++vec) {
