@@ -24,6 +24,9 @@
 #include <vector>
 
 #include "simd16.h"
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -64,6 +67,10 @@ struct Pool {
 
   int64_t FirstRow(int64_t layer, int64_t block, int64_t which, int64_t head) const {
     return (((layer * num_blocks + block) * 2 + which) * kv_heads + head) * block_size;
+  }
+
+  const char* Rows(int64_t layer, int64_t block, int64_t which, int64_t head) const {
+    return data + FirstRow(layer, block, which, head) * head_dim * ffi::ByteWidth(type);
   }
 
   // asks for the K and V rows of (layer, block, head) in cache: pages are scattered, so the hardware prefetcher
@@ -119,6 +126,7 @@ struct Problem {
   const int32_t* tables;
   int64_t layer, width, heads, group, window;
   float scale, soft_cap;
+  bool bf16_dot;  // bfloat16 queries against bfloat16 keys (BfloatScores)
 };
 
 int64_t WindowStart(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
@@ -144,101 +152,164 @@ inline F16 TransposedSums(F16* x) {
          SHUFFLE2(x[0], x[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-// Folds keys [from, to) of one page (k, v [BS, D] float32, BS <= 16) into the running softmaxes (max m, sum l,
-// output out [D]) of kN query vectors q [kN, D] (scaled) that see the same keys: the query heads of one KV head
-// at one token. They share each key and value row's loads and give the core kN independent chains. A page's
-// scores, weights and their sum are vectors of 16 lanes. kChunks: head_dim / 16. Keys outside [from, to) are not
-// read (a stale slot may hold a NaN) and weigh zero.
+// s[n] lane j: query vector n against key j of a page (float32, q scaled); keys outside [from, to) are not read
+// (a stale slot may hold a NaN) and score 0. A vector's 16 dot products stay in registers until their transposed
+// sum.
 template <int64_t kChunks, int64_t kN>
-void FoldPage(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float* m,
-              float* l, float* out) {
+void FloatScores(const float* q, const float* k, int64_t from, int64_t to, F16* s) {
   constexpr int64_t dim = 16 * kChunks;
-  F16 qv[kN][kChunks], dots[kN][16], s[kN], w[kN];
-  alignas(64) float weights[kN][16];
-  for (int64_t n = 0; n < kN; ++n)
-    for (int64_t c = 0; c < kChunks; ++c) qv[n][c] = Load16(q + n * dim + 16 * c);
-  for (int64_t j = 0; j < 16; ++j) {
-    for (int64_t n = 0; n < kN; ++n) dots[n][j] = F16{};
-    if (j < from || j >= to) continue;
-    const float* key = k + j * dim;
-    for (int64_t c = 0; c < kChunks; ++c) {
-      const F16 kc = Load16(key + 16 * c);
-      for (int64_t n = 0; n < kN; ++n) dots[n][j] += qv[n][c] * kc;
+#pragma GCC unroll 4
+  for (int64_t n = 0; n < kN; ++n) {
+    F16 qv[kChunks], dots[16];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kChunks; ++c) qv[c] = Load16(q + n * dim + 16 * c);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < 16; ++j) {
+      dots[j] = F16{};
+      if (j < from || j >= to) continue;
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kChunks; ++c) dots[j] += qv[c] * Load16(k + j * dim + 16 * c);
     }
+    s[n] = TransposedSums(dots);
   }
+}
+
+// The same from bfloat16 queries (unscaled) and keys read in place: the CPU's bfloat16 dot (avx512_bf16) multiplies
+// 32 pairs into 16 float32 lanes, half the instructions of the float32 form and no conversion of the page's keys.
+template <int64_t kChunks, int64_t kN>
+void BfloatScores(const uint16_t* q, const uint16_t* k, int64_t from, int64_t to, F16* s) {
+#if defined(__AVX512BF16__)
+  constexpr int64_t dim = 16 * kChunks, pairs = kChunks / 2;
+#pragma GCC unroll 4
+  for (int64_t n = 0; n < kN; ++n) {
+    __m512bh qv[pairs];
+    F16 dots[16];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < pairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + n * dim + 32 * c);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < 16; ++j) {
+      dots[j] = F16{};
+      if (j < from || j >= to) continue;
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < pairs; ++c)
+        dots[j] = (F16)_mm512_dpbf16_ps((__m512)dots[j], qv[c], (__m512bh)_mm512_loadu_si512(k + j * dim + 32 * c));
+    }
+    s[n] = TransposedSums(dots);
+  }
+#endif
+}
+
+enum KeyForm { kFloatKeys, kBfloatKeys };  // FloatScores, BfloatScores
+
+// Folds keys [from, to) of one page (k as kForm says; v [BS, D] float32; BS <= 16) into
+// the running softmaxes (max m, sum l, output out [D]) of kN query vectors q [kN, D] (float32 and scaled, or
+// bfloat16 and scaled here) that see the same keys: the query heads of one KV head at one token. They share each
+// key and value row's loads and give the core kN independent chains. A page's scores, weights and their sum are
+// vectors of 16 lanes. kChunks: head_dim / 16.
+template <int64_t kChunks, int64_t kN, int kForm>
+void FoldPage(const void* q, const void* k, const float* v, int64_t from, int64_t to, float scale, float soft_cap,
+              float* m, float* l, float* out) {
+  constexpr int64_t dim = 16 * kChunks;
+  F16 s[kN], w[kN];
+  alignas(64) float weights[kN][16];
+  if constexpr (kForm == kBfloatKeys)
+    BfloatScores<kChunks, kN>(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k), from, to, s);
+  else
+    FloatScores<kChunks, kN>(static_cast<const float*>(q), static_cast<const float*>(k), from, to, s);
   const I16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const I16 in = (lane >= static_cast<int32_t>(from)) & (lane < static_cast<int32_t>(to));
-  F16 shift{};  // lane n: m[n] - its new max
+  // The page's weights and weighted values are taken against its own max and merged into the running state at
+  // the end: only that merge waits for the page before, so the core overlaps consecutive pages.
+  float page_max[kN];
   for (int64_t n = 0; n < kN; ++n) {
-    s[n] = TransposedSums(dots[n]);
+    if constexpr (kForm != kFloatKeys) s[n] *= scale;
     if (soft_cap > 0)
       for (int64_t j = from; j < to; ++j) s[n][j] = soft_cap * std::tanh(s[n][j] / soft_cap);
     s[n] = Select(in, s[n], F16{} + kNegInf);
-    const float new_max = std::max(m[n], Max16(s[n]));
-    shift[n] = m[n] - new_max;
-    m[n] = new_max;
-    w[n] = Select(in, Exp16(s[n] - new_max), F16{});
+    page_max[n] = Max16(s[n]);
+    w[n] = Select(in, Exp16(s[n] - page_max[n]), F16{});
     Store16(weights[n], w[n]);
   }
-  const F16 correction = Exp16(shift);
-  F16 o[kN][kChunks];
-  for (int64_t n = 0; n < kN; ++n) {
-    for (int64_t c = 0; c < kChunks; ++c) o[n][c] = Load16(out + n * dim + 16 * c) * correction[n];
-    l[n] = l[n] * correction[n] + Sum16(w[n]);
-  }
+  F16 pv[kN][kChunks] = {};
   for (int64_t j = from; j < to; ++j) {
     const float* value = v + j * dim;
     for (int64_t c = 0; c < kChunks; ++c) {
       const F16 vc = Load16(value + 16 * c);
-      for (int64_t n = 0; n < kN; ++n) o[n][c] += weights[n][j] * vc;
+      for (int64_t n = 0; n < kN; ++n) pv[n][c] += weights[n][j] * vc;
     }
   }
-  for (int64_t n = 0; n < kN; ++n)
-    for (int64_t c = 0; c < kChunks; ++c) Store16(out + n * dim + 16 * c, o[n][c]);
+  F16 shift{};  // lane n: the running max's shift to the new max; lane 8 + n: the page max's
+  for (int64_t n = 0; n < kN; ++n) {
+    const float new_max = std::max(m[n], page_max[n]);
+    shift[n] = m[n] - new_max;
+    shift[8 + n] = page_max[n] - new_max;
+    m[n] = new_max;
+  }
+  const F16 scales = Exp16(shift);
+  for (int64_t n = 0; n < kN; ++n) {
+    const float old_scale = scales[n], page_scale = scales[8 + n];
+    for (int64_t c = 0; c < kChunks; ++c)
+      Store16(out + n * dim + 16 * c, Load16(out + n * dim + 16 * c) * old_scale + pv[n][c] * page_scale);
+    l[n] = l[n] * old_scale + Sum16(w[n]) * page_scale;
+  }
 }
 
 // Pages of more than 16 keys: the keys [from, to) in pages of 16.
-template <int64_t kChunks, int64_t kN>
-void FoldKeys(const float* q, const float* k, const float* v, int64_t from, int64_t to, float soft_cap, float* m,
-              float* l, float* out) {
-  constexpr int64_t dim = 16 * kChunks;
+template <int64_t kChunks, int64_t kN, int kForm>
+void FoldKeys(const void* q, const void* k, const float* v, int64_t from, int64_t to, float scale, float soft_cap,
+              float* m, float* l, float* out) {
+  constexpr int64_t dim = 16 * kChunks, key_bytes = kForm == kFloatKeys ? 4 : 2;
   for (int64_t first = from - from % 16; first < to; first += 16)
-    FoldPage<kChunks, kN>(q, k + first * dim, v + first * dim, std::max(from - first, int64_t{0}),
-                          std::min(to - first, int64_t{16}), soft_cap, m, l, out);
+    FoldPage<kChunks, kN, kForm>(q, static_cast<const char*>(k) + first * dim * key_bytes, v + first * dim,
+                                 std::max(from - first, int64_t{0}), std::min(to - first, int64_t{16}), scale,
+                                 soft_cap, m, l, out);
 }
 
-using FoldFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*, float*);
+using FoldFn = void (*)(const void*, const void*, const float*, int64_t, int64_t, float, float, float*, float*,
+                        float*);
 
 constexpr int64_t kMaxVectors = 4;  // query vectors folded at once
 
+#if defined(__AVX512BF16__)
+constexpr bool kBfloatDot = true;
+#else
+constexpr bool kBfloatDot = false;
+#endif
+
+// [vectors - 1][form]; the bfloat16 form takes whole pairs of 16-lane chunks (elsewhere: the float32 form)
 template <int64_t kChunks, size_t... kN>
-constexpr std::array<FoldFn, kMaxVectors> FoldsOf(std::index_sequence<kN...>) {
-  return {FoldKeys<kChunks, kN + 1>...};
+constexpr std::array<std::array<FoldFn, 2>, kMaxVectors> FoldsOf(std::index_sequence<kN...>) {
+  constexpr bool bf16 = kBfloatDot && kChunks % 2 == 0;
+  return {std::array<FoldFn, 2>{FoldKeys<kChunks, kN + 1, kFloatKeys>,
+                                FoldKeys<kChunks, kN + 1, bf16 ? kBfloatKeys : kFloatKeys>}...};
 }
 
 template <size_t... kChunks>
-FoldFn FoldFor(int64_t dim, int64_t vectors, std::index_sequence<kChunks...>) {  // head_dim = 16 * (kChunks + 1)
-  static constexpr std::array<FoldFn, kMaxVectors> kFolds[] = {
-      FoldsOf<kChunks + 1>(std::make_index_sequence<kMaxVectors>())...};
-  return kFolds[dim / 16 - 1][vectors - 1];
+FoldFn FoldFor(int64_t dim, int64_t vectors, KeyForm form, std::index_sequence<kChunks...>) {
+  static constexpr std::array<std::array<FoldFn, 2>, kMaxVectors> kFolds[] = {
+      FoldsOf<kChunks + 1>(std::make_index_sequence<kMaxVectors>())...};  // head_dim = 16 * (kChunks + 1)
+  return kFolds[dim / 16 - 1][vectors - 1][form];
 }
 
 // the fold of up to kMaxVectors query vectors at once
-FoldFn FoldFor(int64_t dim, int64_t vectors) {
-  return FoldFor(dim, vectors, std::make_index_sequence<kMaxChunks>());
+FoldFn FoldFor(int64_t dim, int64_t vectors, KeyForm form) {
+  return FoldFor(dim, vectors, form, std::make_index_sequence<kMaxChunks>());
 }
 
-struct Scratch {  // one thread's: a page's K and V; the tile's maxima and sums
+struct Scratch {  // one thread's: a page's K and V as float32; the tile's maxima and sums
   std::vector<float> k, v, m, l;
   Scratch(int64_t bs, int64_t dim, int64_t vectors) : k(bs * dim), v(bs * dim), m(vectors), l(vectors) {}
 };
 
-// One tile's rows on one KV head: qf [rows * group, D] (scaled, float32) -> acc [rows * group, D], normalised.
-void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const float* qf, float* acc, Scratch& x) {
+// One tile's rows on one KV head: q [rows * group, D] (float32 and scaled, or bfloat16 where p.bf16_dot) ->
+// acc [rows * group, D], normalised.
+void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const void* q, float* acc, Scratch& x) {
   const Pool& pool = *p.pool;
   const int64_t bs = pool.block_size, dim = pool.head_dim, vectors = tile.count * p.group;
+  const int64_t q_bytes = p.bf16_dot ? 2 : 4;
+  const KeyForm form = p.bf16_dot ? kBfloatKeys : kFloatKeys;
   FoldFn folds[kMaxVectors];
-  for (int64_t n = 1; n <= kMaxVectors; ++n) folds[n - 1] = FoldFor(dim, n);
+  for (int64_t n = 1; n <= kMaxVectors; ++n) folds[n - 1] = FoldFor(dim, n, form);
   float *m = x.m.data(), *l = x.l.data();
   std::fill(m, m + vectors, kNegInf);
   std::fill(l, l + vectors, 0.0f);
@@ -255,7 +326,11 @@ void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const float
   for (int64_t page = lo / bs; page <= last; ++page) {
     const int64_t block = block_of(page);
     if (page < last) pool.Prefetch(p.layer, block_of(page + 1), kv_head);
-    pool.Load(p.layer, block, 0, kv_head, x.k.data());
+    const void* keys = x.k.data();
+    if (form == kBfloatKeys)
+      keys = pool.Rows(p.layer, block, 0, kv_head);  // read in place
+    else
+      pool.Load(p.layer, block, 0, kv_head, x.k.data());
     pool.Load(p.layer, block, 1, kv_head, x.v.data());
     for (int64_t r = 0; r < tile.count; ++r) {
       const int64_t pos = p.positions[tile.first + r], start = WindowStart(pos, p.window);
@@ -263,8 +338,8 @@ void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const float
       if (from >= to) continue;
       for (int64_t g = 0; g < p.group; g += kMaxVectors) {
         const int64_t vec = r * p.group + g, n = std::min(kMaxVectors, p.group - g);
-        folds[n - 1](qf + vec * dim, x.k.data(), x.v.data(), from, to, p.soft_cap, m + vec, l + vec,
-                     acc + vec * dim);
+        folds[n - 1](static_cast<const char*>(q) + vec * dim * q_bytes, keys, x.v.data(), from, to, p.scale,
+                     p.soft_cap, m + vec, l + vec, acc + vec * dim);
       }
     }
   }
@@ -306,18 +381,20 @@ ffi::Error PagedAttention(ffi::AnyBuffer q, ffi::AnyBuffer pool, ffi::Buffer<ffi
   if (l < 0 || l >= pd[0] || pd[1] == 0) return ffi::Error::InvalidArgument("paged_attention: layer out of range");
   const Pool pages{static_cast<const char*>(pool.untyped_data()), scales.typed_data(), pt, pd[1], kv_heads, pd[4],
                    dim};
+  const bool bf16 = qt == ffi::DataType::BF16;
   const Problem p{&pages, positions.typed_data(), block_tables.typed_data(), l, td[1], heads, heads / kv_heads,
-                  window.typed_data()[0], scale, soft_cap};
+                  window.typed_data()[0], scale, soft_cap,
+                  kBfloatDot && bf16 && pt == ffi::DataType::BF16 && dim % 32 == 0};
   std::vector<Tile> tiles = Tiles(token_seq.typed_data(), num_tokens);
   for (Tile& tile : tiles) tile.seq = std::clamp<int64_t>(tile.seq, 0, td[0] - 1);
   const int64_t work = static_cast<int64_t>(tiles.size()) * kv_heads;
-  const bool bf16 = qt == ffi::DataType::BF16;
   const void* q_data = q.untyped_data();
   void* out_data = out->untyped_data();
 #pragma omp parallel
   {
     Scratch scratch(pages.block_size, dim, kTile * p.group);
     std::vector<float> qf(kTile * p.group * dim), acc(kTile * p.group * dim);
+    std::vector<uint16_t> qb(p.bf16_dot ? kTile * p.group * dim : 0);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < work; ++item) {
       const Tile& tile = tiles[item / kv_heads];
@@ -325,12 +402,17 @@ ffi::Error PagedAttention(ffi::AnyBuffer q, ffi::AnyBuffer pool, ffi::Buffer<ffi
       for (int64_t r = 0; r < tile.count; ++r)
         for (int64_t g = 0; g < p.group; ++g) {
           const int64_t from = ((tile.first + r) * heads + kv_head * p.group + g) * dim;
+          if (p.bf16_dot) {
+            std::memcpy(qb.data() + (r * p.group + g) * dim, static_cast<const uint16_t*>(q_data) + from, dim * 2);
+            continue;
+          }
           float* dst = qf.data() + (r * p.group + g) * dim;
           for (int64_t d = 0; d < dim; ++d)
             dst[d] = scale * (bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(q_data)[from + d])
                                    : static_cast<const float*>(q_data)[from + d]);
         }
-      AttendTile(p, tile, kv_head, qf.data(), acc.data(), scratch);
+      AttendTile(p, tile, kv_head, p.bf16_dot ? static_cast<const void*>(qb.data()) : qf.data(), acc.data(),
+                 scratch);
       for (int64_t r = 0; r < tile.count; ++r)
         for (int64_t g = 0; g < p.group; ++g) {
           const int64_t to = ((tile.first + r) * heads + kv_head * p.group + g) * dim;
