@@ -38,14 +38,6 @@ using namespace jaxpage;  // simd16.h
 constexpr int64_t kTile = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-uint16_t FloatToBf16(float f) {  // round to nearest even, as XLA's convert
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 struct Fp8Table {  // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; S.1111.111 is NaN, no infinity
   float value[256];
   Fp8Table() {

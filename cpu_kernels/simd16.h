@@ -2,8 +2,12 @@
 // operations on them that the CPU kernels share: loads, selects, lane reductions, exp; and bfloat16 to float32.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace jaxpage {
 
@@ -16,6 +20,8 @@ inline float Bf16ToFloat(uint16_t h) {
 
 typedef float F16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX ones
 typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+typedef uint16_t H16 __attribute__((vector_size(32)));  // 16 bfloat16 values
 
 inline F16 Load16(const float* p) {
   F16 r;
@@ -24,6 +30,36 @@ inline F16 Load16(const float* p) {
 }
 
 inline void Store16(float* p, F16 x) { std::memcpy(p, &x, sizeof x); }
+
+inline uint16_t FloatToBf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline F16 LoadBf16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (F16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+  H16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (F16)(__builtin_convertvector(h, U16) << 16);
+#endif
+}
+
+inline void StoreBf16(uint16_t* p, F16 x) {  // FloatToBf16 on 16 lanes
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+#else
+  U16 bits = (U16)x;
+  const U16 nan = (bits & 0x7fffffff) > 0x7f800000;
+  bits = (nan & ((bits >> 16) | 0x40)) | (~nan & ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16));
+  const H16 h = __builtin_convertvector(bits, H16);
+  std::memcpy(p, &h, sizeof h);
+#endif
+}
 
 inline float Sum16(F16 x) {
 #if defined(__clang__)
@@ -59,11 +95,16 @@ inline F16 Exp16(F16 x) {
   const F16 lowest = F16{} - 87.0f;
   x = Select(x < lowest, lowest, x);
   const F16 t = x * 1.44269504f + 0.5f;
+#if defined(__AVX512F__)
+  const F16 n = (F16)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const I16 ni = __builtin_convertvector(n, I16);
+#else
   I16 ni = __builtin_convertvector(t, I16);  // toward zero, then down where that rounded up
   F16 n = __builtin_convertvector(ni, F16);
   const I16 above = n > t;
   ni += above;
   n = __builtin_convertvector(ni, F16);
+#endif
   const F16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
   F16 y = F16{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;

@@ -342,3 +342,31 @@ def test_greedy_pick_kernel_equals_the_numpy_argmax_and_log_softmax(dtype, rows,
     lowered = jax.jit(lambda x: plain_greedy(x, cap)).trace(raw).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxpage_greedy_pick" not in lowered
     assert "jaxpage_greedy_pick" in jax.jit(lambda x: plain_greedy(x, cap)).lower(raw).as_text()
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(32, 2, 1536), (3, 5, 2, 48), (0, 2, 16)])
+def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
+    """vLLM's SiluAndMul on the CPU (cpu_kernels/silu_and_mul.cc, alone and through the MLP's
+    ``fused_gated_activation``, which takes it for bfloat16): silu(gate) * up against float64 numpy, rounded once to the dtype (large gates of both signs included, where
+    exp overflows one way), and its lowering for another platform keeps XLA's ops."""
+    from cpu_kernels.silu_and_mul import silu_and_mul
+    from jaxpage.models.layers import fused_gated_activation
+
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape) * 3
+    x.reshape(-1)[: min(x.size, 4)] = [-120.0, 120.0, -9.0, 30.0][: min(x.size, 4)]
+    x = jnp.asarray(x, dtype)
+    got = jax.jit(lambda y: fused_gated_activation("silu", y))(x)
+    gate, up = (np.asarray(x, np.float64)[..., i, :] for i in (0, 1))
+    want = gate / (1 + np.exp(-gate)) * up
+    assert got.dtype == x.dtype and got.shape == shape[:-2] + shape[-1:]
+    tol = 2 ** -8 if dtype == "bfloat16" else 1e-6  # bfloat16: the one rounding of the output
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=1e-30)
+    np.testing.assert_allclose(np.asarray(jax.jit(silu_and_mul)(x), np.float64), want, rtol=tol, atol=1e-30)
+    if dtype == "bfloat16" and shape[0]:
+        lowered = jax.jit(lambda y: fused_gated_activation("silu", y)).lower(x).as_text()
+        assert "jaxpage_silu_and_mul" in lowered
+        cuda = jax.jit(lambda y: fused_gated_activation("silu", y)).trace(x).lower(lowering_platforms=("cuda",))
+        assert "jaxpage_silu_and_mul" not in cuda.as_text()
