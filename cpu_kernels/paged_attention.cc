@@ -12,7 +12,8 @@
 //
 // The work is cut into tiles: up to kTile consecutive tokens of one sequence, which read each page once for all
 // of their rows (a prompt chunk), times KV heads; the tiles run on OpenMP threads (the same libgomp team as
-// oneDNN's). Each page's K and V rows are converted to float32 once per tile, and each token's query heads of the
+// oneDNN's). Each page's V rows (and K rows, unless bfloat16 keys meet bfloat16 queries on a CPU with the bfloat16
+// dot: then they are read in place) are converted to float32 once per tile, and each token's query heads of the
 // tile's KV head (its group, up to four at a time) fold the page into their running softmaxes together.
 #include <algorithm>
 #include <array>
