@@ -1,5 +1,6 @@
 // 16-lane float32 vectors (one AVX-512 register, two AVX ones) with GCC/Clang vector extensions, and the few
-// operations on them that the CPU kernels share: loads, selects, lane reductions, exp; and bfloat16 to float32.
+// operations on them that the CPU kernels share: loads, selects, lane reductions, exp; bfloat16 to and from float32
+// (AVX-512 instructions where the CPU has them).
 #pragma once
 
 #include <algorithm>
