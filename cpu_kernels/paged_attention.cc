@@ -21,9 +21,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "prefix_tiles.h"
 #include "simd16.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -291,12 +294,19 @@ FoldFn FoldFor(int64_t dim, int64_t vectors, KeyForm form) {
 
 struct Scratch {  // one thread's: a page's K and V as float32; the tile's maxima and sums
   std::vector<float> k, v, m, l;
-  Scratch(int64_t bs, int64_t dim, int64_t vectors) : k(bs * dim), v(bs * dim), m(vectors), l(vectors) {}
+};
+
+// Where a tile's vectors start: their softmax states (m, l, acc [vectors, D] as FoldPage keeps them) over the
+// tile's first `pages` pages, which the tile products took; pages 0: from nothing.
+struct Start {
+  const float *m = nullptr, *l = nullptr, *acc = nullptr;
+  int64_t pages = 0;
 };
 
 // One tile's rows on one KV head: q [rows * group, D] (float32 and scaled, or bfloat16 where p.bf16_dot) ->
 // acc [rows * group, D], normalised.
-void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const void* q, float* acc, Scratch& x) {
+void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const Start& start, const void* q, float* acc,
+                Scratch& x) {
   const Pool& pool = *p.pool;
   const int64_t bs = pool.block_size, dim = pool.head_dim, vectors = tile.count * p.group;
   const int64_t q_bytes = p.bf16_dot ? 2 : 4;
@@ -304,9 +314,15 @@ void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const void*
   FoldFn folds[kMaxVectors];
   for (int64_t n = 1; n <= kMaxVectors; ++n) folds[n - 1] = FoldFor(dim, n, form);
   float *m = x.m.data(), *l = x.l.data();
-  std::fill(m, m + vectors, kNegInf);
-  std::fill(l, l + vectors, 0.0f);
-  std::fill(acc, acc + vectors * dim, 0.0f);
+  if (start.pages > 0) {
+    std::copy_n(start.m, vectors, m);
+    std::copy_n(start.l, vectors, l);
+    std::copy_n(start.acc, vectors * dim, acc);
+  } else {
+    std::fill(m, m + vectors, kNegInf);
+    std::fill(l, l + vectors, 0.0f);
+    std::fill(acc, acc + vectors * dim, 0.0f);
+  }
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
   for (int64_t r = 0; r < tile.count; ++r) {
     const int64_t pos = p.positions[tile.first + r];
@@ -316,7 +332,7 @@ void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const void*
   const int32_t* row = p.tables + tile.seq * p.width;
   const int64_t last = std::min(hi / bs, p.width - 1);
   auto block_of = [&](int64_t page) { return std::clamp<int64_t>(row[page], 0, pool.num_blocks - 1); };
-  for (int64_t page = lo / bs; page <= last; ++page) {
+  for (int64_t page = std::max(lo / bs, start.pages); page <= last; ++page) {
     const int64_t block = block_of(page);
     if (page < last) pool.Prefetch(p.layer, block_of(page + 1), kv_head);
     const void* keys = x.k.data();
@@ -342,6 +358,59 @@ void AttendTile(const Problem& p, const Tile& tile, int64_t kv_head, const void*
   }
 }
 
+template <typename T>
+void Grow(std::vector<T>& v, size_t n) {  // never shrinks: a thread keeps its buffers between calls
+  if (v.size() < n) v.resize(n);
+}
+
+struct Buffers {  // one thread's
+  Scratch scratch;
+  std::vector<float> qf, acc;  // the tile's query vectors (float32 and scaled) and outputs [vectors, D]
+  std::vector<uint16_t> qb;  // or its queries in bfloat16
+  // the tile products': a stretch's pages packed [pages, 2 * 16 * D], a row block's queries [16, D], scores and
+  // weights [16, pages * 16], and the stretch's states (m, l [rows], acc [rows, D], rows rounded up to 16)
+  std::vector<uint16_t> packed, rows, weights;
+  std::vector<float> scores, m, l, states;
+};
+
+// One tile on one KV head from `start`, into out [T, H, D] (q's dtype).
+void AttendTileInto(const Problem& p, const Tile& tile, int64_t kv_head, const Start& start, const void* q_data,
+                    bool bf16, void* out_data, Buffers& b) {
+  const int64_t dim = p.pool->head_dim, vectors = tile.count * p.group;
+  Grow(b.acc, vectors * dim);
+  if (p.bf16_dot)
+    Grow(b.qb, vectors * dim);
+  else
+    Grow(b.qf, vectors * dim);
+  Grow(b.scratch.m, vectors);
+  Grow(b.scratch.l, vectors);
+  for (int64_t r = 0; r < tile.count; ++r)
+    for (int64_t g = 0; g < p.group; ++g) {
+      const int64_t from = ((tile.first + r) * p.heads + kv_head * p.group + g) * dim;
+      if (p.bf16_dot) {
+        std::memcpy(b.qb.data() + (r * p.group + g) * dim, static_cast<const uint16_t*>(q_data) + from, dim * 2);
+        continue;
+      }
+      float* dst = b.qf.data() + (r * p.group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d)
+        dst[d] = p.scale * (bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(q_data)[from + d])
+                                 : static_cast<const float*>(q_data)[from + d]);
+    }
+  AttendTile(p, tile, kv_head, start, p.bf16_dot ? static_cast<const void*>(b.qb.data()) : b.qf.data(),
+             b.acc.data(), b.scratch);
+  for (int64_t r = 0; r < tile.count; ++r)
+    for (int64_t g = 0; g < p.group; ++g) {
+      const int64_t to = ((tile.first + r) * p.heads + kv_head * p.group + g) * dim;
+      const float* src = b.acc.data() + (r * p.group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        if (bf16)
+          static_cast<uint16_t*>(out_data)[to + d] = FloatToBf16(src[d]);
+        else
+          static_cast<float*>(out_data)[to + d] = src[d];
+      }
+    }
+}
+
 std::vector<Tile> Tiles(const int32_t* token_seq, int64_t num_tokens) {
   std::vector<Tile> tiles;
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -350,6 +419,113 @@ std::vector<Tile> Tiles(const int32_t* token_seq, int64_t num_tokens) {
     ++tiles.back().count;
   }
   return tiles;
+}
+
+// Query rows that all see the same leading pages of one block-table row in full, taken by the tile products
+// (prefix_tiles.h): a prompt chunk's earlier pages, or the cached prefix that decodes of several sequences share
+// (vLLM's cascade attention).
+struct Stretch {
+  std::vector<int64_t> tiles;
+  int64_t seq, pages;
+};
+
+constexpr int64_t kMinStretchRows = 8;  // below this, a tile product's 16 rows are mostly padding
+constexpr int64_t kMaxSharedRows = 48;  // a shared prefix's decodes are cut into stretches of about this many rows,
+                                        // so that both cores take a share of each KV head
+
+int64_t FullPages(const Problem& p, const Tile& tile) {  // leading pages every row of the tile sees in full
+  int64_t lowest = std::numeric_limits<int64_t>::max();
+  for (int64_t r = 0; r < tile.count; ++r) lowest = std::min<int64_t>(lowest, p.positions[tile.first + r]);
+  return std::min((lowest + 1) / p.pool->block_size, p.width);
+}
+
+// Tiles of few rows (decodes) that start from the same block: the prefix they share, taken at the length that
+// covers the most rows times pages, in stretches of about kMaxSharedRows rows.
+void AddSharedStretches(const Problem& p, const std::vector<Tile>& tiles, const std::vector<int64_t>& members,
+                        std::vector<Stretch>& out) {
+  const int32_t* first = p.tables + tiles[members[0]].seq * p.width;
+  std::vector<std::pair<int64_t, int64_t>> shared;  // (pages, tile)
+  for (int64_t t : members) {
+    const int32_t* row = p.tables + tiles[t].seq * p.width;
+    int64_t n = 0;
+    for (const int64_t full = FullPages(p, tiles[t]); n < full && row[n] == first[n];) ++n;
+    shared.push_back({n, t});
+  }
+  std::sort(shared.rbegin(), shared.rend());
+  int64_t rows = 0, best = 0, count = 0, best_rows = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(shared.size()); ++i) {
+    rows += tiles[shared[i].second].count * p.group;
+    if (rows >= kMinStretchRows && shared[i].first * rows > best)
+      best = shared[i].first * rows, count = i + 1, best_rows = rows;
+  }
+  if (count == 0) return;
+  const int64_t parts = (best_rows + kMaxSharedRows - 1) / kMaxSharedRows, pages = shared[count - 1].first;
+  int64_t taken = 0;
+  for (int64_t part = 0, i = 0; part < parts; ++part) {
+    Stretch stretch{{}, tiles[members[0]].seq, pages};
+    for (; i < count && taken * parts < best_rows * (part + 1); ++i) {
+      stretch.tiles.push_back(shared[i].second);
+      taken += tiles[shared[i].second].count * p.group;
+    }
+    if (!stretch.tiles.empty()) out.push_back(std::move(stretch));
+  }
+}
+
+// A tile of at least 16 rows takes its own full pages; smaller ones are grouped by their first block.
+std::vector<Stretch> Stretches(const Problem& p, const std::vector<Tile>& tiles) {
+  std::vector<Stretch> out;
+  std::map<int32_t, std::vector<int64_t>> by_first_block;
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
+    const int64_t full = FullPages(p, tiles[t]);
+    if (full == 0) continue;
+    if (tiles[t].count * p.group >= kTileRows)
+      out.push_back({{t}, tiles[t].seq, full});
+    else
+      by_first_block[p.tables[tiles[t].seq * p.width]].push_back(t);
+  }
+  for (const auto& [block, members] : by_first_block) AddSharedStretches(p, tiles, members, out);
+  return out;
+}
+
+// A stretch on one KV head: its pages packed, its rows' states over them as tile products, then each of its tiles
+// from there. One work item, so no thread waits for another's part.
+void AttendStretch(const Problem& p, const std::vector<Tile>& tiles, const Stretch& stretch, int64_t kv_head,
+                   const void* q_data, void* out_data, Buffers& b) {
+  const Pool& pool = *p.pool;
+  const int64_t dim = pool.head_dim, page_size = 2 * kTileRows * dim;
+  Grow(b.packed, stretch.pages * page_size);
+  std::vector<const uint16_t*> pages(stretch.pages);
+  for (int64_t i = 0; i < stretch.pages; ++i) {
+    const int64_t block = std::clamp<int64_t>(p.tables[stretch.seq * p.width + i], 0, pool.num_blocks - 1);
+    PackPage(reinterpret_cast<const uint16_t*>(pool.Rows(p.layer, block, 0, kv_head)),
+             reinterpret_cast<const uint16_t*>(pool.Rows(p.layer, block, 1, kv_head)), dim,
+             b.packed.data() + i * page_size);
+    pages[i] = b.packed.data() + i * page_size;
+  }
+  std::vector<int64_t> targets;  // the stretch's rows in q [T * H, D]: its tiles' tokens by query head
+  for (int64_t t : stretch.tiles)
+    for (int64_t r = 0; r < tiles[t].count; ++r)
+      for (int64_t g = 0; g < p.group; ++g) targets.push_back((tiles[t].first + r) * p.heads + kv_head * p.group + g);
+  const int64_t rows = static_cast<int64_t>(targets.size()), padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  Grow(b.rows, kTileRows * dim);
+  Grow(b.scores, kTileRows * stretch.pages * kTileRows);
+  Grow(b.weights, kTileRows * stretch.pages * kTileRows);
+  Grow(b.m, padded);
+  Grow(b.l, padded);
+  Grow(b.states, padded * dim);
+  for (int64_t first = 0; first < rows; first += kTileRows) {
+    std::fill_n(b.rows.begin(), kTileRows * dim, 0);
+    for (int64_t i = first; i < std::min(rows, first + kTileRows); ++i)
+      std::copy_n(static_cast<const uint16_t*>(q_data) + targets[i] * dim, dim, b.rows.data() + (i - first) * dim);
+    AttendPrefix(b.rows.data(), pages.data(), stretch.pages, dim, p.scale, {b.scores.data(), b.weights.data()},
+                 b.m.data() + first, b.l.data() + first, b.states.data() + first * dim);
+  }
+  int64_t offset = 0;
+  for (int64_t t : stretch.tiles) {
+    const Start start{b.m.data() + offset, b.l.data() + offset, b.states.data() + offset * dim, stretch.pages};
+    AttendTileInto(p, tiles[t], kv_head, start, q_data, p.bf16_dot, out_data, b);
+    offset += tiles[t].count * p.group;
+  }
 }
 
 ffi::Error PagedAttention(ffi::AnyBuffer q, ffi::AnyBuffer pool, ffi::Buffer<ffi::F32> scales,
@@ -380,43 +556,31 @@ ffi::Error PagedAttention(ffi::AnyBuffer q, ffi::AnyBuffer pool, ffi::Buffer<ffi
                   kBfloatDot && bf16 && pt == ffi::DataType::BF16 && dim % 32 == 0};
   std::vector<Tile> tiles = Tiles(token_seq.typed_data(), num_tokens);
   for (Tile& tile : tiles) tile.seq = std::clamp<int64_t>(tile.seq, 0, td[0] - 1);
-  const int64_t work = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const bool tile_products = p.bf16_dot && p.window <= 0 && p.soft_cap <= 0 && pages.block_size == kTileRows &&
+                             TileProductsUsable();
+  const std::vector<Stretch> stretches = tile_products ? Stretches(p, tiles) : std::vector<Stretch>{};
+  std::vector<bool> in_stretch(tiles.size());
+  for (const Stretch& stretch : stretches)
+    for (int64_t t : stretch.tiles) in_stretch[t] = true;
+  std::vector<int64_t> items;  // a stretch s as -1 - s, else a tile, on each KV head (item * kv_heads + head)
+  for (int64_t s = 0; s < static_cast<int64_t>(stretches.size()); ++s) items.push_back(-1 - s);
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t)
+    if (!in_stretch[t]) items.push_back(t);
+  const int64_t work = static_cast<int64_t>(items.size()) * kv_heads;
   const void* q_data = q.untyped_data();
   void* out_data = out->untyped_data();
 #pragma omp parallel
   {
-    Scratch scratch(pages.block_size, dim, kTile * p.group);
-    std::vector<float> qf(kTile * p.group * dim), acc(kTile * p.group * dim);
-    std::vector<uint16_t> qb(p.bf16_dot ? kTile * p.group * dim : 0);
+    thread_local Buffers buffers;
+    Grow(buffers.scratch.k, pages.block_size * dim);
+    Grow(buffers.scratch.v, pages.block_size * dim);
 #pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < work; ++item) {
-      const Tile& tile = tiles[item / kv_heads];
-      const int64_t kv_head = item % kv_heads;
-      for (int64_t r = 0; r < tile.count; ++r)
-        for (int64_t g = 0; g < p.group; ++g) {
-          const int64_t from = ((tile.first + r) * heads + kv_head * p.group + g) * dim;
-          if (p.bf16_dot) {
-            std::memcpy(qb.data() + (r * p.group + g) * dim, static_cast<const uint16_t*>(q_data) + from, dim * 2);
-            continue;
-          }
-          float* dst = qf.data() + (r * p.group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d)
-            dst[d] = scale * (bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(q_data)[from + d])
-                                   : static_cast<const float*>(q_data)[from + d]);
-        }
-      AttendTile(p, tile, kv_head, p.bf16_dot ? static_cast<const void*>(qb.data()) : qf.data(), acc.data(),
-                 scratch);
-      for (int64_t r = 0; r < tile.count; ++r)
-        for (int64_t g = 0; g < p.group; ++g) {
-          const int64_t to = ((tile.first + r) * heads + kv_head * p.group + g) * dim;
-          const float* src = acc.data() + (r * p.group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) {
-            if (bf16)
-              static_cast<uint16_t*>(out_data)[to + d] = FloatToBf16(src[d]);
-            else
-              static_cast<float*>(out_data)[to + d] = src[d];
-          }
-        }
+    for (int64_t i = 0; i < work; ++i) {
+      const int64_t item = items[i / kv_heads], kv_head = i % kv_heads;
+      if (item < 0)
+        AttendStretch(p, tiles, stretches[-1 - item], kv_head, q_data, out_data, buffers);
+      else
+        AttendTileInto(p, tiles[item], kv_head, Start{}, q_data, bf16, out_data, buffers);
     }
   }
   return ffi::Error::Success();

@@ -263,6 +263,31 @@ def test_paged_attention_kernel_equals_the_dense_reference(pool_dtype, head_dim,
 
 
 @needs_onednn
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (96, 8, 1), (128, 4, 2)])
+def test_paged_attention_over_shared_prefix_pages_equals_the_dense_reference(head_dim, heads, kv_heads):
+    """bfloat16 decodes of several sequences over the same leading blocks (vLLM's cascade attention), one of them
+    shorter than the shared blocks, and prompt chunks with full pages behind them: on an AMX CPU the kernel takes
+    these pages as tile products (prefix_tiles.h), elsewhere its fold; both against the dense jnp reference."""
+    from cpu_kernels.paged_attention import paged_attention
+    from pallas_kernels.reference import paged_decode_attention_reference
+
+    rng = np.random.default_rng(head_dim)
+    num_blocks, width, block_size = 64, 8, 16
+    pool = jnp.asarray(rng.standard_normal((2, num_blocks, 2, kv_heads, block_size, head_dim)), jnp.bfloat16)
+    own = rng.permutation(np.arange(5, num_blocks))[:6 * (width - 5)].reshape(6, width - 5)
+    tables = np.concatenate([np.tile(np.arange(5), (6, 1)), own], axis=1)  # blocks 0-4 shared by all six
+    tables[5, 2:5] = own[5, :3]  # the last shares only two
+    seq = np.array([0, 1, 2, 3, 4, 5] + [1] * 40 + [2] * 3 + [0] * 2, np.int32)  # last two: padding
+    pos = np.array([80, 95, 123, 70, 101, 127] + list(range(20, 60)) + [124, 125, 126] + [0] * 2, np.int32)
+    tables = jnp.asarray(tables, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(seq), heads, head_dim)), jnp.bfloat16)
+    got = jax.jit(lambda q, pool: paged_attention(q, pool, 1, seq, pos, tables, 0.125))(q, pool)
+    want = paged_decode_attention_reference(q.astype(jnp.float32), pool.astype(jnp.float32), 1, tables[seq],
+                                            jnp.asarray(pos) + 1, scale=0.125)
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:-2], np.asarray(want)[:-2], rtol=2 ** -7, atol=2 ** -7)
+
+
+@needs_onednn
 def test_cpu_step_attends_with_the_kernel_and_other_platforms_keep_xla():
     """The XLA backend's attention on a CPU is the kernel's FFI call; lowered for a GPU it stays XLA's ops."""
     from jaxpage.attention.backends import write_and_attend
