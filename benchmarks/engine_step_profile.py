@@ -1,13 +1,15 @@
 """Where a served step's time goes on the CPU: the engine's own steps at C streams, traced thunk by thunk.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/engine_step_profile.py [--concurrency 32] [--steps 24]
-        [--mixed 6] [--json out.json]
+        [--mixed 6] [--prefix 0] [--json out.json]
 
 SmolLM2-135M with serve's defaults (bfloat16 on an avx512_bf16 CPU, async scheduling, 2048 batched tokens), C
 requests of 64 random prompt tokens, greedy, every one running to its max_tokens. Once all of them decode, --steps
 calls of ``LLMEngine.step`` run under ``jax.profiler.trace`` (decode steps: ~70-100 tokens of context). Then
 --mixed times: one request is aborted and a new 64-token prompt added, and the step that computes it beside the
 other C-1 decodes is traced (the spread workload's step, where a new prompt arrives beside running decodes).
+--prefix N: every prompt starts with the same N random tokens, computed once before the others arrive, with prefix
+caching on (the shared_prefix workload's steps).
 
 Per kind of step: the wall time of an engine step, and the XLA:CPU threads' thunks summed per step, in kinds read
 from the compiled layer's and sampler's HLO (benchmarks/cpu_step_profile.py): thread-ms of work, the ms when
@@ -34,10 +36,10 @@ from jaxpage import LLM, SamplingParams
 SERVE = {"max_num_batched_tokens": 2048, "progress": False, "enable_prefix_caching": False}
 
 
-def add_requests(llm: LLM, ids: range, rng, prompt_len: int, max_tokens: int) -> None:
+def add_requests(llm: LLM, ids: range, rng, prompt_len: int, max_tokens: int, prefix: list[int] = ()) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in ids:  # token ids past the special ones, as vLLM's random dataset draws them
-        prompt = {"prompt_token_ids": rng.integers(100, 40000, prompt_len).tolist()}
+        prompt = {"prompt_token_ids": list(prefix) + rng.integers(100, 40000, prompt_len).tolist()}
         llm.engine.add_request(str(i), prompt, params)
 
 
@@ -110,17 +112,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--mixed", type=int, default=6, help="mixed steps to trace (a new prompt beside decodes)")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--prefix", type=int, default=0, help="random tokens every prompt starts with (cached)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    llm, rng = LLM(**SERVE), np.random.default_rng(0)
+    llm = LLM(**{**SERVE, "enable_prefix_caching": args.prefix > 0})
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(100, 40000, args.prefix).tolist()
+    if prefix:
+        llm.generate([{"prompt_token_ids": prefix}], SamplingParams(max_tokens=1))
     c, budget = args.concurrency, args.steps + 3 * args.mixed + 16
-    add_requests(llm, range(c), rng, args.prompt_len, budget)
+    add_requests(llm, range(c), rng, args.prompt_len, budget, prefix)
     for _ in range(6):  # the prompts' steps (one wave) and the first decodes
         llm.engine.step()
     runner = llm.engine.runner
     bucket = lambda n: min(b for b in runner.config.token_buckets() if b >= n)  # noqa: E731
     hlo = {kind: runner.executable(bucket(n)).as_text() for kind, n in
-           (("decode", c), ("mixed", c - 1 + args.prompt_len))}
+           (("decode", c), ("mixed", c - 1 + args.prompt_len))}  # (a cached prefix is not computed again)
     result = {"concurrency": c, "load_1min_before": os.getloadavg()[0], "jax": jax.__version__,
               "dtype": str(runner.config.dtype)}
     result["decode"] = summarize([traced_steps(llm.engine, args.steps)], hlo["decode"])
@@ -131,7 +138,7 @@ def main() -> None:
         victim = next(r for r in llm.engine.requests)
         llm.engine.abort_request(victim)
         new = next(next_id)
-        add_requests(llm, range(new, new + 1), rng, args.prompt_len, budget)
+        add_requests(llm, range(new, new + 1), rng, args.prompt_len, budget, prefix)
     sessions = []
     for _ in range(args.mixed):
         sessions.append(traced_steps(llm.engine, 1, swap_one, read=True))
