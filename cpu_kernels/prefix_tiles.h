@@ -4,7 +4,7 @@
 //
 // Two passes, so no running output needs rescaling inside the tiles: the scores S = Q·Kᵀ of every page, one softmax
 // per row over all of them, then P·V. A page's K and V are first packed into the pairs the tile products read
-// (PackPage), once per call for every row block that reads the page.
+// (PackPage), once for all the row blocks of a stretch (paged_attention.cc's work item).
 #pragma once
 
 #include <cstdint>
