@@ -14,7 +14,9 @@
 // of their rows (a prompt chunk), times KV heads; the tiles run on OpenMP threads (the same libgomp team as
 // oneDNN's). Each page's V rows (and K rows, unless bfloat16 keys meet bfloat16 queries on a CPU with the bfloat16
 // dot: then they are read in place) are converted to float32 once per tile, and each token's query heads of the
-// tile's KV head (its group, up to four at a time) fold the page into their running softmaxes together.
+// tile's KV head (its group, up to four at a time) fold the page into their running softmaxes together. On an AMX
+// CPU, the leading pages that many rows see in full (a prompt chunk's earlier pages, decodes' shared prefix) are
+// taken first as tile products (prefix_tiles.h, Stretch below), and the fold goes on from their state.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -22,7 +24,6 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
