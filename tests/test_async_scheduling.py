@@ -80,3 +80,48 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2, features):
     assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1
     if features == "plain":
         assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
+
+
+def test_steps_admitting_prompts_beside_decodes_are_scheduled_ahead(smollm2):
+    """Requests arriving while others decode (the served case): the step that adds a prompt beside the running
+    decodes, and its first decode, are scheduled and launched while the step before runs, its placeholders
+    filled on the device from that step's samples (a prompt's first token included); the outputs are the
+    synchronous engine's, every block back."""
+    engine, tokenizer = smollm2.engine, smollm2.get_tokenizer()
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
+             "Counting: 1, 2, 3,"]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=9),
+              SamplingParams(temperature=0, max_tokens=10, stop=[","], logprobs=1)]
+
+    def run() -> tuple[dict, list[int]]:
+        prompt_rows, schedule_ahead = [], engine.scheduler.schedule_ahead
+
+        def recording():
+            out = schedule_ahead()
+            if out is not None:
+                prompt_rows.append(sum(s.num_new_tokens > 1 for s in out.scheduled))
+            return out
+        engine.scheduler.schedule_ahead = recording
+        done = {}
+        try:
+            for i, text in enumerate(texts):
+                engine.add_request(f"r{i}", {"prompt_token_ids": tokenizer(text)["input_ids"]}, params[i % 3])
+                for _ in range(2):
+                    done.update({o.request_id: o for o in engine.step() if o.finished})
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+        finally:
+            del engine.scheduler.schedule_ahead
+        return {k: _ends([v]) for k, v in done.items()}, prompt_rows
+
+    try:
+        engine.async_scheduling = False
+        expected, _ = run()
+        engine.async_scheduling = True
+        got, prompt_rows = run()
+    finally:
+        engine.async_scheduling = engine.config.async_scheduling
+    assert got == expected and len(got) == len(texts)
+    assert sum(n > 0 for n in prompt_rows) >= 3, f"prompts scheduled ahead: {prompt_rows}"
+    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1

@@ -150,6 +150,43 @@ def test_requests_over_a_cached_prefix_are_scheduled_ahead():
     _check_ahead_and_synchronous(run)
 
 
+def test_steps_with_new_prompts_are_scheduled_ahead():
+    """Plain requests arriving while others decode: the steps that admit them (their prompts chunked over several
+    steps under a small token budget, some over a cached prefix), and their first decodes, are scheduled while
+    the step before runs, not only the decode fast path; the tokens are synchronous scheduling's and every
+    block comes back. A pool too small for every next token sends the step back to the synchronous pass."""
+    def run(async_scheduling):
+        engine = make_engine(num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, prefix_caching=True,
+                             async_scheduling=async_scheduling)
+        prompt_rows, schedule_ahead = [], engine.scheduler.schedule_ahead
+
+        def recording():
+            out = schedule_ahead()
+            if out is not None:
+                prompt_rows.append(sum(s.num_new_tokens > 1 for s in out.scheduled))
+            return out
+        engine.scheduler.schedule_ahead = recording
+        prefix = [1 + j % (VOCAB - 1) for j in range(2 * BLOCK_SIZE)]
+        done: dict = {}
+        for i in range(8):
+            p = SamplingParams(temperature=1.0 if i % 3 else 0.0, seed=i, max_tokens=5 + 2 * i,
+                               ignore_eos=i % 2 == 0)
+            prompt = (prefix if i % 2 else []) + [1 + (i * 5 + j) % (VOCAB - 1) for j in range(9 + 3 * i)]
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
+            for _ in range(3):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                check_accounting(engine)
+        done.update(run_checked(engine))
+        check_all_free(engine)
+        return _ends(done), prompt_rows
+    expected, _ = run(False)
+    got, prompt_rows = run(True)
+    assert got == expected
+    assert sum(n > 0 for n in prompt_rows) >= 5, f"prompt chunks scheduled ahead in {prompt_rows}"
+
+
 @pytest.mark.parametrize("mode, host", [("recompute", 0), ("swap", 32), ("swap", 2)])
 def test_shared_prefix_and_forks_survive_preemption(mode, host):
     """Parallel samples and beams over a shared prompt, under a pool that forces preemption: every block and

@@ -263,10 +263,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one iteration; returns an output for every request that got a token.
 
-        With async scheduling a decode step is left running on the device: the next call schedules and launches
-        the step after it (its tokens taken from the device) before it reads this one's, so outputs come a step
-        late; anything but the decode fast path waits for the step in flight first, and is itself read at the
-        start of the next call when this one has outputs to return (see DESIGN.md, the step)."""
+        With async scheduling a step of plain requests (Scheduler.runs_ahead) is left running on the device: the
+        next call schedules and launches the step after it (its tokens taken from the device) before it reads
+        this one's, so outputs come a step late; a step that cannot be scheduled ahead waits for the step in
+        flight first, and is itself read at the start of the next call when this one has outputs to return
+        (see DESIGN.md, the step)."""
         outputs, self._ready = self._ready, []
         if self._unread is not None:
             outputs += self._read_unread()
@@ -321,7 +322,7 @@ class LLMEngine:
             self.kv.disk_tier.close()
 
     def _hold(self, launched) -> None:
-        """Leaves a launched decode step in flight: its live rows' sequences get placeholders for their tokens."""
+        """Leaves a launched step in flight: its live rows' sequences get placeholders for their tokens."""
         rows = self._live_rows(launched)
         self.scheduler.add_placeholders([launched.scheduled[i] for i in rows])
         self._in_flight = InFlight(launched, rows) if rows else None
