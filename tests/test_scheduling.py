@@ -442,7 +442,8 @@ def test_priority_orders_admission(tiny):
     rng = tiny.rng(90)
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("first", {"prompt_token_ids": tokens(rng, 10)}, p)
-    assert [o.request_id for o in engine.step()] == ["first"]
+    engine.step()
+    assert [g.request_id for g in engine.scheduler.running] == ["first"]
     engine.add_request("early", {"prompt_token_ids": tokens(rng, 10)}, p, priority=0)
     engine.add_request("late", {"prompt_token_ids": tokens(rng, 10)}, p, priority=-1)
     order = []

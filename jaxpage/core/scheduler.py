@@ -315,11 +315,15 @@ class Scheduler:
     def add_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """After a step is launched: each row's sequence as the step leaves it, the token a sampling row
         sampled a placeholder (PLACEHOLDER_TOKEN_ID), so that the next step can be scheduled and built
-        meanwhile."""
+        meanwhile. The blocks the step fills are cached now, as in vLLM: a prompt admitted ahead finds a prefix
+        being computed (its tokens are known; the device writes them before any later step reads them)."""
         for s in rows:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
             if s.samples:
-                s.seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+                seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+            if len(seq.block_hashes) < seq.num_computed_tokens // self.config.block_size:
+                self.kv.cache_full_blocks(seq)
 
     def remove_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """Undoes add_placeholders before the step's real output goes through update_from_output."""
