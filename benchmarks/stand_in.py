@@ -65,10 +65,13 @@ class StandInRunner:
         self._device_free_at = max(now, self._device_free_at) + self.step_seconds
         return StandInStep(scheduled, _output(len(scheduled)), self._device_free_at)
 
+    def wait(self, launched: StandInStep) -> None:
+        left = launched.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
     def fetch(self, launched: StandInStep) -> SamplerOutput:
-        wait = launched.done_at - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
+        self.wait(launched)
         return launched.out
 
     def _build(self, scheduled) -> None:
