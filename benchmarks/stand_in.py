@@ -65,13 +65,10 @@ class StandInRunner:
         self._device_free_at = max(now, self._device_free_at) + self.step_seconds
         return StandInStep(scheduled, _output(len(scheduled)), self._device_free_at)
 
-    def wait(self, launched: StandInStep) -> None:
-        left = launched.done_at - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-
     def fetch(self, launched: StandInStep) -> SamplerOutput:
-        self.wait(launched)
+        wait = launched.done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
         return launched.out
 
     def _build(self, scheduled) -> None:

@@ -126,9 +126,6 @@ class FakeRunner:
             for ids in filled:  # the host still holds the placeholder until it reads the step before
                 ids[-1] = PLACEHOLDER_TOKEN_ID
 
-    def wait(self, launched: LaunchedStep) -> None:
-        """Steps run at launch."""
-
     def fetch(self, launched: LaunchedStep) -> SamplerOutput:
         return launched.out
 

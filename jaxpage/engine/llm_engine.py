@@ -272,9 +272,6 @@ class LLMEngine:
         if self._unread is not None:
             outputs += self._read_unread()
         elif self._in_flight is not None:
-            if self.async_scheduling and self.scheduler.waiting:
-                # requests arriving while it runs join the step that admits these, as they would synchronously
-                self.runner.wait(self._in_flight.launched)
             ahead = self.scheduler.schedule_ahead() if self.async_scheduling else None
             if ahead is not None:
                 self.runner.apply(ahead.ops)

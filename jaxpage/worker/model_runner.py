@@ -251,10 +251,6 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.remove(lora_int_id)
 
-    def wait(self, launched: LaunchedStep) -> None:
-        """Waits until a launched step has run on the device, without reading it."""
-        jax.block_until_ready(launched.out)
-
     def fetch(self, launched: LaunchedStep) -> SamplerOutput:
         """A launched step's output (numpy) for each of its rows (with speculative decoding, then each draft
         position's), waiting for it if need be."""
