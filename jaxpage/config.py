@@ -205,6 +205,9 @@ class EngineConfig:
     kv_offloading_disk_bytes: int = 0
     max_seqs_per_request: int | None = None  # most sequences (n, best_of, beams) one request holds (None: any)
     async_scheduling: bool = True  # schedule step N+1 while step N runs, its sampled tokens kept on the device
+    # async scheduling of steps with prompts too (admission, chunks, first decodes), not only the decode fast
+    # path: off on a CPU, where the host's pass competes with the step for the same cores (build_engine_config)
+    async_prompt_steps: bool = True
     # The prompt tokens a step computes beside its decodes (core/prefill_limits.py, vLLM's options): a prefill
     # takes at most long_prefill_token_threshold tokens a step (0: no cap); at most max_num_partial_prefills
     # prefills a step, max_long_partial_prefills of them with more than the threshold left

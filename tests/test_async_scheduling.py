@@ -22,6 +22,13 @@ def test_the_flag_is_vllms_and_on_by_default():
     assert EngineArgs.from_cli_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
 
 
+def test_steps_with_prompts_are_scheduled_ahead_except_on_a_cpu(smollm2):
+    """Where the device is the host's own cores, the host's pass would compete with the step: only the decode
+    fast path is scheduled ahead there (RESULTS.md, "Async scheduling of the steps that admit prompts")."""
+    import jax
+    assert smollm2.engine.config.async_prompt_steps is (jax.default_backend() != "cpu")
+
+
 def test_placeholders_take_the_previous_steps_tokens():
     """Against the plain rule: a placeholder at token i becomes sampled[rows[i]]; other ids stay."""
     rng = np.random.default_rng()
@@ -118,10 +125,11 @@ def test_steps_admitting_prompts_beside_decodes_are_scheduled_ahead(smollm2):
     try:
         engine.async_scheduling = False
         expected, _ = run()
-        engine.async_scheduling = True
+        engine.async_scheduling = engine.scheduler.prompt_steps_ahead = True  # off by default on a CPU
         got, prompt_rows = run()
     finally:
         engine.async_scheduling = engine.config.async_scheduling
+        engine.scheduler.prompt_steps_ahead = engine.config.async_prompt_steps
     assert got == expected and len(got) == len(texts)
     assert sum(n > 0 for n in prompt_rows) >= 3, f"prompts scheduled ahead: {prompt_rows}"
     assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1

@@ -188,26 +188,26 @@ def test_steps_with_new_prompts_are_scheduled_ahead():
 
 
 def test_a_prefix_the_step_in_flight_computes_is_found_by_a_prompt_admitted_ahead():
-    """A request arriving while the step that computes another prompt over the same prefix is still running is
-    admitted ahead and reads that prefix's blocks from the cache (cached at launch, as in vLLM), as it does when
-    scheduled after that step synchronously; the tokens are the same either way."""
+    """A request arriving while the step that computes the first chunk of another prompt over the same prefix is
+    still running is admitted ahead and reads that chunk's blocks from the cache (cached at launch, as in vLLM),
+    as it does when scheduled after that step synchronously; the tokens are the same either way."""
     def run(async_scheduling):
-        engine = make_engine(num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True,
-                             async_scheduling=async_scheduling)
+        engine = make_engine(num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=2 * BLOCK_SIZE,
+                             prefix_caching=True, async_scheduling=async_scheduling)
         asked = _count_ahead(engine)
         prefix = [1 + j % (VOCAB - 1) for j in range(3 * BLOCK_SIZE)]
-        for i in range(3):
+        for i in range(2):
             p = SamplingParams(temperature=0.0, seed=i, max_tokens=6, ignore_eos=True)
             engine.add_request(f"r{i}", {"prompt_token_ids": prefix + [2 + i, 7 + i]}, p)
-            engine.step()  # r0's prompt: held in flight (ahead) or done (synchronous) when r1 arrives
+            engine.step()  # r0's first chunk (two blocks): held in flight (ahead) or done (synchronous)
         done = run_checked(engine)
         check_all_free(engine)
         return _ends(done), asked, engine.kv.prefix_cache_hits
     expected, _, hits = run(False)
     got, asked, hits_ahead = run(True)
     assert got == expected
-    assert asked[:2] == [True, True]  # r1's and r2's prompts were admitted ahead
-    assert hits_ahead == hits == 2 * 3 * BLOCK_SIZE
+    assert asked[0]  # r1 was admitted while r0's first chunk ran
+    assert hits_ahead == hits >= 2 * BLOCK_SIZE
 
 
 @pytest.mark.parametrize("mode, host", [("recompute", 0), ("swap", 32), ("swap", 2)])

@@ -46,6 +46,7 @@ class Scheduler:
         # The last schedule, when it was a plain decode step of every running sequence (see _decode_again); None
         # once anything it depends on may have changed (a group preempted, finished, queued, or beams reordered)
         self._decode: list[ScheduledSeq] | None = None
+        self.prompt_steps_ahead = config.async_prompt_steps  # any plain step scheduled ahead, not only decodes
         # speculative decoding: the proposer of draft tokens and the acceptance counters (None: off)
         spec = config.speculative_config
         self.proposer = make_proposer(spec)
@@ -277,23 +278,24 @@ class Scheduler:
         the decode fast path's step (see _decode_rows; with speculation too, but not a step that verifies
         drafts: the step after it starts where its accepted tokens end) where no row needs its token on the
         host before the next step is built (penalties upload the history; structured outputs advance their
-        matcher); or, without speculation, any step of plain requests (_runs_plain: new prompts, chunks)."""
+        matcher); or, with prompt_steps_ahead and no speculation, any step of plain requests (_runs_plain: new
+        prompts, chunks)."""
         if self._decode is scheduled:
             return not any(s.group.params.has_penalties or s.group.params.structured_outputs is not None
                            for s in scheduled)
-        return self.proposer is None and all(_runs_plain(s.group) for s in scheduled)
+        return self.prompt_steps_ahead and self.proposer is None and all(_runs_plain(s.group) for s in scheduled)
 
     def schedule_ahead(self) -> SchedulerOutput | None:
         """The next step while the last one runs (its rows hold placeholders, see add_placeholders): the decode
-        fast path (with speculation, its drafts proposed one step late: see _draft), else the full pass where
-        nothing in it depends on the tokens still on the device (_full_pass_ahead_is_safe: new plain requests
+        fast path (with speculation, its drafts proposed one step late: see _draft), else, with
+        prompt_steps_ahead, the full pass where nothing in it depends on the tokens still on the device (_full_pass_ahead_is_safe: new plain requests
         admitted beside the running ones, a prompt's next chunk, its first decode). None (nothing changed)
         otherwise; the engine then waits for the last step's tokens and schedules in full."""
         if self._decode is not None:
             again = self._decode_again(self._decode)
             if again is not None:
                 return again
-        return self.schedule() if self._full_pass_ahead_is_safe() else None
+        return self.schedule() if self.prompt_steps_ahead and self._full_pass_ahead_is_safe() else None
 
     def _full_pass_ahead_is_safe(self) -> bool:
         """Whether the full pass may run before the last step's tokens are known: no swapped or failed group, no

@@ -48,7 +48,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                         max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
                         wave_prefill: bool = EngineArgs.wave_prefill,
-                        async_scheduling: bool = EngineArgs.async_scheduling, enable_lora: bool = False,
+                        async_scheduling: bool = EngineArgs.async_scheduling,
+                        async_prompt_steps: bool | None = None, enable_lora: bool = False,
                         max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
                         max_cpu_loras: int | None = None,
                         speculative_config: dict | SpeculativeConfig | None = None,
@@ -120,6 +121,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           max_num_partial_prefills=max_num_partial_prefills,
                           max_long_partial_prefills=max_long_partial_prefills, wave_prefill=wave_prefill,
                           async_scheduling=async_scheduling,
+                          async_prompt_steps=(jax.default_backend() != "cpu" if async_prompt_steps is None
+                                              else async_prompt_steps),
                           max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config,
                           num_offload_blocks=num_offload_blocks, kv_offloading_dir=kv_offloading_dir,
                           kv_offloading_disk_bytes=int(kv_offloading_disk_size * (1 << 30)),

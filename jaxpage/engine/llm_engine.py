@@ -41,6 +41,7 @@ class InFlight:
 
     launched: object  # the runner's LaunchedStep
     rows: list[int]
+    first_tokens: bool = False  # it samples some request's first token
 
 
 def _load_draft(args: EngineArgs, cache_dir: Path, target):
@@ -272,7 +273,9 @@ class LLMEngine:
         if self._unread is not None:
             outputs += self._read_unread()
         elif self._in_flight is not None:
-            ahead = self.scheduler.schedule_ahead() if self.async_scheduling else None
+            # a step with first tokens is read before the next is scheduled: their TTFT does not wait a step more
+            ahead = (self.scheduler.schedule_ahead() if self.async_scheduling and not self._in_flight.first_tokens
+                     else None)
             if ahead is not None:
                 self.runner.apply(ahead.ops)
                 launched = self.runner.launch(ahead.scheduled, previous=self._in_flight.launched)
@@ -324,8 +327,10 @@ class LLMEngine:
     def _hold(self, launched) -> None:
         """Leaves a launched step in flight: its live rows' sequences get placeholders for their tokens."""
         rows = self._live_rows(launched)
-        self.scheduler.add_placeholders([launched.scheduled[i] for i in rows])
-        self._in_flight = InFlight(launched, rows) if rows else None
+        held = [launched.scheduled[i] for i in rows]
+        first = any(s.samples and s.seq.num_output_tokens == 0 for s in held)
+        self.scheduler.add_placeholders(held)
+        self._in_flight = InFlight(launched, rows, first) if rows else None
 
     @staticmethod
     def _live_rows(launched) -> list[int]:
