@@ -357,6 +357,20 @@ def check_accounting(engine: LLMEngine) -> None:
         assert kv.disk_tier.num_bytes <= max(kv.disk_tier.max_bytes, kv.disk_tier.file_bytes)
 
 
+def record_prompt_rows_ahead(engine: LLMEngine) -> list[int]:
+    """Records, for each step the engine schedules while the one before runs, how many of its rows compute more
+    than one token (a prompt or its chunk)."""
+    prompt_rows, schedule_ahead = [], engine.scheduler.schedule_ahead
+
+    def recording():
+        out = schedule_ahead()
+        if out is not None:
+            prompt_rows.append(sum(s.num_new_tokens > 1 for s in out.scheduled))
+        return out
+    engine.scheduler.schedule_ahead = recording
+    return prompt_rows
+
+
 def check_all_free(engine: LLMEngine) -> None:
     check_accounting(engine)
     assert not engine.has_unfinished_requests() and not engine.requests

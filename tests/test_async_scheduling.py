@@ -13,6 +13,7 @@ from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.structured_outputs import StructuredOutputsParams
 from jaxpage.worker.step import substitute_placeholders
+from tests.simulated_kv import record_prompt_rows_ahead
 
 
 def test_the_flag_is_vllms_and_on_by_default():
@@ -102,14 +103,7 @@ def test_steps_admitting_prompts_beside_decodes_are_scheduled_ahead(smollm2):
               SamplingParams(temperature=0, max_tokens=10, stop=[","], logprobs=1)]
 
     def run() -> tuple[dict, list[int]]:
-        prompt_rows, schedule_ahead = [], engine.scheduler.schedule_ahead
-
-        def recording():
-            out = schedule_ahead()
-            if out is not None:
-                prompt_rows.append(sum(s.num_new_tokens > 1 for s in out.scheduled))
-            return out
-        engine.scheduler.schedule_ahead = recording
+        prompt_rows = record_prompt_rows_ahead(engine)
         done = {}
         try:
             for i, text in enumerate(texts):

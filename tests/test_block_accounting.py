@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, event, given, settings
 from jaxpage.core.kv_cache_manager import COPY, SWAP_OUT
 from jaxpage.sampling_params import SamplingParams
 from tests.simulated_kv import (BLOCK_SIZE, EOS, VOCAB, check_accounting, check_all_free, make_engine, play,
-                                run_checked, scenarios)
+                                record_prompt_rows_ahead, run_checked, scenarios)
 
 
 # --- the property test ------------------------------------------------------------------------------
@@ -158,14 +158,7 @@ def test_steps_with_new_prompts_are_scheduled_ahead():
     def run(async_scheduling):
         engine = make_engine(num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, prefix_caching=True,
                              async_scheduling=async_scheduling)
-        prompt_rows, schedule_ahead = [], engine.scheduler.schedule_ahead
-
-        def recording():
-            out = schedule_ahead()
-            if out is not None:
-                prompt_rows.append(sum(s.num_new_tokens > 1 for s in out.scheduled))
-            return out
-        engine.scheduler.schedule_ahead = recording
+        prompt_rows = record_prompt_rows_ahead(engine)
         prefix = [1 + j % (VOCAB - 1) for j in range(2 * BLOCK_SIZE)]
         done: dict = {}
         for i in range(8):

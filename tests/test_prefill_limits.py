@@ -84,7 +84,8 @@ def test_one_prefill_a_step_admits_every_queued_prompt_in_turn():
         for out in engine.step():
             if out.outputs[0].token_ids:
                 first_token.setdefault(out.request_id, step)
-    assert first_token == {f"r{i}": i for i in range(5)}
+    start = first_token["r0"]  # 1 where the engine schedules prompt steps ahead: its outputs come a step late
+    assert start <= 1 and first_token == {f"r{i}": start + i for i in range(5)}
     run_checked(engine)
     check_all_free(engine)
 
