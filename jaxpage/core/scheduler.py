@@ -288,9 +288,10 @@ class Scheduler:
     def schedule_ahead(self) -> SchedulerOutput | None:
         """The next step while the last one runs (its rows hold placeholders, see add_placeholders): the decode
         fast path (with speculation, its drafts proposed one step late: see _draft), else, with
-        prompt_steps_ahead, the full pass where nothing in it depends on the tokens still on the device (_full_pass_ahead_is_safe: new plain requests
-        admitted beside the running ones, a prompt's next chunk, its first decode). None (nothing changed)
-        otherwise; the engine then waits for the last step's tokens and schedules in full."""
+        prompt_steps_ahead, the full pass where nothing in it depends on the tokens still on the device
+        (_full_pass_ahead_is_safe: new plain requests admitted beside the running ones, a prompt's next chunk,
+        its first decode). None (nothing changed) otherwise; the engine then waits for the last step's tokens
+        and schedules in full."""
         if self._decode is not None:
             again = self._decode_again(self._decode)
             if again is not None:
