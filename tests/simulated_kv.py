@@ -268,7 +268,7 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  max_num_partial_prefills=max_num_partial_prefills,
                                  max_long_partial_prefills=max_long_partial_prefills,
                                  wave_prefill=wave_prefill, async_scheduling=async_scheduling,
-                                 async_prompt_steps=True, enable_lora=max_loras > 0,                                 max_loras=max(max_loras, 1),
+                                 async_prompt_steps=True, enable_lora=max_loras > 0, max_loras=max(max_loras, 1),
                                  speculative_config={"method": "ngram", "num_speculative_tokens": speculative,
                                                      "disable_by_batch_size": disable_by_batch_size}
                                  if speculative else None)
