@@ -90,6 +90,36 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2, features):
         assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
 
 
+def test_a_request_ending_leaves_the_step_after_it_in_flight(smollm2):
+    """On the decode fast path, a request ending when the step in flight is read does not make the step already
+    launched after it synchronous: every engine step returns one step's tokens (never two for a request), the
+    outputs are the synchronous engine's, every block back."""
+    engine, tokenizer = smollm2.engine, smollm2.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer(text)["input_ids"]}
+               for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+
+    def run() -> tuple[dict, list[list[str]]]:
+        for i, (prompt, max_tokens) in enumerate(zip(prompts, (4, 7, 11))):  # ending at different steps
+            engine.add_request(f"e{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        done, calls = {}, []
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            calls.append([o.request_id for o in outs])
+            done.update({o.request_id: _ends([o]) for o in outs if o.finished})
+        return done, calls
+
+    try:
+        engine.async_scheduling = False
+        expected, _ = run()
+        engine.async_scheduling = True
+        got, calls = run()
+    finally:
+        engine.async_scheduling = engine.config.async_scheduling
+    assert got == expected and len(got) == len(prompts)
+    assert all(len(ids) == len(set(ids)) for ids in calls), f"a step returned two tokens of a request: {calls}"
+    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1
+
+
 def test_steps_admitting_prompts_beside_decodes_are_scheduled_ahead(smollm2):
     """Requests arriving while others decode (the served case): the step that adds a prompt beside the running
     decodes, and its first decode, are scheduled and launched while the step before runs, its placeholders

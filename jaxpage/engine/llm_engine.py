@@ -279,8 +279,11 @@ class LLMEngine:
             if ahead is not None:
                 self.runner.apply(ahead.ops)
                 launched = self.runner.launch(ahead.scheduled, previous=self._in_flight.launched)
+                # asked before the read: a request ending there must not make this step synchronous (read at
+                # once, two steps' tokens in one call, the device idle while the next step is scheduled)
+                holds = self.scheduler.runs_ahead(ahead.scheduled)
                 outputs += self._finish_in_flight()
-                if self.scheduler.runs_ahead(ahead.scheduled):
+                if holds:
                     self._hold(launched)
                 else:  # it verifies drafts: the step after starts where its accepted tokens end
                     outputs += self._finish(launched, self._live_rows(launched))
