@@ -3,7 +3,8 @@
 No server and no client, so two trees (or two settings) compare on the engine's own steps: output tokens/s, the
 gap between a request's tokens as the engine returns them (ITL at the engine), and the calls to ``step()`` that
 return two tokens of one request (two steps read in one call). Run the trees in ABBA order: this VM's speed
-drifts by more than the differences measured (RESULTS.md, "A request ending").
+drifts by more than the differences measured (RESULTS.md, "A request ending"). The engine takes up to 2,048 tokens
+a step, prefix caching off (the random prompts share nothing), not serve's defaults.
 
     PYTHONPATH=. python benchmarks/closed_loop.py --concurrency 32 --requests 160 --workload spread
 """
@@ -16,16 +17,23 @@ import time
 
 import numpy as np
 
+from benchmarks.vs_vllm import WORKLOADS as SERVED
 from jaxpage import LLM, SamplingParams
 
-WORKLOADS = {"fixed": ((64, 64), (128, 128)), "spread": ((32, 96), (64, 192))}  # vs_vllm.py's lengths
+WORKLOADS = {name: w for name, w in SERVED.items() if not w.prefix_len}  # vs_vllm.py's workloads without a shared prefix
+
+
+def length_range(length: int, ratio: float) -> tuple[int, int]:
+    """The lengths vllm bench serve's random dataset draws from: length spread by +-ratio."""
+    return round(length * (1 - ratio)), round(length * (1 + ratio))
 
 
 def run(concurrency: int, requests: int, workload: str, seed: int = 0) -> dict:
     load = os.getloadavg()[0]
     engine = LLM(max_num_batched_tokens=2048, progress=False, enable_prefix_caching=False).engine
     rng = np.random.default_rng(seed)
-    (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[workload]
+    w = WORKLOADS[workload]
+    (p_lo, p_hi), (o_lo, o_hi) = length_range(w.input_len, w.range_ratio), length_range(w.output_len, w.range_ratio)
 
     def add(request_id: str) -> None:
         prompt = rng.integers(100, 40000, int(rng.integers(p_lo, p_hi + 1))).tolist()
@@ -36,7 +44,7 @@ def run(concurrency: int, requests: int, workload: str, seed: int = 0) -> dict:
         add(f"warm{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    added, tokens, steps, doubled, last, gaps, calls = 0, 0, 0, 0, {}, [], []
+    added, tokens, doubled, last, gaps, calls = 0, 0, 0, {}, [], []
     for _ in range(concurrency):
         add(str(added))
         added += 1
@@ -45,7 +53,6 @@ def run(concurrency: int, requests: int, workload: str, seed: int = 0) -> dict:
         called = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
-        steps += 1
         calls.append(now - called)
         ids = [o.request_id for o in outputs]
         doubled += len(ids) != len(set(ids))
@@ -61,7 +68,7 @@ def run(concurrency: int, requests: int, workload: str, seed: int = 0) -> dict:
     wall = time.perf_counter() - start
     ms = lambda a, q: round(float(np.percentile(np.asarray(a) * 1e3, q)), 1)  # noqa: E731
     return {"concurrency": concurrency, "requests": requests, "workload": workload,
-            "output_tok_s": round(tokens / wall, 1), "steps": steps, "itl_p50_ms": ms(gaps, 50),
+            "output_tok_s": round(tokens / wall, 1), "steps": len(calls), "itl_p50_ms": ms(gaps, 50),
             "itl_p99_ms": ms(gaps, 99), "step_call_p50_ms": ms(calls, 50), "step_call_p99_ms": ms(calls, 99),
             "calls_with_two_tokens_of_a_request": doubled, "load_1min_before": load}
 
