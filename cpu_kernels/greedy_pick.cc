@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "simd16.h"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,7 +71,7 @@ ffi::Error GreedyPick(ffi::AnyBuffer logits, ffi::Result<ffi::Buffer<ffi::S32>> 
   const int64_t row_bytes = vocab * ffi::ByteWidth(t);
   int32_t* out_tokens = tokens->typed_data();
   float* out_logprobs = logprobs->typed_data();
-#pragma omp parallel
+#pragma omp parallel num_threads(KernelThreads(rows))
   {
     std::vector<float> row(vocab);
 #pragma omp for schedule(static)

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -152,13 +153,13 @@ void Delta(const X* x, const W* a, const W* b, const int32_t* slots, X* out, int
     out_rows[i] = out + order[i] * N;
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(jaxpage::KernelThreads(T))
   for (int64_t j = 0; j < num_tiles; ++j) {
     const Tile& t = tiles[j];
     Product(x_rows.data() + t.begin, a + t.slot * K * R, xa_rows.data() + t.begin, t.end - t.begin, K, R, 0, R);
   }
   const int64_t chunks = (N + kColumns - 1) / kColumns;  // expand: a tile against a column chunk of b[s]
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(jaxpage::KernelThreads(T))
   for (int64_t job = 0; job < num_tiles * chunks; ++job) {
     const Tile& t = tiles[job / chunks];
     const int64_t n0 = (job % chunks) * kColumns;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "oneapi/dnnl/dnnl.hpp"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -79,10 +80,11 @@ struct Matmuls {
 };
 
 Matmuls Primitive(const Shape& s) {
-  using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, bool, bool>;
+  // oneDNN sizes a primitive's work for the calling thread's team (ThreadCap)
+  using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, bool, bool, int>;
   static std::mutex mu;
   static std::map<Key, Matmuls> cache;
-  Key key{s.m, s.k, s.n, int(s.x), int(s.w), int(s.y), s.transposed, s.packed};
+  Key key{s.m, s.k, s.n, int(s.x), int(s.w), int(s.y), s.transposed, s.packed, omp_get_max_threads()};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -114,6 +116,7 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
     return ffi::Error::InvalidArgument("onednn_matmul: x, w and y shapes do not match");
   if (s.m == 0) return ffi::Error::Success();
   const auto bf16 = memory::data_type::bf16;
+  jaxpage::ThreadCap cap(jaxpage::KernelThreads(s.m));
   if (s.packed && s.m <= gemv_rows && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n) &&
       jaxpage::PackedGemvBf16(static_cast<const uint16_t*>(x.untyped_data()),
                               static_cast<const uint16_t*>(w.untyped_data()),
@@ -140,6 +143,9 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 }
 
 }  // namespace
+
+// The OpenMP threads a kernel call over `rows` rows takes (threads.h), for the tests.
+extern "C" int jaxpage_kernel_threads(int64_t rows) { return jaxpage::KernelThreads(rows); }
 
 // Bytes of bfloat16 [k, n] weights packed (the plain layout's when the packed one pads nothing), or -1 on an
 // error.

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "threads.h"
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -57,7 +59,7 @@ void Rows(const uint16_t* x, const uint16_t* wb, uint16_t* y, int64_t rows, int6
 bool PackedGemvBf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k, int64_t n) {
   if (m < 1 || m > kMaxRows || k % 16 != 0 || n % 64 != 0) return false;
   const int64_t blocks = n / 64;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(KernelThreads(m))
   for (int64_t b = 0; b < blocks; ++b) Rows(x, w + b * 64 * k, y + b * 64, m, k, n);
   return true;
 }

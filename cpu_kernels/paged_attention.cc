@@ -29,6 +29,7 @@
 
 #include "prefix_tiles.h"
 #include "simd16.h"
+#include "threads.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -570,7 +571,7 @@ ffi::Error PagedAttention(ffi::AnyBuffer q, ffi::AnyBuffer pool, ffi::Buffer<ffi
   const int64_t work = static_cast<int64_t>(items.size()) * kv_heads;
   const void* q_data = q.untyped_data();
   void* out_data = out->untyped_data();
-#pragma omp parallel
+#pragma omp parallel num_threads(KernelThreads(num_tokens))
   {
     thread_local Buffers buffers;
     Grow(buffers.scratch.k, pages.block_size * dim);

@@ -395,3 +395,66 @@ def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
         assert "jaxpage_silu_and_mul" in lowered
         cuda = jax.jit(lambda y: fused_gated_activation("silu", y)).trace(x).lower(lowering_platforms=("cuda",))
         assert "jaxpage_silu_and_mul" not in cuda.as_text()
+
+
+_THREADS_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from cpu_kernels import onednn
+from cpu_kernels.greedy_pick import greedy_pick
+from cpu_kernels.paged_attention import paged_attention
+rng = np.random.default_rng(0)
+kernel = np.asarray(jnp.asarray(rng.standard_normal((1536, 576)), jnp.bfloat16))
+out = {"kernel": np.asarray(kernel, np.float32)}
+for rows in (1, 5, 8, 24):
+    x = jnp.asarray(rng.standard_normal((rows, 1536)), jnp.bfloat16)
+    for packed, w in ((True, jnp.asarray(onednn.pack(kernel))), (False, jnp.asarray(kernel))):
+        for gemv_rows in (0, 8):
+            y = jax.jit(lambda x, w: onednn.matmul(x, w, packed=packed, gemv_rows=gemv_rows))(x, w)
+            out[f"x{rows}"] = np.asarray(x, np.float32)
+            out[f"matmul{rows}_{packed}_{gemv_rows}"] = np.asarray(y, np.float32)
+pool = jnp.asarray(rng.standard_normal((1, 12, 2, 3, 16, 64)), jnp.bfloat16)
+tables = jnp.asarray(rng.permutation(12).reshape(4, 3), jnp.int32)
+for tokens in (4, 20):
+    q = jnp.asarray(rng.standard_normal((tokens, 9, 64)), jnp.bfloat16)
+    seq = jnp.asarray(np.arange(tokens) % 4, jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 48, tokens), jnp.int32)
+    out[f"attention{tokens}"] = np.asarray(jax.jit(lambda q: paged_attention(q, pool, 0, seq, pos, tables, 0.125, 0,
+                                                                             None))(q), np.float32)
+for rows in (3, 17):
+    tokens, logprobs = jax.jit(greedy_pick)(jnp.asarray(rng.standard_normal((rows, 4096)), jnp.float32))
+    out[f"greedy{rows}"] = np.concatenate([np.asarray(tokens, np.float32), np.asarray(logprobs)])
+import ctypes
+from cpu_kernels.library import library
+threads = library().jaxpage_kernel_threads
+out["threads"] = np.array([threads(ctypes.c_int64(rows)) for rows in (1, 8, 9, 24)])
+np.savez(sys.argv[1], **out)
+"""
+
+
+@needs_onednn
+def test_kernels_give_the_same_bits_on_one_thread_and_on_all(tmp_path):
+    """The kernels run calls of up to JAXPAGE_CPU_SERIAL_ROWS rows (default 8) on one OpenMP thread
+    (cpu_kernels/threads.h): each call's result is the same bit for bit whatever the team, for products (packed on
+    either kernel, and plain), the attention and the greedy pick, at row counts on both sides of the default; the
+    products also equal float32 math to bfloat16 rounding."""
+    import os
+    import subprocess
+    import sys
+
+    runs = {}
+    for serial_rows in ("0", "1000"):  # never one thread; always one thread
+        path = tmp_path / f"serial{serial_rows}.npz"
+        env = dict(os.environ, JAXPAGE_CPU_SERIAL_ROWS=serial_rows, JAX_PLATFORMS="cpu")
+        subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(path)], env=env, check=True, timeout=600)
+        runs[serial_rows] = dict(np.load(path))
+    cores = len(os.sched_getaffinity(0))  # libgomp's team: the cores this process may run on
+    assert runs["0"].pop("threads").tolist() == [cores] * 4 and runs["1000"].pop("threads").tolist() == [1] * 4
+    assert runs["0"].keys() == runs["1000"].keys()
+    for name, value in runs["0"].items():
+        np.testing.assert_array_equal(value, runs["1000"][name], err_msg=name)
+    for name, y in runs["0"].items():
+        if name.startswith("matmul"):
+            x = runs["0"][f"x{name[6:].split('_')[0]}"]
+            ref = x @ runs["0"]["kernel"]
+            np.testing.assert_allclose(y, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max(), err_msg=name)
