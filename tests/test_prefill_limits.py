@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
@@ -196,11 +195,3 @@ def test_several_partial_prefills_default_the_threshold_to_4_percent_of_max_mode
     engine = make_engine(num_kv_blocks=20, max_model_len=64, long_prefill_token_threshold=0,
                          max_num_partial_prefills=2)
     assert engine.config.long_prefill_token_threshold == int(64 * 0.04) == 2
-
-
-def test_the_threshold_left_unset_is_the_platforms():
-    """Unset, the threshold is 32 on a CPU (the step computes the chunk on the decodes' cores) and 64 elsewhere;
-    one given is kept whatever the platform."""
-    assert make_engine(num_kv_blocks=20).config.long_prefill_token_threshold == (
-        32 if jax.default_backend() == "cpu" else 64)
-    assert make_engine(num_kv_blocks=20, long_prefill_token_threshold=64).config.long_prefill_token_threshold == 64

@@ -143,10 +143,9 @@ class EngineArgs(CliArgs):
     max_seqs_per_request: int | None = dataclasses.field(default=None, metadata=_option(
         "most sequences (n, best_of, beams) one request may hold, so that no request takes every batch slot "
         "(default: max-num-seqs; `serve`: half of it)"))
-    long_prefill_token_threshold: int | None = dataclasses.field(default=None, metadata=_option(
-        "most tokens a prompt computes in one step beside running decodes; a prompt with more left is long "
-        "(default: 32 on a CPU, 64 elsewhere; 0: no cap, or with --max-num-partial-prefills > 1: 4%% of "
-        "max-model-len)"))
+    long_prefill_token_threshold: int = dataclasses.field(default=64, metadata=_option(
+        "most tokens a prompt computes in one step; a prompt with more left is long (0: no cap, or with "
+        "--max-num-partial-prefills > 1: 4%% of max-model-len)"))
     max_num_partial_prefills: int = dataclasses.field(default=1, metadata=_option(
         "most prompts computing in one step beside the running decodes"))
     max_long_partial_prefills: int = dataclasses.field(default=1, metadata=_option(

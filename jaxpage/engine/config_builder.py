@@ -44,7 +44,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         data_parallel_rank: int = 0, enable_prefix_caching: bool = True,
                         preemption_mode: str = "recompute", swap_space: int = EngineArgs.swap_space,
                         max_seqs_per_request: int | None = None,
-                        long_prefill_token_threshold: int | None = None,
+                        long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                         max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                         max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
                         wave_prefill: bool = EngineArgs.wave_prefill,
@@ -232,14 +232,9 @@ def _num_offload_blocks(size_gib: float, backend: str | None, directory: str | N
     return blocks
 
 
-def _long_prefill_token_threshold(threshold: int | None, max_partial: int, max_long: int,
-                                  max_model_len: int) -> int:
-    """Checks the partial-prefill options (vLLM's rules) and returns the threshold: None takes the platform's
-    default, 32 prompt tokens beside the decodes on a CPU (where the step computes them on the same two cores
-    as the decodes: RESULTS.md, "A chunk cap of 32 on a CPU") and 64 elsewhere; with several partial prefills
-    and a threshold of 0, 4 % of max_model_len, as vLLM's SchedulerConfig sets it."""
-    if threshold is None:
-        threshold = 32 if jax.default_backend() == "cpu" else 64
+def _long_prefill_token_threshold(threshold: int, max_partial: int, max_long: int, max_model_len: int) -> int:
+    """Checks the partial-prefill options (vLLM's rules) and returns the threshold: with several partial
+    prefills and no threshold given, 4 % of max_model_len, as vLLM's SchedulerConfig sets it."""
     require(max_partial >= 1, "max_num_partial_prefills", max_partial, "must be >= 1")
     require(1 <= max_long <= max_partial, "max_long_partial_prefills", max_long,
             f"must be >= 1 and <= max_num_partial_prefills={max_partial}")
