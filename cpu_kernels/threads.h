@@ -1,8 +1,10 @@
-// How many OpenMP threads a kernel call over `rows` rows (tokens) takes. Up to JAXPAGE_CPU_SERIAL_ROWS rows
-// (default 8) one: such a call reads its weights or pages more than it computes, and one thread read them about
-// as fast as two here, without the fork and the join that waits for the slower thread each call (a decode step
-// makes ~150 such calls). The other core is then free for the host, the server and its clients
-// (benchmarks/RESULTS.md, "One thread for few rows").
+// How many OpenMP threads a kernel call over `rows` rows (tokens) takes: one up to JAXPAGE_CPU_SERIAL_ROWS rows,
+// the whole team above (default 0: always the team). Such a call reads its weights or pages more than it computes.
+// Where one thread reads memory about as fast as two, one thread saves the fork and the join that waits for the
+// slower thread (a decode step makes ~150 such calls): on one AMX Xeon VM, 8 took 8% off the p99 ITL at 8
+// streams. On another (one thread 7.5-8 GB/s, two 12-13 together) it cost 13-20% of tokens/s at 1 and 8 streams,
+// so it is off unless a measurement on the host says otherwise (benchmarks/RESULTS.md, "One thread for few rows"
+// and "The thread cap on another host").
 #pragma once
 
 #include <omp.h>
@@ -15,7 +17,7 @@ namespace jaxpage {
 inline int KernelThreads(int64_t rows) {
   static const int64_t serial_rows = [] {
     const char* v = std::getenv("JAXPAGE_CPU_SERIAL_ROWS");
-    return v != nullptr ? std::atoll(v) : int64_t{8};
+    return v != nullptr ? std::atoll(v) : int64_t{0};
   }();
   static const int all = omp_get_max_threads();
   return rows <= serial_rows ? 1 : all;

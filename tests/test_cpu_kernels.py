@@ -434,9 +434,9 @@ np.savez(sys.argv[1], **out)
 
 @needs_onednn
 def test_kernels_give_the_same_bits_on_one_thread_and_on_all(tmp_path):
-    """The kernels run calls of up to JAXPAGE_CPU_SERIAL_ROWS rows (default 8) on one OpenMP thread
+    """The kernels run calls of up to JAXPAGE_CPU_SERIAL_ROWS rows (default 0) on one OpenMP thread
     (cpu_kernels/threads.h): each call's result is the same bit for bit whatever the team, for products (packed on
-    either kernel, and plain), the attention and the greedy pick, at row counts on both sides of the default; the
+    either kernel, and plain), the attention and the greedy pick, at row counts on both sides of 8; the
     products also equal float32 math to bfloat16 rounding."""
     import os
     import subprocess
