@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import random
 
 import jax
 import numpy as np
@@ -123,12 +122,17 @@ def llms(tmp_path_factory):
     from tests.reference import save_random_model
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    save_random_model(tiny_llama(), path, seed=random.randrange(2**31))
+    save_random_model(tiny_llama(), path, seed=MODEL_SEED)
     cache = str(tmp_path_factory.mktemp("cache"))
     options = engine_options(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=40)
     return (LLM(str(path), cache_dir=cache, **options),
             LLM(str(path), cache_dir=cache, speculative_config=NGRAM, **options),
             LLM(str(path), cache_dir=cache, speculative_config=SUFFIX, **options))
+
+
+# One fixed tiny model: the checks that some drafts are accepted and some rejected hold for most random models, not
+# every one (a random seed failed CI once with no draft of the fp8 pool accepted).
+MODEL_SEED = 1234
 
 
 def _prompts() -> list[dict]:
@@ -189,7 +193,7 @@ def test_quantized_kv_pools_speculate_with_the_tokens_of_a_run_without(kv_cache_
     from tests.reference import save_random_model
 
     path = tmp_path_factory.mktemp(f"tiny-llama-{kv_cache_dtype}")
-    save_random_model(tiny_llama(), path, seed=random.randrange(2**31))
+    save_random_model(tiny_llama(), path, seed=MODEL_SEED)
     options = engine_options(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=40,
                              kv_cache_dtype=kv_cache_dtype)
     plain, spec = LLM(str(path), **options), LLM(str(path), speculative_config=NGRAM, **options)
