@@ -4,7 +4,7 @@
 // slower thread (a decode step makes ~150 such calls): on one AMX Xeon VM, 8 took 8% off the p99 ITL at 8
 // streams. On another (one thread 7.5-8 GB/s, two 12-13 together) it cost 13-20% of tokens/s at 1 and 8 streams,
 // so it is off unless a measurement on the host says otherwise (benchmarks/RESULTS.md, "One thread for few rows"
-// and "The thread cap on another host").
+// and "A chunk cap of 32 on a CPU, and the thread cap on another host").
 #pragma once
 
 #include <omp.h>
