@@ -33,6 +33,9 @@ from tests.simulated_kv import (
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
+# One fixed tiny model: the checks that some drafts are accepted and some rejected hold for most random models, not
+# every one (a random seed failed CI once with no draft of the fp8 pool accepted).
+MODEL_SEED = 1234
 
 
 # --- the config -----------------------------------------------------------------------------------
@@ -128,11 +131,6 @@ def llms(tmp_path_factory):
     return (LLM(str(path), cache_dir=cache, **options),
             LLM(str(path), cache_dir=cache, speculative_config=NGRAM, **options),
             LLM(str(path), cache_dir=cache, speculative_config=SUFFIX, **options))
-
-
-# One fixed tiny model: the checks that some drafts are accepted and some rejected hold for most random models, not
-# every one (a random seed failed CI once with no draft of the fp8 pool accepted).
-MODEL_SEED = 1234
 
 
 def _prompts() -> list[dict]:
