@@ -4,7 +4,12 @@
 // (the packed layout onednn_matmul.cc checks for before calling this): blocks of 64 columns over all of K one
 // after the other, inside a block K in pairs, each pair's 64 columns, each column's two values side by side,
 // which is the operand order of avx512_bf16's dot instruction. Each thread streams whole blocks; float32
-// accumulation, rounded to bfloat16 to nearest even at the end, as oneDNN does.
+// accumulation, rounded to bfloat16 to nearest even at the end, as oneDNN does. The first pass over a block
+// prefetches the bytes kPrefetchAhead further on: the dot instructions between loads leave the hardware's
+// prefetchers too few requests in flight (SmolLM2's products at one row streamed 15-18 GB/s without it on an
+// Intel Xeon VM and 19-21 with it, where a plain two-thread stream reads 22-25; benchmarks/RESULTS.md, "AMX's
+// two speeds").
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -17,18 +22,23 @@
 namespace jaxpage {
 
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kPrefetchAhead = 4096;  // bfloat16 values (8 KiB; in a one-thread stream 4 KiB was slower, 16 KiB level)
 
 #ifdef __AVX512BF16__
 namespace {
 
-// Rows [0, R) of x (row stride k) against one 64-column block wb of all of K: y's 64 columns of those rows.
-template <int R>
+// Rows [0, R) of x (row stride k) against one 64-column block wb of all of K: y's 64 columns of those rows;
+// kPrefetch on the block's first pass (from memory), off on the next rows' passes (from L2).
+template <int R, bool kPrefetch>
 void Block(const uint16_t* x, const uint16_t* wb, uint16_t* y, int64_t k, int64_t n) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < k / 2; ++p) {
     const uint16_t* wp = wb + p * 128;
+    if (kPrefetch)
+      for (int l = 0; l < 4; ++l)  // the pair's 4 cache lines; past the array's end a prefetch is a no-op
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchAhead + 32 * l), _MM_HINT_T0);
     __m512bh w[4];
     for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
     for (int r = 0; r < R; ++r) {
@@ -43,15 +53,20 @@ void Block(const uint16_t* x, const uint16_t* wb, uint16_t* y, int64_t k, int64_
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-void Rows(const uint16_t* x, const uint16_t* wb, uint16_t* y, int64_t rows, int64_t k, int64_t n) {
-  for (int64_t r = 0; r < rows; r += 4) {  // a block (64 x K) stays in L2 for the next 4 rows
-    switch (rows - r < 4 ? rows - r : 4) {
-      case 1: Block<1>(x + r * k, wb, y + r * n, k, n); break;
-      case 2: Block<2>(x + r * k, wb, y + r * n, k, n); break;
-      case 3: Block<3>(x + r * k, wb, y + r * n, k, n); break;
-      default: Block<4>(x + r * k, wb, y + r * n, k, n); break;
-    }
+template <bool kPrefetch>
+void Pass(const uint16_t* x, const uint16_t* wb, uint16_t* y, int64_t rows, int64_t k, int64_t n) {
+  switch (rows) {
+    case 1: return Block<1, kPrefetch>(x, wb, y, k, n);
+    case 2: return Block<2, kPrefetch>(x, wb, y, k, n);
+    case 3: return Block<3, kPrefetch>(x, wb, y, k, n);
+    default: return Block<4, kPrefetch>(x, wb, y, k, n);
   }
+}
+
+void Rows(const uint16_t* x, const uint16_t* wb, uint16_t* y, int64_t rows, int64_t k, int64_t n) {
+  Pass<true>(x, wb, y, std::min<int64_t>(rows, 4), k, n);
+  for (int64_t r = 4; r < rows; r += 4)  // a block (64 x K) stays in L2 for the next 4 rows
+    Pass<false>(x + r * k, wb, y + r * n, std::min<int64_t>(rows - r, 4), k, n);
 }
 
 }  // namespace

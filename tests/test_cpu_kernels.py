@@ -61,7 +61,7 @@ def test_packed_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape,
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("gemv_rows", [8, 0])
 def test_few_row_packed_products_on_either_kernel(rows, gemv_rows):
     """A few rows against packed bfloat16 weights run on packed_gemv.cc up to ``gemv_rows`` and on oneDNN's kernel
