@@ -33,10 +33,12 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
 
 @functools.cache
 def default_gemv_rows() -> int:
-    """Rows up to which packed_gemv.cc beats oneDNN's matmul: 8 on avx512_bf16 without AMX (AMD EPYC: oneDNN's
-    kernel was slower there up to 8 rows), 1 with AMX, whose tiles oneDNN's kernel uses: at 2-8 rows it took
-    0.38-0.95x the gemv's time on SmolLM2's products (benchmarks/RESULTS.md, "On an AMX CPU")."""
-    return 1 if "amx_bf16" in cpu_flags().split() else 8
+    """Rows up to which packed_gemv.cc runs instead of oneDNN's matmul: 8. Without AMX (an AMD EPYC) oneDNN's
+    kernel was slower there up to 8 rows. With AMX, oneDNN's AMX kernel ran SmolLM2's 8-row products in 16 ms
+    in the VM's fast spells and 31-35 ms in its slow ones, packed_gemv.cc (float32 FMAs, prefetching) in 21-24
+    and 24-28 ms: decode at 8 streams was 1.18x faster paired (benchmarks/RESULTS.md, "AMX's two speeds"). On a
+    host whose AMX kept its fast speed, oneDNN's kernel would be the faster from 2 rows."""
+    return 8
 
 
 @functools.cache
