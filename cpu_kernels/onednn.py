@@ -33,12 +33,12 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
 
 @functools.cache
 def default_gemv_rows() -> int:
-    """Rows up to which packed_gemv.cc runs instead of oneDNN's matmul: 8. Without AMX (an AMD EPYC) oneDNN's
-    kernel was slower there up to 8 rows. With AMX, oneDNN's AMX kernel ran SmolLM2's 8-row products in 16 ms
-    in the VM's fast spells and 31-35 ms in its slow ones, packed_gemv.cc (float32 FMAs, prefetching) in 21-24
-    and 24-28 ms: decode at 8 streams was 1.18x faster paired (benchmarks/RESULTS.md, "AMX's two speeds"). On a
-    host whose AMX kept its fast speed, oneDNN's kernel would be the faster from 2 rows."""
-    return 8
+    """Rows up to which packed_gemv.cc runs instead of oneDNN's matmul: 8 without AMX (an AMD EPYC: oneDNN's
+    kernel was slower there up to 8 rows), 2 with AMX. There oneDNN's AMX kernel is the faster from 3 rows while
+    the core's AMX runs at its full speed (SmolLM2's products at 3 rows 0.94x the kernel's time, at 8 rows
+    0.67-0.70x), and the kernel at 1-2 rows (0.87x, 0.95x); on the shared VM measured, AMX also ran at half speed
+    for minutes at a time, where the kernel slowed ~15% (benchmarks/RESULTS.md, "AMX's two speeds")."""
+    return 2 if "amx_bf16" in cpu_flags().split() else 8
 
 
 @functools.cache

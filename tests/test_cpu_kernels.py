@@ -65,8 +65,8 @@ def test_packed_dense_equals_float32_math_to_bfloat16_rounding(x_shape, k_shape,
 @pytest.mark.parametrize("gemv_rows", [8, 0])
 def test_few_row_packed_products_on_either_kernel(rows, gemv_rows):
     """A few rows against packed bfloat16 weights run on packed_gemv.cc up to ``gemv_rows`` and on oneDNN's kernel
-    above (default 8; float32 FMAs on AMX cores, the bfloat16 dot elsewhere); forced either way, each equals
-    float32 math to bfloat16 rounding."""
+    above (the default depends on the CPU: 2 with AMX, 8 without); forced either way, each equals float32 math
+    to bfloat16 rounding."""
     from cpu_kernels import onednn
 
     rng = np.random.default_rng(rows)
