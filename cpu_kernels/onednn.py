@@ -37,7 +37,7 @@ def default_gemv_rows() -> int:
     kernel was slower there up to 8 rows), 2 with AMX. There oneDNN's AMX kernel is the faster from 3 rows while
     the core's AMX runs at its full speed (SmolLM2's products at 3 rows 0.94x the kernel's time, at 8 rows
     0.67-0.70x), and the kernel at 1-2 rows (0.87x, 0.95x); on the shared VM measured, AMX also ran at half speed
-    for minutes at a time, where the kernel slowed ~15% (benchmarks/RESULTS.md, "AMX's two speeds")."""
+    for minutes at a time, where the kernel slowed 13-31% (benchmarks/RESULTS.md, "AMX's two speeds")."""
     return 2 if "amx_bf16" in cpu_flags().split() else 8
 
 
