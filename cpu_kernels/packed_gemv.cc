@@ -7,7 +7,7 @@
 // accumulation, rounded to bfloat16 to nearest even at the end, as oneDNN does. The first pass over a block
 // prefetches the bytes kPrefetchAhead further on: the dot instructions between loads leave the hardware's
 // prefetchers too few requests in flight (SmolLM2's products at one row streamed 15-18 GB/s without it on an
-// Intel Xeon VM and 19-21 with it, where a plain two-thread stream reads 22-25; benchmarks/RESULTS.md, "AMX's
+// Intel Xeon VM and 18-23 with it, where a plain two-thread stream reads 21-30; benchmarks/RESULTS.md, "AMX's
 // two speeds").
 #include <algorithm>
 #include <cstdint>
