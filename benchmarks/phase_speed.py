@@ -54,15 +54,18 @@ def serve(dtype: str) -> None:
         print(json.dumps(run_phase(llm, line.strip(), rng)), flush=True)
 
 
+def start_worker(script: str, tree: str, *args: str) -> subprocess.Popen:
+    """``script --serve *args`` with ``tree`` first on PYTHONPATH, once it has printed "ready"."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
+    worker = subprocess.Popen([sys.executable, os.path.abspath(script), "--serve", *args], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    while worker.stdout.readline().strip() != "ready":
+        assert worker.poll() is None, f"the worker of {tree} exited"
+    return worker
+
+
 def compare(trees: list[str], phases: list[str], rounds: int, dtype: str) -> dict:
-    workers = []
-    for tree in trees:
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
-        worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--dtype", dtype], env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        while worker.stdout.readline().strip() != "ready":
-            assert worker.poll() is None, f"the worker of {tree} exited"
-        workers.append(worker)
+    workers = [start_worker(__file__, tree, "--dtype", dtype) for tree in trees]
     figures = {tree: {name: [] for name in phases} for tree in trees}
     for r in range(rounds):
         for name in phases:

@@ -107,14 +107,11 @@ def serve(rows: int) -> None:
 
 
 def compare(trees: list[str], rows: int, seconds: float) -> dict:
-    workers = []
-    for tree in trees:
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
-        worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--rows", str(rows)],
-                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        while worker.stdout.readline().strip() != "ready":
-            assert worker.poll() is None, f"the worker of {tree} exited"
-        workers.append(worker)
+    # only here: a worker runs this file with another tree first on its path, which the repository's root would shadow
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.phase_speed import start_worker
+
+    workers = [start_worker(__file__, tree, "--rows", str(rows)) for tree in trees]
     figures = [[], []]
     end, i = time.time() + seconds, 0
     while time.time() < end:
