@@ -31,8 +31,9 @@ LAYERS, HIDDEN, VOCAB, FFN = 30, 576, 49152, 1536
 WEIGHT_MB = 269
 
 
-def products(rows: int):
-    """A jitted step of the decode products at ``rows`` rows, for a given ``gemv_rows`` (None: the default)."""
+def products():
+    """SmolLM2-shaped packed weights, built once; returns ``make(rows, gemv_rows)``: a timed call of the jitted
+    decode products at ``rows`` rows with that ``gemv_rows`` (None: the default)."""
     import jax
     import jax.numpy as jnp
 
@@ -42,9 +43,9 @@ def products(rows: int):
     packed = lambda shape: jnp.asarray(onednn.pack(rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)))
     layers = [[packed(s) for s in SHAPES] for _ in range(LAYERS)]
     head = packed((HIDDEN, VOCAB))
-    x = jnp.asarray(rng.standard_normal((rows, HIDDEN), np.float32), jnp.bfloat16)
 
-    def make(gemv_rows):
+    def make(rows, gemv_rows):
+        x = jnp.asarray(rng.standard_normal((rows, HIDDEN), np.float32), jnp.bfloat16)
         mm = lambda a, w: onednn.matmul(a, w, packed=True, gemv_rows=gemv_rows)
 
         @jax.jit
@@ -81,10 +82,10 @@ def stream_probe() -> list[str] | None:
 
 def over_time(rows: list[int], seconds: float) -> dict:
     probe = stream_probe()
+    make = products()
     kernels = {}
     for r in rows:
-        make = products(r)
-        kernels[f"onednn_{r}"], kernels[f"gemv_{r}"] = make(0), make(8)
+        kernels[f"onednn_{r}"], kernels[f"gemv_{r}"] = make(r, 0), make(r, 8)
     batches = []
     end = time.time() + seconds
     while time.time() < end:
@@ -100,7 +101,7 @@ def over_time(rows: list[int], seconds: float) -> dict:
 
 def serve(rows: int) -> None:
     """--serve: the default kernel choice's products; a line on stdin runs a batch, its median ms comes back."""
-    run = products(rows)(None)
+    run = products()(rows, None)
     print("ready", flush=True)
     for _ in sys.stdin:
         print(median_ms(run), flush=True)
