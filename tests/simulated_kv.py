@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
 from jaxpage.core.kv_disk_tier import DiskKVTier
 from jaxpage.core.kv_offload import DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
+from jaxpage.config import pick_bucket
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
@@ -249,7 +250,9 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
                 max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                 max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                wave_prefill: bool = EngineArgs.wave_prefill, async_scheduling: bool = True, max_loras: int = 0,
+                wave_prefill: bool = EngineArgs.wave_prefill,
+                prefill_into_padding: bool = EngineArgs.prefill_into_padding, async_scheduling: bool = True,
+                max_loras: int = 0,
                 speculative: int = 0, disable_by_batch_size: int | None = None, num_offload_blocks: int = 0,
                 offload_disk: bool | str = False, offload_disk_bytes: int = 1 << 30) -> LLMEngine:
     """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off.
@@ -267,7 +270,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  preemption_mode=mode, long_prefill_token_threshold=long_prefill_token_threshold,
                                  max_num_partial_prefills=max_num_partial_prefills,
                                  max_long_partial_prefills=max_long_partial_prefills,
-                                 wave_prefill=wave_prefill, async_scheduling=async_scheduling,
+                                 wave_prefill=wave_prefill, prefill_into_padding=prefill_into_padding,
+                                 async_scheduling=async_scheduling,
                                  async_prompt_steps=True, enable_lora=max_loras > 0, max_loras=max(max_loras, 1),
                                  speculative_config={"method": "ngram", "num_speculative_tokens": speculative,
                                                      "disable_by_batch_size": disable_by_batch_size}
@@ -311,13 +315,20 @@ def check_each_schedule(scheduler) -> None:
 def check_prefill_limits(cfg, scheduled) -> None:
     """The step's prefill rows (more than one token left to compute) keep to the partial-prefill options: each
     at most long_prefill_token_threshold tokens, at most max_num_partial_prefills of them, at most
-    max_long_partial_prefills with more than the threshold left."""
+    max_long_partial_prefills with more than the threshold left. With prefill_into_padding, chunks may pass the
+    threshold by the padding rows of the step's token bucket only: the step pads to the bucket it would with
+    every chunk at the threshold."""
     threshold = cfg.long_prefill_token_threshold
     prefills = [(s.num_new_tokens, s.seq.num_tokens - s.seq.num_computed_tokens) for s in scheduled
                 if s.logits_of is None and s.seq.num_tokens - s.seq.num_computed_tokens > 1]
     assert len(prefills) <= cfg.max_num_partial_prefills, f"{len(prefills)} prefills in one step: {prefills}"
     if threshold:
-        assert all(n <= threshold for n, _ in prefills), f"a chunk over the threshold {threshold}: {prefills}"
+        over = sum(max(n - threshold, 0) for n, _ in prefills)
+        total = sum(s.num_new_tokens for s in scheduled)
+        assert not over or cfg.prefill_into_padding, f"a chunk over the threshold {threshold}: {prefills}"
+        buckets = cfg.token_buckets()
+        assert pick_bucket(buckets, max(total, 1)) == pick_bucket(buckets, max(total - over, 1)), (
+            f"chunks past the threshold {threshold} beyond the step's padding: {prefills}, {total} tokens")
         long = sum(left > threshold for _, left in prefills)
         assert long <= cfg.max_long_partial_prefills, f"{long} long prefills in one step: {prefills}"
 
@@ -420,6 +431,7 @@ def scenarios(draw, tiers: bool = False):
         "max_num_partial_prefills": partial,
         "max_long_partial_prefills": draw(st.integers(1, partial)),
         "wave_prefill": draw(st.booleans()),
+        "prefill_into_padding": draw(st.booleans()),
         "max_loras": draw(st.sampled_from([0, 1, 2])),  # LoRA adapter slots (0: no LoRA)
     }
     if setup["prefix_caching"]:  # the prefix cache's host tier (small: its LRU evicts) and disk tier

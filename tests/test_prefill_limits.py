@@ -130,10 +130,12 @@ def test_a_wave_of_prompts_outnumbering_the_decodes_starts_at_once(decoding, wav
 
 def test_a_backlog_deeper_than_the_free_rows_keeps_the_caps():
     """Three requests decode in four rows while ten 9-token prompts queue: only one prompt can run at a time,
-    so it does not outnumber the decodes and every chunk beside them keeps to the threshold (4)."""
+    so it does not outnumber the decodes and every chunk beside them keeps to the threshold (4), with
+    prefill_into_padding off (below)."""
     rng = np.random.default_rng(4)
     engine = make_engine(num_kv_blocks=80, max_num_seqs=4, max_num_batched_tokens=64,
-                         long_prefill_token_threshold=4, max_num_partial_prefills=2, max_long_partial_prefills=1)
+                         long_prefill_token_threshold=4, max_num_partial_prefills=2, max_long_partial_prefills=1,
+                         prefill_into_padding=False)
     for i in range(3):
         engine.add_request(f"d{i}", {"prompt_token_ids": prompt(rng, 2)},
                            SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
@@ -151,6 +153,37 @@ def test_a_backlog_deeper_than_the_free_rows_keeps_the_caps():
     engine.scheduler.schedule = recorded
     finished = run_checked(engine)
     assert len(finished) == 13 and chunks and max(chunks) == 4, chunks
+    check_all_free(engine)
+
+
+@pytest.mark.parametrize("into_padding", [True, False])
+def test_a_capped_chunk_fills_its_steps_padding(into_padding):
+    """Seven requests decode while an 18-token prompt arrives (threshold 8; token buckets 1, 8, 16, 24, 32):
+    7 decodes and an 8-token chunk make 15 tokens, padded to 16, so with prefill_into_padding each chunk takes
+    9 and the prompt computes in two steps, against three (8, 8, 2) without. Every decode gets its token each
+    step, and every block comes back."""
+    rng = np.random.default_rng(5)
+    engine = make_engine(num_kv_blocks=80, max_num_seqs=8, max_num_batched_tokens=32,
+                         long_prefill_token_threshold=8, prefill_into_padding=into_padding)
+    assert engine.config.token_buckets() == [1, 8, 16, 24, 32]
+    for i in range(7):
+        engine.add_request(f"d{i}", {"prompt_token_ids": prompt(rng, 2)},
+                           SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    first_token_steps(engine, [f"d{i}" for i in range(7)])
+    engine.add_request("p", {"prompt_token_ids": prompt(rng, 18)}, GREEDY)
+    chunks: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.extend(s.num_new_tokens for s in out.scheduled if s.seq.seq_id == prompt_seq.seq_id
+                      and s.num_new_tokens > 1)
+        return out
+    prompt_seq = engine.scheduler.waiting[-1].seqs[0]
+    engine.scheduler.schedule = recorded
+    first_token_steps(engine, ["p"])
+    assert chunks == ([9, 9] if into_padding else [8, 8, 2]), chunks
+    assert all(len(o.outputs[0].token_ids) == 30 for r, o in run_checked(engine).items() if r.startswith("d"))
     check_all_free(engine)
 
 

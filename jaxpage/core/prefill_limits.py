@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpage.config import EngineConfig
+from jaxpage.config import EngineConfig, pick_bucket
 
 
 @dataclasses.dataclass
@@ -68,3 +68,10 @@ def decodes_and_prefills(groups) -> tuple[int, int]:
     """The decode rows (exactly one token to compute) and prefill rows (more) of the groups' live sequences."""
     left = [len(s.token_ids) - s.num_computed_tokens for g in groups for s in g.live_seqs]
     return sum(n == 1 for n in left), sum(n > 1 for n in left)
+
+
+def padding_room(config: EngineConfig, num_tokens: int) -> int:
+    """The padding rows of the token bucket a step of ``num_tokens`` tokens is padded to: the step computes them
+    either way, so a chunk cut short by long_prefill_token_threshold may take them (config.prefill_into_padding)
+    at the cost of the step it pads to already."""
+    return pick_bucket(config.token_buckets(), max(num_tokens, 1)) - num_tokens

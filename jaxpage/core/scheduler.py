@@ -11,7 +11,7 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.core.beam_search import beam_search_step
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.prefill_limits import PrefillLimits, decodes_and_prefills
+from jaxpage.core.prefill_limits import PrefillLimits, decodes_and_prefills, padding_room
 from jaxpage.core.prompt_logprobs import lacks_prompt_logprobs, take_prompt_logprobs
 from jaxpage.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
@@ -105,6 +105,8 @@ class Scheduler:
             self._swap_in_what_fits()
         if self.waiting and budget > 0 and not self.swapped:
             self._admit_waiting(scheduled, budget, limits)
+        if self.num_preemptions == preemptions and not self.swapped:
+            self._prefill_into_padding(scheduled)
         scheduled.extend(self._forks(scheduled))
         plain = scheduled
         if self.proposer is not None:
@@ -166,6 +168,29 @@ class Scheduler:
         p = s.group.params
         return (s.num_new_tokens == 1 and s.samples and s.logits_of is None and not p.use_beam_search
                 and reached_min_tokens(s.seq, p))
+
+    def _prefill_into_padding(self, scheduled: list[ScheduledSeq]) -> None:
+        """Chunks that long_prefill_token_threshold cut short take the rows the step pads to anyway (its token
+        bucket's padding), in order, as far as the token budget and the pool's free blocks allow, in a step that
+        preempted nothing with nothing swapped out: an 80-token prompt beside 7 decodes then computes whole in
+        the step of 96 rows that its 64-token chunk pads to, where it took two steps. Not with speculative
+        decoding, whose drafts come after and take the room."""
+        cfg = self.config
+        if not (cfg.prefill_into_padding and cfg.long_prefill_token_threshold) or self.proposer is not None:
+            return
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        room = min(padding_room(cfg, num_tokens), cfg.max_num_batched_tokens - num_tokens)
+        for i, s in enumerate(scheduled):
+            if room <= 0:
+                break
+            seq = s.seq
+            left = seq.num_tokens - seq.num_computed_tokens - s.num_new_tokens
+            if s.samples or left <= 0 or s.logits_of is not None:
+                continue
+            extra = min(left, room)
+            if self.kv.allocate_slots(seq, s.num_new_tokens + extra):
+                scheduled[i] = self._scheduled(seq, s.num_new_tokens + extra, s.group)
+                room -= extra
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int, limits: PrefillLimits) -> None:
         """Admits waiting groups in order while the token budget, max_num_seqs, the step's prefill limits and the

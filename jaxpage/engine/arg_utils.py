@@ -153,6 +153,9 @@ class EngineArgs(CliArgs):
     wave_prefill: bool = dataclasses.field(default=True, metadata=_option(
         "a step whose running decodes are fewer than the prompts waiting to compute lifts the three caps above "
         "(only --max-num-batched-tokens bounds it): a wave of arrivals prefills in as few steps as it allows"))
+    prefill_into_padding: bool = dataclasses.field(default=True, metadata=_option(
+        "a prompt chunk that --long-prefill-token-threshold cut short also fills the padding of the token bucket "
+        "its step is padded to (rows computed either way), as far as the budget and free blocks allow"))
     async_scheduling: bool = dataclasses.field(default=True, metadata=_option(
         "schedule and build step N+1 while step N runs; the sampled tokens stay on the device and enter the next "
         "step there, the host reads them a step late (steps that need them first, e.g. structured outputs, beams "

@@ -48,6 +48,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                         max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
                         max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
                         wave_prefill: bool = EngineArgs.wave_prefill,
+                        prefill_into_padding: bool = EngineArgs.prefill_into_padding,
                         async_scheduling: bool = EngineArgs.async_scheduling,
                         async_prompt_steps: bool | None = None, enable_lora: bool = False,
                         max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
@@ -120,6 +121,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_num_partial_prefills=max_num_partial_prefills,
                           max_long_partial_prefills=max_long_partial_prefills, wave_prefill=wave_prefill,
+                          prefill_into_padding=prefill_into_padding,
                           async_scheduling=async_scheduling,
                           async_prompt_steps=(jax.default_backend() != "cpu" if async_prompt_steps is None
                                               else async_prompt_steps),
@@ -163,6 +165,7 @@ def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills, wave_prefill=args.wave_prefill,
+        prefill_into_padding=args.prefill_into_padding,
         async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
