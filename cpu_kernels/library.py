@@ -1,9 +1,10 @@
 """The CPU kernels' shared library: built on first use, loaded and registered with XLA as FFI targets.
 
 The sources (onednn_matmul.cc, packed_gemv.cc, kv_write.cc, gather_rows.cc, block_moves.cc, paged_attention.cc,
-lora_delta.cc) are compiled with the system's C++ compiler against the oneDNN wheels
-(PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN version; without a
-compiler or oneDNN, or with ``JAXPAGE_ONEDNN=0``, ``available()`` is False and callers keep XLA's ops.
+lora_delta.cc, greedy_pick.cc, silu_and_mul.cc, rms_norm.cc) are compiled with the system's C++ compiler against
+the oneDNN wheels (PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN
+version; without a compiler or oneDNN, or with ``JAXPAGE_ONEDNN=0``, ``available()`` is False and callers keep
+XLA's ops.
 """
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("onednn_matmul.cc", "packed_gemv.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc",
                              "paged_attention.cc", "lora_delta.cc", "greedy_pick.cc",
-                             "silu_and_mul.cc"))
+                             "silu_and_mul.cc", "rms_norm.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd16.h", "prefix_tiles.h", "threads.h"))
 TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
            "jaxpage_gather_rows": "JaxpageGatherRows", "jaxpage_take_blocks": "JaxpageTakeBlocks",
            "jaxpage_put_blocks": "JaxpagePutBlocks", "jaxpage_paged_attention": "JaxpagePagedAttention",
            "jaxpage_lora_delta": "JaxpageLoraDelta", "jaxpage_greedy_pick": "JaxpageGreedyPick",
-           "jaxpage_silu_and_mul": "JaxpageSiluAndMul"}
+           "jaxpage_silu_and_mul": "JaxpageSiluAndMul", "jaxpage_rms_norm": "JaxpageRmsNorm",
+           "jaxpage_fused_add_rms_norm": "JaxpageFusedAddRmsNorm"}
 
 
 def onednn_prefix() -> Path | None:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from cpu_kernels import kv_write, onednn
 from jaxpage.models.layers import dense
@@ -395,6 +396,41 @@ def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
         assert "jaxpage_silu_and_mul" in lowered
         cuda = jax.jit(lambda y: fused_gated_activation("silu", y)).trace(x).lower(lowering_platforms=("cuda",))
         assert "jaxpage_silu_and_mul" not in cuda.as_text()
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(0, 64), (1, 576), (96, 576), (3, 9, 128)])
+def test_rms_norm_kernels_equal_the_float64_norm(dtype, shape):
+    """vLLM's rms_norm and fused_add_rms_norm on the CPU (cpu_kernels/rms_norm.cc, alone and through ``RMSNorm``,
+    which takes them for bfloat16): against float64 numpy of the residual as the dtype stores it (x + h rounded
+    once), normed and rounded once; and their lowering for another platform keeps XLA's ops."""
+    from cpu_kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from jaxpage.models.layers import RMSNorm
+
+    rng = np.random.default_rng(sum(shape))
+    x, h = (jnp.asarray(rng.standard_normal(shape) * s, dtype) for s in (3.0, 0.5))
+    weight = jnp.asarray(rng.standard_normal(shape[-1]), dtype)
+    norm = RMSNorm(shape[-1], 1e-5)
+    norm.weight = nnx.Param(weight)  # the model loads its norms in the dtype
+
+    def want(r):
+        r = np.asarray(r, np.float64)
+        return r / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + 1e-5) * np.asarray(weight, np.float64)
+    tol = 2 ** -8 if dtype == "bfloat16" else 1e-5  # bfloat16: the one rounding of the output
+    check = lambda got, r: np.testing.assert_allclose(np.asarray(got, np.float64), want(r), rtol=tol, atol=1e-6)
+    check(jax.jit(lambda x: rms_norm(x, weight, 1e-5))(x), x)
+    check(jax.jit(norm)(x), x)
+    residual = x + h  # in the dtype: rounded once
+    for r, normed in (jax.jit(lambda x, h: fused_add_rms_norm(x, h, weight, 1e-5))(x, h),
+                      jax.jit(norm.add_and_norm)(x, h)):
+        assert r.dtype == normed.dtype == x.dtype and r.shape == normed.shape == x.shape
+        np.testing.assert_array_equal(np.asarray(r, np.float64), np.asarray(residual, np.float64))
+        check(normed, residual)
+    if dtype == "bfloat16" and shape[0]:
+        assert "jaxpage_fused_add_rms_norm" in jax.jit(norm.add_and_norm).lower(x, h).as_text()
+        cuda = jax.jit(norm.add_and_norm).trace(x, h).lower(lowering_platforms=("cuda",)).as_text()
+        assert "jaxpage_" not in cuda
 
 
 _THREADS_SCRIPT = """

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from cpu_kernels import onednn
+from cpu_kernels import rms_norm as norm_kernel
 from cpu_kernels import silu_and_mul as silu_kernel
 from jaxpage.distributed.parallel import MODEL_AXIS, model_axis_size
 from jaxpage.models.lora_slots import LoRAMapping, lora_delta, slots_being_built
@@ -28,16 +29,42 @@ def param(shape: tuple[int, ...], names: tuple, dtype=jnp.float32) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, computed in float32. Gemma's (1 + weight) form is folded into the weight at load."""
+    """x / rms(x) * weight, computed in float32. Gemma's (1 + weight) form is folded into the weight at load. On the
+    CPU, bfloat16 on one device of the model axis is one kernel (cpu_kernels/rms_norm.cc, vLLM's rms_norm and
+    fused_add_rms_norm), where XLA:CPU ran four thunks, and five with the residual add before it."""
 
     def __init__(self, dim: int, eps: float):
         self.weight = param((dim,), (None,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.weight[...]
+        if not self._has_kernel(x, weight):
+            return self._xla(x, weight)
+        return jax.lax.platform_dependent(x, weight, cpu=functools.partial(norm_kernel.rms_norm, eps=self.eps),
+                                          default=self._xla)
+
+    def add_and_norm(self, x: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(x + h, self(x + h)): the residual stream and its norm, in one pass where ``__call__`` has a kernel."""
+        weight = self.weight[...]
+
+        def xla(x, h, weight):
+            residual = x + h
+            return residual, self._xla(residual, weight)
+        if not self._has_kernel(x, weight):
+            return xla(x, h, weight)
+        return jax.lax.platform_dependent(
+            x, h, weight, cpu=functools.partial(norm_kernel.fused_add_rms_norm, eps=self.eps), default=xla)
+
+    def _xla(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+    @staticmethod
+    def _has_kernel(x: jax.Array, weight: jax.Array) -> bool:
+        return (x.dtype == weight.dtype == jnp.bfloat16 and x.shape[-1] % 16 == 0 and norm_kernel.available()
+                and model_axis_size() == 1)
 
 
 def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = False,

@@ -37,8 +37,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, pool, layer, ctx):
         h, pool = self.attn(self.attn_norm(x), pool, layer, ctx)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x), ctx.batch.lora), pool
+        x, normed = self.mlp_norm.add_and_norm(x, h)
+        return x + self.mlp(normed, ctx.batch.lora), pool
 
 
 def _t(w):
