@@ -133,6 +133,7 @@ def paged_setup(setup: dict, scan_layers: bool = True):
     args = types.SimpleNamespace(dtype=setup["dtype"], block_size=16, max_len=max_len, scan_layers=scan_layers,
                                  max_num_batched_tokens=setup["max_num_batched_tokens"], preemption_mode="recompute",
                                  sequential=False, systems=list(throughput.SYSTEMS),
+                                 prefill_into_padding=throughput.EngineArgs.prefill_into_padding,
                                  **throughput.prefill_limits_defaults())
     loaded = types.SimpleNamespace(tokenizer=None, eos_token_ids=(), name=f"random {model.num_layers}-layer")
     params = random_model.random_params(model, jnp.dtype(setup["dtype"]))

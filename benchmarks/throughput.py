@@ -89,7 +89,7 @@ def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: 
         scan_layers=args.scan_layers, kv_cache_dtype=kv_cache_dtype,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills)
+        max_long_partial_prefills=args.max_long_partial_prefills, prefill_into_padding=args.prefill_into_padding)
     assert kv_cache_dtype != "auto" or config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
     num_host_blocks = config.num_kv_blocks if args.preemption_mode == "swap" else 0
     config = dataclasses.replace(config, preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks)
@@ -336,6 +336,9 @@ def main(argv=None) -> dict:
     for name, default in prefill_limits_defaults().items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                             help="the paged engine's partial-prefill option (default: the engine's)")
+    parser.add_argument("--prefill-into-padding", action=argparse.BooleanOptionalAction,
+                        default=EngineArgs.prefill_into_padding,
+                        help="the paged engine's: a capped prompt chunk fills its step's bucket padding")
     parser.add_argument("--streams", type=int, default=32, help="the N-concurrent-streams run (0: skip)")
     parser.add_argument("--stream-prompt", type=int, default=32)
     parser.add_argument("--stream-output", type=int, default=64)
