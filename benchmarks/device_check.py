@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import kernel_bench, random_model, throughput, workloads  # noqa: E402
+from jaxpage.engine.arg_utils import EngineArgs  # noqa: E402
 from jaxpage.models.loader import default_cache_dir  # noqa: E402
 from jaxpage.worker.compile_cache import enable_compilation_cache  # noqa: E402
 from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_reference  # noqa: E402
@@ -133,7 +134,7 @@ def paged_setup(setup: dict, scan_layers: bool = True):
     args = types.SimpleNamespace(dtype=setup["dtype"], block_size=16, max_len=max_len, scan_layers=scan_layers,
                                  max_num_batched_tokens=setup["max_num_batched_tokens"], preemption_mode="recompute",
                                  sequential=False, systems=list(throughput.SYSTEMS),
-                                 prefill_into_padding=throughput.EngineArgs.prefill_into_padding,
+                                 prefill_into_padding=EngineArgs.prefill_into_padding,
                                  **throughput.prefill_limits_defaults())
     loaded = types.SimpleNamespace(tokenizer=None, eos_token_ids=(), name=f"random {model.num_layers}-layer")
     params = random_model.random_params(model, jnp.dtype(setup["dtype"]))

@@ -13,10 +13,10 @@ import pytest
 import transformers
 from hypothesis import strategies as st
 
+from jaxpage.config import pick_bucket
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
 from jaxpage.core.kv_disk_tier import DiskKVTier
 from jaxpage.core.kv_offload import DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
-from jaxpage.config import pick_bucket
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
