@@ -1,6 +1,7 @@
 """SmolLM2's decode products on the CPU over time: 30 layers of packed bfloat16 q/k/v, o, gate/up and down and the
 LM head (269 MB of weights) at a few rows, on oneDNN's kernel (AMX brgemm where the CPU has it) and on
-``cpu_kernels/packed_gemv.cc``, alternated batch by batch, with a plain two-thread read of 269 MB beside them
+``cpu_kernels/packed_gemv.cc`` and the default choice (on an AMX CPU the faster of the two by their times:
+``cpu_kernels/timed_choice.h``), alternated batch by batch, with a plain two-thread read of 269 MB beside them
 (``memory_stream.c``, built with the system's C compiler) to tell the memory's speed from the kernels'.
 
     python benchmarks/product_speeds.py [--rows 1 8] [--seconds 90] [--json F]
@@ -85,7 +86,7 @@ def over_time(rows: list[int], seconds: float) -> dict:
     make = products()
     kernels = {}
     for r in rows:
-        kernels[f"onednn_{r}"], kernels[f"gemv_{r}"] = make(r, 0), make(r, 8)
+        kernels[f"onednn_{r}"], kernels[f"gemv_{r}"], kernels[f"default_{r}"] = make(r, 0), make(r, 8), make(r, None)
     batches = []
     end = time.time() + seconds
     while time.time() < end:

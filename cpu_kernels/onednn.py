@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import jax
 import numpy as np
@@ -22,13 +23,14 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
            gemv_rows: int | None = None) -> jax.Array:
     """x [..., K] . w [K, N] (or w [N, K] with ``transposed``) -> [..., N] in x's dtype, float32 accumulation;
     ``packed``: w holds ``pack``'s bytes (its shape and ``transposed`` still name K and N); ``gemv_rows``: the
-    most rows of a packed bfloat16 product that packed_gemv.cc computes (at most 8; default ``default_gemv_rows()``),
-    oneDNN's kernel the rest. CPU only, and only where ``available()``."""
+    most rows of a packed bfloat16 product that packed_gemv.cc computes (at most 8), oneDNN's kernel the rest.
+    By default (None) ``default_gemv_rows()``, and up to ``default_timed_rows()`` rows the faster of the two by
+    their measured times (cpu_kernels/timed_choice.h). CPU only, and only where ``available()``."""
     n = w.shape[0] if transposed else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
-    rows = default_gemv_rows() if gemv_rows is None else gemv_rows
+    rows, timed = (default_gemv_rows(), default_timed_rows()) if gemv_rows is None else (gemv_rows, 0)
     return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed), packed=int(packed),
-                                                          gemv_rows=int(rows))
+                                                          gemv_rows=int(rows), timed_rows=int(timed))
 
 
 @functools.cache
@@ -38,7 +40,20 @@ def default_gemv_rows() -> int:
     the core's AMX runs at its full speed (SmolLM2's products at 3 rows 0.94x the kernel's time, at 8 rows
     0.67-0.70x), and the kernel at 1-2 rows (0.87x, 0.95x); on the shared VM measured, AMX also ran at half speed
     for minutes at a time, where the kernel slowed 13-31% (benchmarks/RESULTS.md, "AMX's two speeds")."""
-    return 2 if "amx_bf16" in cpu_flags().split() else 8
+    return 2 if _amx() else 8
+
+
+@functools.cache
+def default_timed_rows() -> int:
+    """Rows up to which a default product takes whichever of packed_gemv.cc and oneDNN's kernel ran faster on its
+    shape lately (cpu_kernels/timed_choice.h): 8 on an AMX CPU, whose AMX kernel has two speeds, 0 elsewhere (and
+    with ``JAXPAGE_CPU_TIMED_PRODUCTS=0``, for a kernel choice that depends on the shapes only). Both kernels
+    round float32 sums to bfloat16, but not in the same order, so a timed product may differ in the last bit."""
+    return 8 if _amx() and os.environ.get("JAXPAGE_CPU_TIMED_PRODUCTS", "1") != "0" else 0
+
+
+def _amx() -> bool:
+    return "amx_bf16" in cpu_flags().split()
 
 
 @functools.cache

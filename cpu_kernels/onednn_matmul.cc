@@ -11,6 +11,7 @@
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "threads.h"
+#include "timed_choice.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -96,38 +97,13 @@ Matmuls Primitive(const Shape& s) {
   return it->second;
 }
 
-// gemv_rows: the most rows packed_gemv.cc takes (packed bfloat16 only; cpu_kernels/onednn.py chooses it per CPU)
-ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t transposed,
-                  int64_t packed, int64_t gemv_rows) {
-  auto wd = w.dimensions();
-  if (wd.size() != 2) return ffi::Error::InvalidArgument("onednn_matmul: weights must be 2-D");
-  Shape s;
-  s.transposed = transposed != 0;
-  s.packed = packed != 0;
-  s.k = s.transposed ? wd[1] : wd[0];
-  s.n = s.transposed ? wd[0] : wd[1];
-  s.m = s.k ? int64_t(x.element_count()) / s.k : 0;
-  s.x = DnnlType(x.element_type());
-  s.w = DnnlType(w.element_type());
-  s.y = DnnlType(y->element_type());
-  if (s.x == memory::data_type::undef || s.w == memory::data_type::undef || s.y == memory::data_type::undef)
-    return ffi::Error::InvalidArgument("onednn_matmul: dtypes must be bfloat16 or float32");
-  if (s.m * s.k != int64_t(x.element_count()) || int64_t(y->element_count()) != s.m * s.n)
-    return ffi::Error::InvalidArgument("onednn_matmul: x, w and y shapes do not match");
-  if (s.m == 0) return ffi::Error::Success();
-  const auto bf16 = memory::data_type::bf16;
-  jaxpage::ThreadCap cap(jaxpage::KernelThreads(s.m));
-  if (s.packed && s.m <= gemv_rows && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n) &&
-      jaxpage::PackedGemvBf16(static_cast<const uint16_t*>(x.untyped_data()),
-                              static_cast<const uint16_t*>(w.untyped_data()),
-                              static_cast<uint16_t*>(y->untyped_data()), s.m, s.k, s.n))
-    return ffi::Error::Success();
+ffi::Error OnednnMatmul(const Shape& s, void* x, void* w, void* y) {
   try {
     Matmuls matmul = Primitive(s);
     dnnl::engine& engine = CpuEngine();
-    memory xm(s.XDesc(), engine, x.untyped_data());
-    memory wm(s.WDesc(), engine, w.untyped_data());
-    memory ym(s.YDesc(), engine, y->untyped_data());
+    memory xm(s.XDesc(), engine, x);
+    memory wm(s.WDesc(), engine, w);
+    memory ym(s.YDesc(), engine, y);
     thread_local std::vector<char> scratch;  // this XLA thread's: grown, never shared
     if (scratch.size() < matmul.scratchpad_bytes) scratch.resize(matmul.scratchpad_bytes);
     memory sm({{int64_t(matmul.scratchpad_bytes)}, memory::data_type::u8, memory::format_tag::a}, engine,
@@ -142,10 +118,70 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+bool Gemv(const Shape& s, const void* x, const void* w, void* y) {
+  return jaxpage::PackedGemvBf16(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                                 static_cast<uint16_t*>(y), s.m, s.k, s.n);
+}
+
+// Rows in (gemv_rows, timed_rows]: packed_gemv.cc or oneDNN, whichever timed_choice.h finds the faster now.
+ffi::Error TimedMatmul(const Shape& s, void* x, void* w, void* y) {
+  static jaxpage::TimedChoice choice;
+  const jaxpage::TimedChoice::Key key{s.m, s.k, s.n};
+  const int kernel = choice.Pick(key);
+  const auto start = std::chrono::steady_clock::now();
+  if (kernel == 0 && Gemv(s, x, w, y)) {
+    choice.Record(key, 0, jaxpage::ElapsedNs(start));
+    return ffi::Error::Success();
+  }
+  ffi::Error error = OnednnMatmul(s, x, w, y);
+  if (kernel == 1) choice.Record(key, 1, jaxpage::ElapsedNs(start));
+  return error;
+}
+
+// gemv_rows: the most rows packed_gemv.cc takes; timed_rows: the most for which it races oneDNN's kernel
+// (packed bfloat16 only; cpu_kernels/onednn.py chooses both per CPU)
+ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t transposed,
+                  int64_t packed, int64_t gemv_rows, int64_t timed_rows) {
+  auto dims = w.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("onednn_matmul: weights must be 2-D");
+  Shape s;
+  s.transposed = transposed != 0;
+  s.packed = packed != 0;
+  s.k = s.transposed ? dims[1] : dims[0];
+  s.n = s.transposed ? dims[0] : dims[1];
+  s.m = s.k ? int64_t(x.element_count()) / s.k : 0;
+  s.x = DnnlType(x.element_type());
+  s.w = DnnlType(w.element_type());
+  s.y = DnnlType(y->element_type());
+  if (s.x == memory::data_type::undef || s.w == memory::data_type::undef || s.y == memory::data_type::undef)
+    return ffi::Error::InvalidArgument("onednn_matmul: dtypes must be bfloat16 or float32");
+  if (s.m * s.k != int64_t(x.element_count()) || int64_t(y->element_count()) != s.m * s.n)
+    return ffi::Error::InvalidArgument("onednn_matmul: x, w and y shapes do not match");
+  if (s.m == 0) return ffi::Error::Success();
+  const auto bf16 = memory::data_type::bf16;
+  jaxpage::ThreadCap cap(jaxpage::KernelThreads(s.m));
+  void *xp = x.untyped_data(), *wp = w.untyped_data(), *yp = y->untyped_data();
+  const bool gemv_applies = s.packed && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n);
+  if (gemv_applies && s.m <= gemv_rows && Gemv(s, xp, wp, yp)) return ffi::Error::Success();
+  if (gemv_applies && s.m <= timed_rows) return TimedMatmul(s, xp, wp, yp);
+  return OnednnMatmul(s, xp, wp, yp);
+}
+
 }  // namespace
 
 // The OpenMP threads a kernel call over `rows` rows takes (threads.h), for the tests.
 extern "C" int jaxpage_kernel_threads(int64_t rows) { return jaxpage::KernelThreads(rows); }
+
+// A TimedChoice of its own for the tests: a call's pick (0 or 1) for one shape after recording `ns` for the
+// previous pick (ns < 0: none).
+extern "C" int jaxpage_timed_choice_step(void* choice, double ns, int previous) {
+  auto* c = static_cast<jaxpage::TimedChoice*>(choice);
+  const jaxpage::TimedChoice::Key key{1, 1, 1};
+  if (ns >= 0) c->Record(key, previous, ns);
+  return c->Pick(key);
+}
+extern "C" void* jaxpage_timed_choice_new() { return new jaxpage::TimedChoice(); }
+extern "C" void jaxpage_timed_choice_free(void* choice) { delete static_cast<jaxpage::TimedChoice*>(choice); }
 
 // Bytes of bfloat16 [k, n] weights packed (the plain layout's when the packed one pads nothing), or -1 on an
 // error.
@@ -181,4 +217,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageOnednnMatmul, Matmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("packed")
-                                  .Attr<int64_t>("gemv_rows"));
+                                  .Attr<int64_t>("gemv_rows")
+                                  .Attr<int64_t>("timed_rows"));

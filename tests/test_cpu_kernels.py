@@ -80,6 +80,58 @@ def test_few_row_packed_products_on_either_kernel(rows, gemv_rows):
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [3, 8])
+def test_timed_products_equal_float32_math_whichever_kernel_runs(rows, monkeypatch):
+    """Up to ``timed_rows`` rows the product runs packed_gemv.cc or oneDNN's kernel by their measured times; the
+    first calls of a shape alternate the two, and every call equals float32 math to bfloat16 rounding."""
+    from cpu_kernels import onednn
+
+    rng = np.random.default_rng(rows)
+    kernel = np.asarray(jnp.asarray(rng.standard_normal((576, 1536)), jnp.bfloat16))
+    packed = jnp.asarray(onednn.pack(kernel))
+    monkeypatch.setattr(onednn, "default_timed_rows", lambda: 8)
+    fn = jax.jit(lambda x, w: onednn.matmul(x, w, packed=True))
+    assert "timed_rows = 8" in fn.lower(jnp.zeros((rows, 576), jnp.bfloat16), packed).as_text()
+    for _ in range(40):
+        x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.bfloat16)
+        ref = np.asarray(x, np.float32) @ np.asarray(kernel, np.float32)
+        np.testing.assert_allclose(np.asarray(fn(x, packed), np.float32), ref, rtol=2 ** -8,
+                                   atol=1e-3 * np.abs(ref).max())
+
+
+@needs_onednn
+def test_timed_choice_takes_the_faster_kernel_and_follows_a_switch():
+    """cpu_kernels/timed_choice.h on the AMX VM's times (SmolLM2's 8-row products, ms: packed_gemv.cc 23.7 and
+    oneDNN 15.9 in a fast spell, 27.5 and 33.1 in a slow one): after its warming calls it runs the faster kernel,
+    tries the other every 32nd call, and when the spell changes it follows within two tries."""
+    import ctypes
+
+    from cpu_kernels.library import library
+
+    lib = library()
+    lib.jaxpage_timed_choice_new.restype = ctypes.c_void_p
+    lib.jaxpage_timed_choice_step.argtypes = [ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
+    lib.jaxpage_timed_choice_free.argtypes = [ctypes.c_void_p]
+    choice = lib.jaxpage_timed_choice_new()
+    try:
+        fast, slow = {0: 23.7, 1: 15.9}, {0: 27.5, 1: 33.1}
+        warm = [lib.jaxpage_timed_choice_step(choice, -1.0, 0)]
+        for _ in range(3):
+            warm.append(lib.jaxpage_timed_choice_step(choice, fast[warm[-1]], warm[-1]))
+        assert warm == [0, 1, 0, 1]  # the kernels alternate while they warm
+        pick = warm[-1]
+        for spell, faster in ((fast, 1), (slow, 0), (fast, 1), (slow, 0)):
+            picks = []
+            for _ in range(320):
+                pick = lib.jaxpage_timed_choice_step(choice, spell[pick], pick)
+                picks.append(pick)
+            settled = picks[64:]
+            assert settled.count(1 - faster) == pytest.approx(len(settled) / 32, abs=1.5), spell
+    finally:
+        lib.jaxpage_timed_choice_free(choice)
+
+
+@needs_onednn
 def test_independent_matmuls_of_one_shape_run_at_once():
     """XLA:CPU runs independent ops of a program on its threads at once: oneDNN primitives of one shape executed
     together shared the library's scratchpad and crashed (a segfault at 8-32 rows, before the scratchpad became
