@@ -5,8 +5,9 @@
 // average of the running kernel's time and the other's latest try; a call runs the faster, and every
 // kExploreEvery-th call of the shape, or its first call kExploreAfter after the last try, the other. A change of
 // spell is seen within about one decode step for a layer's products (a call per layer) and within 250 ms for the
-// LM head (a call per step). The first call of each kernel warms it
-// (oneDNN builds its primitive) and is not counted.
+// LM head (a call per step). The first call of each kernel warms it (oneDNN builds its primitive) and is not
+// counted. The spells turned out to be each core's own (benchmarks/RESULTS.md, "Timed choice of the few-row
+// product kernel"): oneDNN splits a product statically over the cores and waits for the slower one.
 #pragma once
 
 #include <chrono>
