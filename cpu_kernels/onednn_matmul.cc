@@ -172,15 +172,17 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 // The OpenMP threads a kernel call over `rows` rows takes (threads.h), for the tests.
 extern "C" int jaxpage_kernel_threads(int64_t rows) { return jaxpage::KernelThreads(rows); }
 
-// A TimedChoice of its own for the tests: a call's pick (0 or 1) for one shape after recording `ns` for the
-// previous pick (ns < 0: none).
+// A TimedChoice of its own for the tests (tries at least every `explore_after_ms`): a call's pick (0 or 1) for one
+// shape after recording `ns` for the previous pick (ns < 0: none).
 extern "C" int jaxpage_timed_choice_step(void* choice, double ns, int previous) {
   auto* c = static_cast<jaxpage::TimedChoice*>(choice);
   const jaxpage::TimedChoice::Key key{1, 1, 1};
   if (ns >= 0) c->Record(key, previous, ns);
   return c->Pick(key);
 }
-extern "C" void* jaxpage_timed_choice_new() { return new jaxpage::TimedChoice(); }
+extern "C" void* jaxpage_timed_choice_new(int64_t explore_after_ms) {
+  return new jaxpage::TimedChoice(std::chrono::milliseconds(explore_after_ms));
+}
 extern "C" void jaxpage_timed_choice_free(void* choice) { delete static_cast<jaxpage::TimedChoice*>(choice); }
 
 // Bytes of bfloat16 [k, n] weights packed (the plain layout's when the packed one pads nothing), or -1 on an

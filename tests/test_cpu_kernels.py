@@ -103,16 +103,18 @@ def test_timed_products_equal_float32_math_whichever_kernel_runs(rows, monkeypat
 def test_timed_choice_takes_the_faster_kernel_and_follows_a_switch():
     """cpu_kernels/timed_choice.h on the AMX VM's times (SmolLM2's 8-row products, ms: packed_gemv.cc 23.7 and
     oneDNN 15.9 in a fast spell, 27.5 and 33.1 in a slow one): after its warming calls it runs the faster kernel,
-    tries the other every 32nd call, and when the spell changes it follows within two tries."""
+    tries the other every 32nd call, and when the spell changes it follows within two tries; with tries due 0 ms
+    after the last instead of an hour, every call after the warming ones is a try."""
     import ctypes
 
     from cpu_kernels.library import library
 
     lib = library()
     lib.jaxpage_timed_choice_new.restype = ctypes.c_void_p
+    lib.jaxpage_timed_choice_new.argtypes = [ctypes.c_int64]
     lib.jaxpage_timed_choice_step.argtypes = [ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
     lib.jaxpage_timed_choice_free.argtypes = [ctypes.c_void_p]
-    choice = lib.jaxpage_timed_choice_new()
+    choice, eager = lib.jaxpage_timed_choice_new(3_600_000), lib.jaxpage_timed_choice_new(0)
     try:
         fast, slow = {0: 23.7, 1: 15.9}, {0: 27.5, 1: 33.1}
         warm = [lib.jaxpage_timed_choice_step(choice, -1.0, 0)]
@@ -127,8 +129,13 @@ def test_timed_choice_takes_the_faster_kernel_and_follows_a_switch():
                 picks.append(pick)
             settled = picks[64:]
             assert settled.count(1 - faster) == pytest.approx(len(settled) / 32, abs=1.5), spell
+        picks = [lib.jaxpage_timed_choice_step(eager, -1.0, 0)]
+        for _ in range(40):
+            picks.append(lib.jaxpage_timed_choice_step(eager, fast[picks[-1]], picks[-1]))
+        assert picks[4:] == [0] * 37  # oneDNN (1) is the faster, and each call is a try of the other
     finally:
         lib.jaxpage_timed_choice_free(choice)
+        lib.jaxpage_timed_choice_free(eager)
 
 
 @needs_onednn
