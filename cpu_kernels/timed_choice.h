@@ -44,7 +44,7 @@ class TimedChoice {
     Times& t = times_[key];
     if (++t.samples[kernel] == 1) return;  // a warming call
     double& avg = t.ns[kernel];
-    // The kernel running now: a moving average of its calls. The other, tried once per kExploreEvery calls: its
+    // The kernel running now: a moving average of its calls. The other, seen only on its tries: its
     // latest try (one slow try changes nothing; a fast one is checked by the calls that follow).
     const int faster = t.ns[1] < t.ns[0] ? 1 : 0;
     avg = t.samples[kernel] == 2 || kernel != faster ? ns : avg + 0.25 * (ns - avg);
