@@ -139,6 +139,72 @@ def test_timed_choice_takes_the_faster_kernel_and_follows_a_switch():
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [5, 32, 96])
+def test_balanced_products_equal_float32_math_and_one_team_call(rows, monkeypatch):
+    """Up to ``balanced_rows`` rows a packed product runs as one-thread oneDNN calls over stretches of columns
+    that follow the threads' speeds (cpu_kernels/balanced_split.h): whatever the stretches, each call equals
+    float32 math to bfloat16 rounding, LM-head-sized weights included, and from 32 rows it is the same bits as
+    one oneDNN call over all the columns (the team's; at 5 rows the team's call sums in another order)."""
+    from cpu_kernels import onednn
+
+    monkeypatch.setattr(onednn, "default_gemv_rows", lambda: 2)
+    monkeypatch.setattr(onednn, "default_timed_rows", lambda: 0)
+    monkeypatch.setattr(onednn, "default_balanced_rows", lambda: 192)
+    rng = np.random.default_rng(rows)
+    for k, n in ((576, 3072), (1536, 576), (576, 8192)):
+        kernel = np.asarray(jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16))
+        packed = jnp.asarray(onednn.pack(kernel))
+        balanced = jax.jit(lambda x, w: onednn.matmul(x, w, packed=True))
+        team = jax.jit(lambda x, w: onednn.matmul(x, w, packed=True, gemv_rows=0))
+        assert "balanced_rows = 192" in balanced.lower(jnp.zeros((rows, k), jnp.bfloat16), packed).as_text()
+        for _ in range(12):
+            x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+            y = np.asarray(balanced(x, packed), np.float32)
+            ref = np.asarray(x, np.float32) @ np.asarray(kernel, np.float32)
+            np.testing.assert_allclose(y, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
+            if rows >= 32:
+                np.testing.assert_array_equal(y, np.asarray(team(x, packed), np.float32))
+
+
+@needs_onednn
+def test_balanced_split_follows_the_threads_speeds():
+    """cpu_kernels/balanced_split.h: with one thread three times slower a block than another, the stretches settle
+    at three quarters of the blocks for the faster within a grain, follow a swap, keep at least one grain for a
+    thread however slow, and start on grains (768 blocks, an LM head's: grains of 24)."""
+    import ctypes
+
+    from cpu_kernels.library import library
+
+    lib = library()
+    lib.jaxpage_balanced_split_new.restype = ctypes.c_void_p
+    lib.jaxpage_balanced_split_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int64)]
+    lib.jaxpage_balanced_split_free.argtypes = [ctypes.c_void_p]
+    split = lib.jaxpage_balanced_split_new()
+
+    def settle(blocks, ns_per_block, calls=30):
+        threads = len(ns_per_block)
+        bounds = (ctypes.c_int64 * (threads + 1))()
+        lib.jaxpage_balanced_split_step(split, blocks, threads, None, bounds)
+        for _ in range(calls):
+            ns = (ctypes.c_double * threads)(*[(bounds[t + 1] - bounds[t]) * ns_per_block[t] for t in range(threads)])
+            lib.jaxpage_balanced_split_step(split, blocks, threads, ns, bounds)
+        return list(bounds)
+
+    try:
+        assert settle(48, [1.0, 1.0]) == [0, 24, 48]
+        assert settle(48, [1.0, 3.0]) == [0, 36, 48]
+        assert settle(48, [3.0, 1.0]) == [0, 12, 48]
+        assert settle(48, [1.0, 1000.0]) == [0, 47, 48]
+        lm_head = settle(768, [1.0, 2.0, 1.0])
+        assert all(b % 24 == 0 for b in lm_head) and lm_head[0] == 0 and lm_head[-1] == 768
+        assert [lm_head[1], lm_head[2] - lm_head[1]] == [pytest.approx(768 * 0.4, abs=24),
+                                                         pytest.approx(768 * 0.2, abs=24)]
+    finally:
+        lib.jaxpage_balanced_split_free(split)
+
+
+@needs_onednn
 def test_independent_matmuls_of_one_shape_run_at_once():
     """XLA:CPU runs independent ops of a program on its threads at once: oneDNN primitives of one shape executed
     together shared the library's scratchpad and crashed (a segfault at 8-32 rows, before the scratchpad became
