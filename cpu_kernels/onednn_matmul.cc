@@ -10,7 +10,6 @@
 #include <vector>
 
 #include <algorithm>
-#include <array>
 #include <cstring>
 
 #include "balanced_split.h"
@@ -168,28 +167,28 @@ ffi::Error BalancedMatmul(const Shape& s, void* x, void* w, void* y) {
   return ffi::Error::Success();
 }
 
-enum Kernel { kGemv, kTeam, kBalanced };  // packed_gemv.cc, one oneDNN call, BalancedMatmul
-
-ffi::Error Run(Kernel kernel, const Shape& s, void* x, void* w, void* y) {
-  if (kernel == kGemv && Gemv(s, x, w, y)) return ffi::Error::Success();
-  return kernel == kBalanced ? BalancedMatmul(s, x, w, y) : OnednnMatmul(s, x, w, y);
+ffi::Error Onednn(const Shape& s, void* x, void* w, void* y, bool balanced) {
+  return balanced ? BalancedMatmul(s, x, w, y) : OnednnMatmul(s, x, w, y);
 }
 
-// The kernel of `kernels` that `choice` (timed_choice.h) finds the fastest now for s's shape, timed.
-template <size_t N>
-ffi::Error TimedMatmul(jaxpage::TimedChoice& choice, const std::array<Kernel, N>& kernels, const Shape& s,
-                       void* x, void* w, void* y) {
+// Rows in (gemv_rows, timed_rows]: packed_gemv.cc or oneDNN, whichever timed_choice.h finds the faster now.
+ffi::Error TimedMatmul(const Shape& s, void* x, void* w, void* y, bool balanced) {
+  static jaxpage::TimedChoice choice;
   const jaxpage::TimedChoice::Key key{s.m, s.k, s.n};
-  const int pick = choice.Pick(key);
+  const int kernel = choice.Pick(key);
   const auto start = std::chrono::steady_clock::now();
-  ffi::Error error = Run(kernels[pick], s, x, w, y);
-  if (error.success()) choice.Record(key, pick, jaxpage::ElapsedNs(start));
+  if (kernel == 0 && Gemv(s, x, w, y)) {
+    choice.Record(key, 0, jaxpage::ElapsedNs(start));
+    return ffi::Error::Success();
+  }
+  ffi::Error error = Onednn(s, x, w, y, balanced);
+  if (kernel == 1) choice.Record(key, 1, jaxpage::ElapsedNs(start));
   return error;
 }
 
 // gemv_rows: the most rows packed_gemv.cc takes; timed_rows: the most for which it races oneDNN's kernel;
-// balanced_rows: the most for which oneDNN's work shared by the threads' speeds races one oneDNN call (packed
-// bfloat16 only; cpu_kernels/onednn.py chooses all three per CPU)
+// balanced_rows: the most for which oneDNN's calls are shared by the threads' speeds (packed bfloat16 only;
+// cpu_kernels/onednn.py chooses all three per CPU)
 ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t transposed,
                   int64_t packed, int64_t gemv_rows, int64_t timed_rows, int64_t balanced_rows) {
   auto dims = w.dimensions();
@@ -214,13 +213,8 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   const bool gemv_applies = s.packed && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n);
   if (gemv_applies && s.m <= gemv_rows && Gemv(s, xp, wp, yp)) return ffi::Error::Success();
   const bool balanced = gemv_applies && s.m <= balanced_rows;
-  static jaxpage::TimedChoice few_rows(3), few_rows_unbalanced(2), many_rows(2);
-  if (gemv_applies && s.m <= timed_rows && balanced)
-    return TimedMatmul(few_rows, std::array<Kernel, 3>{kGemv, kTeam, kBalanced}, s, xp, wp, yp);
-  if (gemv_applies && s.m <= timed_rows)
-    return TimedMatmul(few_rows_unbalanced, std::array<Kernel, 2>{kGemv, kTeam}, s, xp, wp, yp);
-  if (balanced) return TimedMatmul(many_rows, std::array<Kernel, 2>{kTeam, kBalanced}, s, xp, wp, yp);
-  return OnednnMatmul(s, xp, wp, yp);
+  if (gemv_applies && s.m <= timed_rows) return TimedMatmul(s, xp, wp, yp, balanced);
+  return Onednn(s, xp, wp, yp, balanced);
 }
 
 }  // namespace
@@ -228,7 +222,7 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 // The OpenMP threads a kernel call over `rows` rows takes (threads.h), for the tests.
 extern "C" int jaxpage_kernel_threads(int64_t rows) { return jaxpage::KernelThreads(rows); }
 
-// A TimedChoice of its own for the tests (tries at least every `explore_after_ms`): a call's pick for one
+// A TimedChoice of its own for the tests (tries at least every `explore_after_ms`): a call's pick (0 or 1) for one
 // shape after recording `ns` for the previous pick (ns < 0: none).
 extern "C" int jaxpage_timed_choice_step(void* choice, double ns, int previous) {
   auto* c = static_cast<jaxpage::TimedChoice*>(choice);
@@ -236,24 +230,23 @@ extern "C" int jaxpage_timed_choice_step(void* choice, double ns, int previous) 
   if (ns >= 0) c->Record(key, previous, ns);
   return c->Pick(key);
 }
-extern "C" void* jaxpage_timed_choice_new(int kernels, int64_t explore_after_ms) {
-  return new jaxpage::TimedChoice(kernels, std::chrono::milliseconds(explore_after_ms));
-}
-extern "C" void jaxpage_timed_choice_free(void* choice) { delete static_cast<jaxpage::TimedChoice*>(choice); }
-
 // A BalancedSplit of its own for the tests: one call over `blocks` blocks for `threads` threads. With `ns` (one
 // per thread) it first records those times for the bounds passed in; it writes the call's bounds (threads + 1).
 extern "C" void jaxpage_balanced_split_step(void* split, int64_t blocks, int threads, const double* ns,
                                             int64_t* bounds) {
   auto* b = static_cast<jaxpage::BalancedSplit*>(split);
   const jaxpage::BalancedSplit::Key key{1, 1, blocks, threads};
-  if (ns != nullptr)
-    b->Record(key, std::vector<int64_t>(bounds, bounds + threads + 1), std::vector<double>(ns, ns + threads));
+  if (ns != nullptr) b->Record(key, std::vector<int64_t>(bounds, bounds + threads + 1), std::vector<double>(ns, ns + threads));
   const std::vector<int64_t> next = b->Bounds(key, blocks, threads);
   std::copy(next.begin(), next.end(), bounds);
 }
 extern "C" void* jaxpage_balanced_split_new() { return new jaxpage::BalancedSplit; }
 extern "C" void jaxpage_balanced_split_free(void* split) { delete static_cast<jaxpage::BalancedSplit*>(split); }
+
+extern "C" void* jaxpage_timed_choice_new(int64_t explore_after_ms) {
+  return new jaxpage::TimedChoice(std::chrono::milliseconds(explore_after_ms));
+}
+extern "C" void jaxpage_timed_choice_free(void* choice) { delete static_cast<jaxpage::TimedChoice*>(choice); }
 
 // Bytes of bfloat16 [k, n] weights packed (the plain layout's when the packed one pads nothing), or -1 on an
 // error.
