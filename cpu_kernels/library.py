@@ -28,7 +28,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "paged_attention.cc", "lora_delta.cc", "greedy_pick.cc",
                              "silu_and_mul.cc", "rms_norm.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("simd16.h", "prefix_tiles.h", "threads.h", "timed_choice.h", "balanced_split.h"))
+                for name in ("simd16.h", "prefix_tiles.h", "threads.h", "timed_choice.h"))
 TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
            "jaxpage_gather_rows": "JaxpageGatherRows", "jaxpage_take_blocks": "JaxpageTakeBlocks",
            "jaxpage_put_blocks": "JaxpagePutBlocks", "jaxpage_paged_attention": "JaxpagePagedAttention",

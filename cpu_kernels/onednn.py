@@ -24,16 +24,13 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
     """x [..., K] . w [K, N] (or w [N, K] with ``transposed``) -> [..., N] in x's dtype, float32 accumulation;
     ``packed``: w holds ``pack``'s bytes (its shape and ``transposed`` still name K and N); ``gemv_rows``: the
     most rows of a packed bfloat16 product that packed_gemv.cc computes (at most 8), oneDNN's kernel the rest.
-    By default (None) ``default_gemv_rows()``, up to ``default_timed_rows()`` rows the faster of the two by their
-    measured times (cpu_kernels/timed_choice.h), and up to ``default_balanced_rows()`` oneDNN's calls shared among
-    the threads by their speeds (cpu_kernels/balanced_split.h). CPU only, and only where ``available()``."""
+    By default (None) ``default_gemv_rows()``, and up to ``default_timed_rows()`` rows the faster of the two by
+    their measured times (cpu_kernels/timed_choice.h). CPU only, and only where ``available()``."""
     n = w.shape[0] if transposed else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
-    rows, timed, balanced = ((default_gemv_rows(), default_timed_rows(), default_balanced_rows())
-                             if gemv_rows is None else (gemv_rows, 0, 0))
+    rows, timed = (default_gemv_rows(), default_timed_rows()) if gemv_rows is None else (gemv_rows, 0)
     return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed), packed=int(packed),
-                                                          gemv_rows=int(rows), timed_rows=int(timed),
-                                                          balanced_rows=int(balanced))
+                                                          gemv_rows=int(rows), timed_rows=int(timed))
 
 
 @functools.cache
@@ -53,16 +50,6 @@ def default_timed_rows() -> int:
     with ``JAXPAGE_CPU_TIMED_PRODUCTS=0``, for a kernel choice that depends on the shapes only). Both kernels
     round float32 sums to bfloat16, but not in the same order, so a timed product may differ in the last bit."""
     return 8 if _amx() and os.environ.get("JAXPAGE_CPU_TIMED_PRODUCTS", "1") != "0" else 0
-
-
-@functools.cache
-def default_balanced_rows() -> int:
-    """Rows up to which a default product's oneDNN calls run one per thread over stretches of columns that follow
-    the threads' measured speeds (cpu_kernels/balanced_split.h), instead of one call that oneDNN splits evenly:
-    192 on an AMX CPU, whose cores' AMX units slow down each at its own times, 0 elsewhere (unmeasured there) and
-    with ``JAXPAGE_CPU_BALANCED_PRODUCTS=0``. Above 192 rows oneDNN's own split was level or faster (256 and 512
-    rows: 1.02x and 1.06x the time; benchmarks/RESULTS.md, "A product's columns shared by the cores' speeds")."""
-    return 192 if _amx() and os.environ.get("JAXPAGE_CPU_BALANCED_PRODUCTS", "1") != "0" else 0
 
 
 def _amx() -> bool:

@@ -9,10 +9,6 @@
 #include <tuple>
 #include <vector>
 
-#include <algorithm>
-#include <cstring>
-
-#include "balanced_split.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "threads.h"
 #include "timed_choice.h"
@@ -84,8 +80,7 @@ struct Matmuls {
   size_t scratchpad_bytes;
 };
 
-// built: set where this call built the primitive
-Matmuls Primitive(const Shape& s, bool* built = nullptr) {
+Matmuls Primitive(const Shape& s) {
   // oneDNN sizes a primitive's work for the calling thread's team (ThreadCap)
   using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, bool, bool, int>;
   static std::mutex mu;
@@ -98,14 +93,13 @@ Matmuls Primitive(const Shape& s, bool* built = nullptr) {
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     dnnl::matmul::primitive_desc pd(CpuEngine(), s.XDesc(), s.WDesc(), s.YDesc(), attr);
     it = cache.emplace(key, Matmuls{dnnl::matmul(pd), pd.scratchpad_desc().get_size()}).first;
-    if (built != nullptr) *built = true;
   }
   return it->second;
 }
 
-ffi::Error OnednnMatmul(const Shape& s, void* x, void* w, void* y, bool* built = nullptr) {
+ffi::Error OnednnMatmul(const Shape& s, void* x, void* w, void* y) {
   try {
-    Matmuls matmul = Primitive(s, built);
+    Matmuls matmul = Primitive(s);
     dnnl::engine& engine = CpuEngine();
     memory xm(s.XDesc(), engine, x);
     memory wm(s.WDesc(), engine, w);
@@ -129,50 +123,8 @@ bool Gemv(const Shape& s, const void* x, const void* w, void* y) {
                                  static_cast<uint16_t*>(y), s.m, s.k, s.n);
 }
 
-// A packed bfloat16 product as one-thread oneDNN calls, one per thread of the team, each over a stretch of the
-// weights' 64-column blocks (contiguous in the packed layout) into its own buffer, copied into y's columns; the
-// stretches follow the threads' measured speeds (balanced_split.h). oneDNN writing y's strided columns itself
-// leaves its brgemm kernels (a 96-row LM head took 87 s). Falls back to one team call where blocks are too few.
-ffi::Error BalancedMatmul(const Shape& s, void* x, void* w, void* y) {
-  constexpr int64_t kBlock = 64;
-  const int threads = omp_get_max_threads();
-  const int64_t blocks = s.n / kBlock;
-  if (threads < 2 || s.n % kBlock != 0 || blocks < 2 * threads) return OnednnMatmul(s, x, w, y);
-  static jaxpage::BalancedSplit split;
-  const jaxpage::BalancedSplit::Key key{s.m, s.k, s.n, threads};
-  const std::vector<int64_t> bounds = split.Bounds(key, blocks, threads);
-  for (int t = 0; t < threads; ++t)
-    if (!PackedForGemv(s.k, (bounds[t + 1] - bounds[t]) * kBlock)) return OnednnMatmul(s, x, w, y);
-  std::vector<double> ns(threads);
-  std::vector<char> failed(threads, 0), built(threads, 0);
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num();
-    const int64_t first = bounds[t] * kBlock, n = bounds[t + 1] * kBlock - first;
-    jaxpage::ThreadCap one(1);
-    thread_local std::vector<uint16_t> part;
-    if (part.size() < size_t(s.m * n)) part.resize(s.m * n);
-    Shape shape = s;
-    shape.n = n;
-    bool new_primitive = false;
-    const auto start = std::chrono::steady_clock::now();
-    failed[t] = !OnednnMatmul(shape, x, static_cast<uint16_t*>(w) + first * s.k, part.data(), &new_primitive).success();
-    for (int64_t r = 0; r < s.m; ++r)
-      std::memcpy(static_cast<uint16_t*>(y) + r * s.n + first, part.data() + r * n, n * sizeof(uint16_t));
-    ns[t] = jaxpage::ElapsedNs(start);
-    built[t] = new_primitive;
-  }
-  if (std::count(failed.begin(), failed.end(), 1)) return ffi::Error::Internal("onednn_matmul: a thread's call failed");
-  if (!std::count(built.begin(), built.end(), 1)) split.Record(key, bounds, ns);  // a build's time is not its speed
-  return ffi::Error::Success();
-}
-
-ffi::Error Onednn(const Shape& s, void* x, void* w, void* y, bool balanced) {
-  return balanced ? BalancedMatmul(s, x, w, y) : OnednnMatmul(s, x, w, y);
-}
-
 // Rows in (gemv_rows, timed_rows]: packed_gemv.cc or oneDNN, whichever timed_choice.h finds the faster now.
-ffi::Error TimedMatmul(const Shape& s, void* x, void* w, void* y, bool balanced) {
+ffi::Error TimedMatmul(const Shape& s, void* x, void* w, void* y) {
   static jaxpage::TimedChoice choice;
   const jaxpage::TimedChoice::Key key{s.m, s.k, s.n};
   const int kernel = choice.Pick(key);
@@ -181,16 +133,15 @@ ffi::Error TimedMatmul(const Shape& s, void* x, void* w, void* y, bool balanced)
     choice.Record(key, 0, jaxpage::ElapsedNs(start));
     return ffi::Error::Success();
   }
-  ffi::Error error = Onednn(s, x, w, y, balanced);
+  ffi::Error error = OnednnMatmul(s, x, w, y);
   if (kernel == 1) choice.Record(key, 1, jaxpage::ElapsedNs(start));
   return error;
 }
 
-// gemv_rows: the most rows packed_gemv.cc takes; timed_rows: the most for which it races oneDNN's kernel;
-// balanced_rows: the most for which oneDNN's calls are shared by the threads' speeds (packed bfloat16 only;
-// cpu_kernels/onednn.py chooses all three per CPU)
+// gemv_rows: the most rows packed_gemv.cc takes; timed_rows: the most for which it races oneDNN's kernel
+// (packed bfloat16 only; cpu_kernels/onednn.py chooses both per CPU)
 ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t transposed,
-                  int64_t packed, int64_t gemv_rows, int64_t timed_rows, int64_t balanced_rows) {
+                  int64_t packed, int64_t gemv_rows, int64_t timed_rows) {
   auto dims = w.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("onednn_matmul: weights must be 2-D");
   Shape s;
@@ -212,9 +163,8 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   void *xp = x.untyped_data(), *wp = w.untyped_data(), *yp = y->untyped_data();
   const bool gemv_applies = s.packed && s.x == bf16 && s.w == bf16 && s.y == bf16 && PackedForGemv(s.k, s.n);
   if (gemv_applies && s.m <= gemv_rows && Gemv(s, xp, wp, yp)) return ffi::Error::Success();
-  const bool balanced = gemv_applies && s.m <= balanced_rows;
-  if (gemv_applies && s.m <= timed_rows) return TimedMatmul(s, xp, wp, yp, balanced);
-  return Onednn(s, xp, wp, yp, balanced);
+  if (gemv_applies && s.m <= timed_rows) return TimedMatmul(s, xp, wp, yp);
+  return OnednnMatmul(s, xp, wp, yp);
 }
 
 }  // namespace
@@ -230,19 +180,6 @@ extern "C" int jaxpage_timed_choice_step(void* choice, double ns, int previous) 
   if (ns >= 0) c->Record(key, previous, ns);
   return c->Pick(key);
 }
-// A BalancedSplit of its own for the tests: one call over `blocks` blocks for `threads` threads. With `ns` (one
-// per thread) it first records those times for the bounds passed in; it writes the call's bounds (threads + 1).
-extern "C" void jaxpage_balanced_split_step(void* split, int64_t blocks, int threads, const double* ns,
-                                            int64_t* bounds) {
-  auto* b = static_cast<jaxpage::BalancedSplit*>(split);
-  const jaxpage::BalancedSplit::Key key{1, 1, blocks, threads};
-  if (ns != nullptr) b->Record(key, std::vector<int64_t>(bounds, bounds + threads + 1), std::vector<double>(ns, ns + threads));
-  const std::vector<int64_t> next = b->Bounds(key, blocks, threads);
-  std::copy(next.begin(), next.end(), bounds);
-}
-extern "C" void* jaxpage_balanced_split_new() { return new jaxpage::BalancedSplit; }
-extern "C" void jaxpage_balanced_split_free(void* split) { delete static_cast<jaxpage::BalancedSplit*>(split); }
-
 extern "C" void* jaxpage_timed_choice_new(int64_t explore_after_ms) {
   return new jaxpage::TimedChoice(std::chrono::milliseconds(explore_after_ms));
 }
@@ -283,5 +220,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageOnednnMatmul, Matmul,
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("packed")
                                   .Attr<int64_t>("gemv_rows")
-                                  .Attr<int64_t>("timed_rows")
-                                  .Attr<int64_t>("balanced_rows"));
+                                  .Attr<int64_t>("timed_rows"));
