@@ -8,13 +8,14 @@
 #include <cstdint>
 
 #include "simd16.h"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace jaxpage;  // simd16.h
+using namespace jaxpage;  // simd16.h, threads.h
 
 template <bool kBf16>
 F16 Load(const void* p, int64_t i) {
@@ -58,7 +59,9 @@ void Rows(ffi::AnyBuffer x, const void* h, void* residual, ffi::AnyBuffer w, voi
   const int64_t rows = x.dimensions()[0], d = x.dimensions()[1], bytes = ffi::ByteWidth(x.element_type());
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const char* in = static_cast<const char*>(x.untyped_data());
-  for (int64_t r = 0; r < rows; ++r) {  // one thread: a row is ~1 KB, a step's few hundred rows microseconds
+  const int threads = ElementwiseThreads(rows, rows * d);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
     const int64_t at = r * d * bytes;
     const void* hr = h != nullptr ? static_cast<const char*>(h) + at : nullptr;
     void* rr = residual != nullptr ? static_cast<char*>(residual) + at : nullptr;

@@ -10,13 +10,14 @@
 #endif
 
 #include "simd16.h"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace jaxpage;  // simd16.h
+using namespace jaxpage;  // simd16.h, threads.h
 
 // 1 / d for d in [1, 2]: the 14-bit reciprocal estimate and one Newton step where AVX-512 has it (a division's
 // throughput is a quarter of this), else a division
@@ -59,7 +60,8 @@ ffi::Error SiluAndMul(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
   const char* in = static_cast<const char*>(x.untyped_data());
   char* result = static_cast<char*>(out->untyped_data());
   const bool bf16 = type == ffi::DataType::BF16;
-  // one thread: a parallel region from XLA's calling thread cost more than it saved at 32 and 96 rows of 1,536
+  const int threads = ElementwiseThreads(rows, rows * width);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     if (bf16)
       Row<true>(in + r * 2 * width * bytes, result + r * width * bytes, width);

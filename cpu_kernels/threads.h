@@ -23,6 +23,16 @@ inline int KernelThreads(int64_t rows) {
   return rows <= serial_rows ? 1 : all;
 }
 
+// The OpenMP threads an elementwise kernel's call over `rows` rows of `elements` in all takes: the whole team
+// (KernelThreads) from kParallelElements, one below. A parallel region from XLA's calling thread (the second thread
+// woken, then joined) cost more than it saved at 32 and 96 rows of SiluAndMul's 1,536 columns; a prompt's wave of
+// 2,048 rows spent 94 ms a step in SiluAndMul and 34 in the norms on one thread (benchmarks/RESULTS.md, "The
+// elementwise kernels of a wave's prefill on both cores").
+inline int ElementwiseThreads(int64_t rows, int64_t elements) {
+  constexpr int64_t kParallelElements = int64_t{1} << 19;
+  return elements >= kParallelElements ? KernelThreads(rows) : 1;
+}
+
 // Caps the calling thread's OpenMP team for a library that forks its own (oneDNN), restored on leaving the scope.
 class ThreadCap {
  public:

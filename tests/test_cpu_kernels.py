@@ -431,11 +431,12 @@ def test_greedy_pick_kernel_equals_the_numpy_argmax_and_log_softmax(dtype, rows,
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", [(32, 2, 1536), (3, 5, 2, 48), (0, 2, 16)])
+@pytest.mark.parametrize("shape", [(32, 2, 1536), (384, 2, 1536), (3, 5, 2, 48), (0, 2, 16)])
 def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
     """vLLM's SiluAndMul on the CPU (cpu_kernels/silu_and_mul.cc, alone and through the MLP's
     ``fused_gated_activation``, which takes it for bfloat16): silu(gate) * up against float64 numpy, rounded once to the dtype (large gates of both signs included, where
-    exp overflows one way), and its lowering for another platform keeps XLA's ops."""
+    exp overflows one way; 384 rows run on the whole team), and its lowering for another platform keeps XLA's
+    ops."""
     from cpu_kernels.silu_and_mul import silu_and_mul
     from jaxpage.models.layers import fused_gated_activation
 
@@ -459,11 +460,12 @@ def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", [(0, 64), (1, 576), (96, 576), (3, 9, 128)])
+@pytest.mark.parametrize("shape", [(0, 64), (1, 576), (96, 576), (1024, 576), (3, 9, 128)])
 def test_rms_norm_kernels_equal_the_float64_norm(dtype, shape):
     """vLLM's rms_norm and fused_add_rms_norm on the CPU (cpu_kernels/rms_norm.cc, alone and through ``RMSNorm``,
     which takes them for bfloat16): against float64 numpy of the residual as the dtype stores it (x + h rounded
-    once), normed and rounded once; and their lowering for another platform keeps XLA's ops."""
+    once), normed and rounded once (1,024 rows on the whole team); and their lowering for another platform keeps
+    XLA's ops."""
     from cpu_kernels.rms_norm import fused_add_rms_norm, rms_norm
     from jaxpage.models.layers import RMSNorm
 
