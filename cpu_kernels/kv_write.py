@@ -21,12 +21,13 @@ def needs_kernel(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
 
 
-def write_kv(values: jax.Array, kv: jax.Array, *, layer, slots: jax.Array) -> jax.Array:
-    """values [L, NB, 2, KVH, BS, D] with kv [T, 2, KVH, D] written at ``slots`` [T] of ``layer`` (the pool is
+def write_kv(values: jax.Array, k: jax.Array, v: jax.Array, *, layer, slots: jax.Array) -> jax.Array:
+    """values [L, NB, 2, KVH, BS, D] with k and v [T, KVH, D] written at ``slots`` [T] of ``layer`` (the pool is
     aliased to the result: donated, it is written in place). CPU only, and only where ``available()``."""
     out = jax.ShapeDtypeStruct(values.shape, values.dtype)
     call = jax.ffi.ffi_call("jaxpage_write_kv", out, input_output_aliases={0: 0})
-    return call(values, kv.astype(values.dtype), jnp.asarray(slots, jnp.int32), jnp.asarray(layer, jnp.int32))
+    return call(values, k.astype(values.dtype), v.astype(values.dtype), jnp.asarray(slots, jnp.int32),
+                jnp.asarray(layer, jnp.int32))
 
 
 def gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:

@@ -180,8 +180,10 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
         return values.at[at].set(kv)
 
     if kv_write.needs_kernel(values.dtype) and kv_write.available():  # XLA:CPU copies the pool around this scatter
-        cpu = functools.partial(kv_write.write_kv, layer=layer, slots=slot_mapping)
-        new_values = jax.lax.platform_dependent(values, kv, cpu=cpu, default=scatter)
+        halves = (quantize(k, pool.dtype)[0], quantize(v, pool.dtype)[0])  # K and V apart: no stack on the CPU
+        cpu = lambda values, kv, k, v: kv_write.write_kv(values, k, v, layer=layer, slots=slot_mapping)  # noqa: E731
+        new_values = jax.lax.platform_dependent(values, kv, *halves, cpu=cpu,
+                                                default=lambda values, kv, k, v: scatter(values, kv))
     else:
         new_values = scatter(values, kv)
     return with_parts(new_values, None if scales is None else scales.at[at].set(kv_scales))
