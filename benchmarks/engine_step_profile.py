@@ -1,13 +1,15 @@
 """Where a served step's time goes on the CPU: the engine's own steps at C streams, traced thunk by thunk.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/engine_step_profile.py [--concurrency 32] [--steps 24]
-        [--mixed 6] [--prefix 0] [--json out.json]
+        [--mixed 6] [--wave 0] [--prefix 0] [--json out.json]
 
 SmolLM2-135M with serve's defaults (bfloat16 on an avx512_bf16 CPU, async scheduling, 2048 batched tokens), C
 requests of 64 random prompt tokens, greedy, every one running to its max_tokens. Once all of them decode, --steps
 calls of ``LLMEngine.step`` run under ``jax.profiler.trace`` (decode steps: ~70-100 tokens of context). Then
 --mixed times: one request is aborted and a new 64-token prompt added, and the step that computes it beside the
 other C-1 decodes is traced (the spread workload's step, where a new prompt arrives beside running decodes).
+--wave N: then N times, with nothing running, C new prompts arrive at once and the step that computes them all
+(the fixed workload's wave, C x 64 rows; the first of the N+1 is not counted) is traced.
 --prefix N: every prompt starts with the same N random tokens, computed once before the others arrive, with prefix
 caching on (the shared_prefix workload's steps).
 
@@ -106,11 +108,27 @@ def summarize(sessions: list[tuple[list[float], list]], hlo: str, top: int = 16)
             "top_thunks_ms": {t: [round(ms, 3), kind_of(t, hlo)] for t, ms in thunks.most_common(top)}}
 
 
+def wave_steps(llm: LLM, waves: int, c: int, rng, prompt_len: int, prefix: list[int]) -> list:
+    """``waves`` times: every request finishes, then ``c`` new prompts arrive at once; the step that computes them
+    is traced (one profiler session each)."""
+    engine = llm.engine
+    for request in list(engine.requests):
+        engine.abort_request(request)
+    sessions, first = [], 10 ** 6
+    for w in range(waves):
+        while engine.has_unfinished_requests():
+            engine.step()
+        add_requests(llm, range(first + w * c, first + (w + 1) * c), rng, prompt_len, 2, prefix)
+        sessions.append(traced_steps(engine, 1, read=True))
+    return sessions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--mixed", type=int, default=6, help="mixed steps to trace (a new prompt beside decodes)")
+    parser.add_argument("--wave", type=int, default=0, help="wave steps to trace (C prompts at once, none running)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--prefix", type=int, default=0, help="random tokens every prompt starts with (cached)")
     parser.add_argument("--json")
@@ -145,6 +163,9 @@ def main() -> None:
         for _ in range(2):
             llm.engine.step()
     result["mixed"] = summarize(sessions, hlo["mixed"])
+    if args.wave:
+        result["wave"] = summarize(wave_steps(llm, args.wave + 1, c, rng, args.prompt_len, prefix)[1:],
+                                   runner.executable(bucket(c * args.prompt_len)).as_text())
     result["load_1min_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=1))
     if args.json:

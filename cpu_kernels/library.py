@@ -1,8 +1,8 @@
 """The CPU kernels' shared library: built on first use, loaded and registered with XLA as FFI targets.
 
 The sources (onednn_matmul.cc, packed_gemv.cc, kv_write.cc, gather_rows.cc, block_moves.cc, paged_attention.cc,
-lora_delta.cc, greedy_pick.cc, silu_and_mul.cc, rms_norm.cc) are compiled with the system's C++ compiler against
-the oneDNN wheels (PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN
+lora_delta.cc, greedy_pick.cc, silu_and_mul.cc, rms_norm.cc, rotary_embedding.cc) are compiled with the system's
+C++ compiler against the oneDNN wheels (PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN
 version; without a compiler or oneDNN, or with ``JAXPAGE_ONEDNN=0``, ``available()`` is False and callers keep
 XLA's ops.
 """
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("onednn_matmul.cc", "packed_gemv.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc",
                              "paged_attention.cc", "lora_delta.cc", "greedy_pick.cc",
-                             "silu_and_mul.cc", "rms_norm.cc"))
+                             "silu_and_mul.cc", "rms_norm.cc", "rotary_embedding.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("simd16.h", "prefix_tiles.h", "threads.h", "timed_choice.h"))
 TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
@@ -34,7 +34,8 @@ TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "
            "jaxpage_put_blocks": "JaxpagePutBlocks", "jaxpage_paged_attention": "JaxpagePagedAttention",
            "jaxpage_lora_delta": "JaxpageLoraDelta", "jaxpage_greedy_pick": "JaxpageGreedyPick",
            "jaxpage_silu_and_mul": "JaxpageSiluAndMul", "jaxpage_rms_norm": "JaxpageRmsNorm",
-           "jaxpage_fused_add_rms_norm": "JaxpageFusedAddRmsNorm"}
+           "jaxpage_fused_add_rms_norm": "JaxpageFusedAddRmsNorm",
+           "jaxpage_rotary_embedding": "JaxpageRotaryEmbedding"}
 
 
 def onednn_prefix() -> Path | None:

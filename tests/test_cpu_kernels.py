@@ -460,6 +460,53 @@ def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens,kv_heads,group,head_dim", [(5, 3, 3, 64), (600, 3, 3, 64), (4, 2, 1, 32),
+                                                            (0, 3, 3, 64)])
+def test_rotary_embedding_kernel_splits_qkv_and_equals_the_float64_rope(dtype, tokens, kv_heads, group, head_dim):
+    """vLLM's rotary_embedding on the CPU (cpu_kernels/rotary_embedding.cc) over the fused q/k/v output [T, KVH,
+    G + 2, D]: q and k rotated (rotate-half) against float64 numpy, rounded once to the dtype (600 tokens run on the
+    whole team), v the same bits as its slice; through ``Attention.rotated_qkv`` (bfloat16, no q/k norms) the CPU
+    lowering calls it and a CUDA lowering keeps XLA's ops."""
+    from cpu_kernels.rotary_embedding import rotary_embedding
+    from jaxpage.config import ModelConfig
+    from jaxpage.models.attention import Attention
+    from jaxpage.models.rope import rope_tables
+
+    rng = np.random.default_rng(tokens + head_dim)
+    y = jnp.asarray(rng.standard_normal((tokens, kv_heads, group + 2, head_dim)) * 2, dtype)
+    inv_freq = 10000.0 ** -(np.arange(0, head_dim, 2) / head_dim)
+    cos, sin = rope_tables(jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32), inv_freq[None])
+    cos, sin = cos[0], sin[0]
+    q, k, v = jax.jit(rotary_embedding)(y, cos, sin)
+    y64, c64, s64 = (np.asarray(a, np.float64) for a in (y, cos, sin))
+
+    def rope(x):  # [T, heads, D]
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([x1 * c64[:, None] - x2 * s64[:, None], x2 * c64[:, None] + x1 * s64[:, None]], -1)
+
+    tol = 2 ** -8 if dtype == "bfloat16" else 1e-5
+    want_q = rope(y64[:, :, :group].reshape(tokens, kv_heads * group, head_dim))
+    assert q.shape == want_q.shape and k.shape == v.shape == (tokens, kv_heads, head_dim) and q.dtype == y.dtype
+    np.testing.assert_allclose(np.asarray(q, np.float64), want_q, rtol=tol, atol=tol * 8)
+    np.testing.assert_allclose(np.asarray(k, np.float64), rope(y64[:, :, group]), rtol=tol, atol=tol * 8)
+    np.testing.assert_array_equal(np.asarray(v, np.float64), y64[:, :, group + 1])
+    if dtype == "bfloat16" and tokens and head_dim == 64:
+        cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1,
+                          num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                          rope_theta=1e4, rope_parameters=(), max_position_embeddings=4096,
+                          tie_word_embeddings=False, qkv_bias=False, o_bias=False)
+        layer = Attention(cfg)
+        fn = jax.jit(layer.rotated_qkv)
+        assert "jaxpage_rotary_embedding" in fn.lower(y, cos, sin).as_text()
+        assert "jaxpage_rotary_embedding" not in fn.trace(y, cos, sin).lower(lowering_platforms=("cuda",)).as_text()
+        got_q, got_k, got_v = fn(y, cos, sin)
+        np.testing.assert_allclose(np.asarray(got_q, np.float64), want_q, rtol=tol, atol=tol * 8)
+        np.testing.assert_allclose(np.asarray(got_k, np.float64), rope(y64[:, :, group]), rtol=tol, atol=tol * 8)
+        np.testing.assert_array_equal(np.asarray(got_v, np.float64), y64[:, :, group + 1])
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(0, 64), (1, 576), (96, 576), (1024, 576), (3, 9, 128)])
 def test_rms_norm_kernels_equal_the_float64_norm(dtype, shape):
     """vLLM's rms_norm and fused_add_rms_norm on the CPU (cpu_kernels/rms_norm.cc, alone and through ``RMSNorm``,

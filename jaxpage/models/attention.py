@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpu_kernels import rotary_embedding as rope_kernel
 from jaxpage.attention.backends import page_pairs_by_window, select_pairs, write_and_attend
 from jaxpage.config import ModelConfig
-from jaxpage.distributed.parallel import MODEL_AXIS
+from jaxpage.distributed.parallel import MODEL_AXIS, model_axis_size
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import Linear, QKVParallelLinear, RMSNorm
 from jaxpage.models.rope import apply_rope, rope_inv_freq, rope_tables
@@ -105,12 +107,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, pool: jax.Array, layer: LayerConstants, ctx: StepContext):
         lora = ctx.batch.lora
-        q, k, v = self.qkv.split(self.qkv(x, lora))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.rotated_qkv(self.qkv(x, lora), *ctx.rotary(layer))
         b = ctx.batch
-        cos, sin = ctx.rotary(layer)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         options = {}
         if self.windowed:
             options["window"] = layer.window
@@ -120,3 +118,17 @@ class Attention(nnx.Module):
                                      b.slot_mapping, b.block_tables, scale=self.scale, pairs=ctx.plan(layer),
                                      **options)
         return self.o(out, lora), pool
+
+    def rotated_qkv(self, y: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q and k (normed where the model has q/k norms, then rotated) and v from the fused q/k/v output. On the
+        CPU, bfloat16 without q/k norms on one device of the model axis is one kernel (cpu_kernels/rotary_embedding.cc,
+        vLLM's rotary_embedding), where XLA:CPU ran two fusions and a copy."""
+        def xla(y, cos, sin):
+            q, k, v = self.qkv.split(y)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if not (self.q_norm is None and y.dtype == jnp.bfloat16 and y.ndim == 4 and y.shape[-1] % 32 == 0
+                and rope_kernel.available() and model_axis_size() == 1):
+            return xla(y, cos, sin)
+        return jax.lax.platform_dependent(y, cos, sin, cpu=rope_kernel.rotary_embedding, default=xla)
