@@ -16,7 +16,6 @@ attention. Kernels skip the pages wholly before the window and mask the rest.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
