@@ -17,20 +17,6 @@ namespace {
 
 using namespace jaxpage;  // simd16.h, threads.h
 
-template <bool kBf16>
-F16 Load(const void* p, int64_t i) {
-  if constexpr (kBf16) return LoadBf16(static_cast<const uint16_t*>(p) + i);
-  return Load16(static_cast<const float*>(p) + i);
-}
-
-template <bool kBf16>
-void Store(void* p, int64_t i, F16 v) {
-  if constexpr (kBf16)
-    StoreBf16(static_cast<uint16_t*>(p) + i, v);
-  else
-    Store16(static_cast<float*>(p) + i, v);
-}
-
 // One row: with h, r = x + h is stored to residual first; then out = r / rms(r) * w.
 template <bool kBf16>
 void Row(const void* x, const void* h, void* residual, const void* w, void* out, int64_t d, float eps) {

@@ -18,20 +18,6 @@ namespace {
 
 using namespace jaxpage;  // simd16.h, threads.h
 
-template <bool kBf16>
-F16 Load(const void* p, int64_t i) {
-  if constexpr (kBf16) return LoadBf16(static_cast<const uint16_t*>(p) + i);
-  return Load16(static_cast<const float*>(p) + i);
-}
-
-template <bool kBf16>
-void Store(void* p, int64_t i, F16 x) {
-  if constexpr (kBf16)
-    StoreBf16(static_cast<uint16_t*>(p) + i, x);
-  else
-    Store16(static_cast<float*>(p) + i, x);
-}
-
 // One head's row x [D] rotated into out: [x1 * cos - x2 * sin, x2 * cos + x1 * sin] for its halves x1 and x2.
 template <bool kBf16>
 void Rotate(const void* x, void* out, const float* cos, const float* sin, int64_t half) {

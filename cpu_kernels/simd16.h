@@ -62,6 +62,21 @@ inline void StoreBf16(uint16_t* p, F16 x) {  // FloatToBf16 on 16 lanes
 #endif
 }
 
+// 16 lanes at element i of p, bfloat16 (kBf16) or float32, as float32; and back, rounded once
+template <bool kBf16>
+inline F16 Load(const void* p, int64_t i) {
+  if constexpr (kBf16) return LoadBf16(static_cast<const uint16_t*>(p) + i);
+  return Load16(static_cast<const float*>(p) + i);
+}
+
+template <bool kBf16>
+inline void Store(void* p, int64_t i, F16 x) {
+  if constexpr (kBf16)
+    StoreBf16(static_cast<uint16_t*>(p) + i, x);
+  else
+    Store16(static_cast<float*>(p) + i, x);
+}
+
 inline float Sum16(F16 x) {
 #if defined(__clang__)
   x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
