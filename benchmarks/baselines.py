@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.workloads import Workload
+from jaxpage.testing.workloads import Workload
 from jaxpage.attention.kv_cache import NULL_BLOCK, allocate_kv_pool, packs_kv
 from jaxpage.config import ModelConfig, pick_bucket
 from jaxpage.engine.config_builder import build_engine_config

@@ -2,17 +2,19 @@
 
     python -m benchmarks.device_check --out DIR            # on one H200 (or H100): under 8 minutes
     python -m benchmarks.device_check --out DIR --smoke    # anywhere: tiny shapes, kernels interpreted
+    jaxpage bench device-check --out DIR [--json F]        # the same, from the CLI
 
 1. Self-checks: paged_decode_attention_gpu and ragged_paged_attention_gpu, compiled, against the pure-jnp
    references (Llama-3-8B heads in bfloat16, SmolLM2 heads in float32; ragged lengths, decodes mixed with
    prompt chunks of 40-100 tokens). A failure stops the run (exit 1) after writing what it found.
-2. The kernel benchmark (benchmarks/kernel_bench.py): our decode kernel against JAX's own Pallas GPU
+2. The kernel benchmark (benchmarks/kernels.py): our decode kernel against JAX's own Pallas GPU
    paged_attention and the engine's XLA path, in GB/s of the K/V they must read, against the measured
    device copy bandwidth.
-3. The engine on a Llama-3-8B-shaped model with random bfloat16 weights (benchmarks/random_model.py): the paged
+3. The engine on a Llama-3-8B-shaped model with random bfloat16 weights (jaxpage/testing/random_model.py): the paged
    engine against the contiguous baselines (benchmarks/baselines.py, the same jitted step and the same KV
    memory) at 1, 32 and 256 concurrent streams of 128 prompt + 128 output tokens.
-Writes DIR/device_check.json (everything) and DIR/device_check.md (the short table), and prints the table.
+Writes DIR/device_check.json (everything; also to --json F) and DIR/device_check.md (the short table), and prints
+the table.
 Each section has a time budget; what does not fit is recorded as skipped, never silently dropped.
 """
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import functools
 import json
 import platform
-import sys
 import time
 import types
 from pathlib import Path
@@ -30,13 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import kernel_bench, random_model, throughput, workloads  # noqa: E402
-from jaxpage.engine.arg_utils import EngineArgs  # noqa: E402
-from jaxpage.models.loader import default_cache_dir  # noqa: E402
-from jaxpage.worker.compile_cache import enable_compilation_cache  # noqa: E402
-from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_reference  # noqa: E402
+from benchmarks import kernels, throughput
+from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.models.loader import default_cache_dir
+from jaxpage.testing import random_model, workloads
+from jaxpage.worker.compile_cache import enable_compilation_cache
+from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_reference
 
 FULL = dict(heads=((32, 8, 128, 16, "bfloat16"), (9, 3, 64, 16, "float32")), model=random_model.LLAMA3_8B,
             dtype="bfloat16", streams=(1, 32, 256), prompt=128, output=128, max_num_batched_tokens=256,
@@ -82,7 +82,7 @@ def self_checks(setup: dict, interpret: bool) -> dict:
     checks = {}
     for heads, kv_heads, head_dim, block_size, dtype in setup["heads"]:
         name = f"h{heads}-kvh{kv_heads}-d{head_dim}-bs{block_size}-{dtype}"
-        decode = kernel_bench.check((heads, kv_heads, head_dim, block_size), jnp.dtype(dtype), interpret,
+        decode = kernels.check((heads, kv_heads, head_dim, block_size), jnp.dtype(dtype), interpret,
                                     block_size, jax.random.key(1))
         checks[f"decode {name}"] = {k: v for k, v in decode.items() if isinstance(v, dict)}
         checks[f"ragged {name}"] = check_ragged(heads, kv_heads, head_dim, block_size, dtype,
@@ -206,16 +206,21 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, result: dict, started: float) -> None:
-    """Both files, rewritten after every section: what a run cut off at its time limit finished stays."""
+def write(out: Path, result: dict, started: float, json_path: str | None = None) -> None:
+    """Both files (and ``json_path``), rewritten after every section: what a run cut off at its time limit
+    finished stays."""
     result["total_s"] = time.perf_counter() - started
-    (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str))
+    text = json.dumps(result, indent=1, default=str)
+    for path in (out / "device_check.json", *([Path(json_path)] if json_path else [])):
+        path.write_text(text)
     (out / "device_check.md").write_text(markdown(result))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for device_check.json and device_check.md")
+    parser.add_argument("--json", default=None, help="also write device_check.json's content here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -232,22 +237,22 @@ def main(argv=None) -> int:
     result["self_checks"] = self_checks(setup, interpret=args.smoke)
     result["seconds"] = {"self_checks": time.perf_counter() - started}
     print(f"self-checks: {json.dumps(result['self_checks'])}", flush=True)
-    write(out, result, started)
+    write(out, result, started, args.json)
     if not checks_ok(result["self_checks"]):
         print("FAILED: a GPU kernel does not match its reference")
         return 1
-    result["kernel_bench"] = kernel_bench.main(setup["kernel_bench"] + ["--json", str(out / "kernel_bench.json")])
+    result["kernel_bench"] = kernels.main(setup["kernel_bench"] + ["--json", str(out / "kernel_bench.json")])
     result["seconds"]["kernel_bench"] = result["kernel_bench"]["total_s"]
-    write(out, result, started)
+    write(out, result, started, args.json)
     t = time.perf_counter()
     result["prefill"] = prefill_bench(setup, interpret=args.smoke)
     result["seconds"]["prefill"] = time.perf_counter() - t
-    write(out, result, started)
+    write(out, result, started, args.json)
     t = time.perf_counter()
     result["engine"] = engine_benchmark(setup, started, setup["engine_budget_s"],
-                                        lambda partial: write(out, {**result, "engine": partial}, started))
+                                        lambda partial: write(out, {**result, "engine": partial}, started, args.json))
     result["seconds"]["engine"] = time.perf_counter() - t
-    write(out, result, started)
+    write(out, result, started, args.json)
     print(markdown(result))
     return 0
 

@@ -1,9 +1,9 @@
 """Where an engine step's time goes on a GPU, and what the prefill limits cost the paged engine there.
 
-    python -m benchmarks.gpu_step_profile --out DIR            # one H200 (or H100): about 3 minutes
-    python -m benchmarks.gpu_step_profile --out DIR --smoke    # anywhere: the tiny model, a few steps
+    python -m benchmarks.gpu_step_profile --out DIR [--json F]    # one H200 (or H100): about 3 minutes
+    python -m benchmarks.gpu_step_profile --out DIR --smoke       # anywhere: the tiny model, a few steps
 
-1. Decode steps of a Llama-3-8B-shaped model (random bfloat16 weights, benchmarks/random_model.py; the engine as
+1. Decode steps of a Llama-3-8B-shaped model (random bfloat16 weights, jaxpage/testing/random_model.py; the engine as
    benchmarks/device_check.py builds it) at 1 and 32 streams: the wall time of ``LLMEngine.step`` and the device's
    busy time in it (the union of the GPU streams' kernel events, from ``jax.profiler``). Wall minus busy is the
    time the device waits for the host. The floor for comparison: the weights' bytes over the copy bandwidth.
@@ -15,7 +15,8 @@
    default on a CPU and, since this measurement, on a GPU), ``unrolled`` (``scan_layers=False``) and ``scan`` (one
    compiled layer in a ``lax.scan`` over stacked weights: the GPU's default before), chosen here through
    model_runner.HOST_LAYER_LOOP_PLATFORMS.
-Writes DIR/gpu_step_profile.json and prints it.
+Writes DIR/gpu_step_profile.json (also to --json F; DIR/gpu_layouts.json with --layouts) and prints it, then a
+table.
 """
 from __future__ import annotations
 
@@ -23,20 +24,17 @@ import argparse
 import collections
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import device_check, kernel_bench, throughput  # noqa: E402
-from benchmarks.engine_step_profile import traced_steps, union_ms  # noqa: E402
-from jaxpage import SamplingParams  # noqa: E402
-from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxpage.worker import model_runner  # noqa: E402
+from benchmarks import device_check, kernels, throughput
+from benchmarks.profile import traced_steps, union_ms
+from jaxpage import SamplingParams
+from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.worker import model_runner
 
 LIFTED = {"long_prefill_token_threshold": 0, "max_num_partial_prefills": 256, "max_long_partial_prefills": 256}
 
@@ -98,7 +96,7 @@ def policy_run(loaded, runner, limits: dict, streams: int, prompt: int, output: 
             "seconds": seconds, "steps": steps, "peak_running": peak}
 
 
-def layouts(setup: dict, steps: int, out: Path) -> int:
+def layouts(setup: dict, steps: int, out: Path) -> dict:
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layouts": {}}
     platforms = model_runner.HOST_LAYER_LOOP_PLATFORMS
     for name, scan, loop_here in (("host_loop", True, True), ("unrolled", False, False), ("scan", True, False)):
@@ -119,12 +117,36 @@ def layouts(setup: dict, steps: int, out: Path) -> int:
         (out / "gpu_layouts.json").write_text(json.dumps(result, indent=1, default=str))
         loaded = runner = None  # noqa: F841 - the weights and the pool go before the next layout's
         jax.clear_caches()
-    return 0
+    return result
+
+
+def print_table(result: dict) -> None:
+    """Decode steps (wall, GPU busy and idle ms) and the prefill-limit runs, one line each."""
+    for name, entry in (result["layouts"].items() if "layouts" in result else [("", result)]):
+        if "error" in entry:
+            print(f"\n{name}: {entry['error']}")
+            continue
+        print(f"\n{name} layout:" if name else "")
+        print("| streams | wall ms (median) | GPU busy ms | GPU idle ms |\n| --- | --- | --- | --- |")
+        for d in entry.get("decode", []):
+            print(f"| {d['streams']} | {d.get('wall_ms_median', d['untraced_wall_ms_median']):.2f} | "
+                  f"{d.get('gpu_busy_ms', float('nan')):.2f} | {d.get('gpu_idle_ms', float('nan')):.2f} |")
+    if result.get("prefill_limits"):
+        print("\n| prefill limits | output tok/s | seconds | steps | peak running |\n| --- | --- | --- | --- | --- |")
+        for r in result["prefill_limits"]:
+            limits = r["limits"] if isinstance(r["limits"], str) else "lifted"
+            print(f"| {limits} | {r['output_tokens_per_s']:.0f} | {r['seconds']:.1f} | {r['steps']} | "
+                  f"{r['peak_running']} |")
+    if "floor_ms" in result:
+        print(f"\nfloor: {result['weights_gb']:.2f} GB of weights at {result['copy_gbps']:.0f} GB/s = "
+              f"{result['floor_ms']:.2f} ms a step")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for gpu_step_profile.json (gpu_layouts.json)")
+    parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, a few steps (runs on a CPU)")
     parser.add_argument("--layouts", action="store_true", help="decode steps of each layer layout (part 3) only")
     args = parser.parse_args(argv)
@@ -133,14 +155,18 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.layouts:
-        return layouts(setup, steps, out)
+        result = layouts(setup, steps, out)
+        print_table(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        return 0
     loaded, runner, _, params = device_check.paged_setup(setup)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": model.num_layers,
               "config": {k: getattr(runner.config, k) for k in ("max_num_batched_tokens", "async_scheduling",
                                                                  *throughput.PREFILL_LIMITS)}}
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     result["weights_gb"] = weights / 1e9
-    result["copy_gbps"] = kernel_bench.copy_bandwidth(2 ** 28 if args.smoke else 2 ** 32, 5)
+    result["copy_gbps"] = kernels.copy_bandwidth(2 ** 28 if args.smoke else 2 ** 32, 5)
     result["floor_ms"] = weights / (result["copy_gbps"] * 1e9) * 1e3  # each weight read once per step
     write = lambda: (out / "gpu_step_profile.json").write_text(json.dumps(result, indent=1, default=str))  # noqa: E731
     result["prefill_limits"] = []
@@ -153,6 +179,9 @@ def main(argv=None) -> int:
         result["decode"].append(decode_profile(loaded, runner, n, steps, setup["prompt"], model.vocab_size))
         write()
     print(json.dumps(result, indent=1, default=str))
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 

@@ -21,8 +21,9 @@ and the hit rate (device and tiers), TTFT p50/p99, output tokens/s over the work
 time, the routers' decisions, any tier counters the engine reports, and whether the answers equal no_offload's
 (greedy: they must).
 
-    python benchmarks/multi_turn.py [--configs no_offload host ...] [--conversations 8] [--turns 4]
+    python -m benchmarks.multi_turn [--configs no_offload host ...] [--conversations 8] [--turns 4]
         [--concurrency 2] [--num-kv-blocks 64] [--json benchmarks/results/multi_turn.json] [--quick]
+    jaxpage bench multi-turn [...]                                   # the same, from the CLI
 """
 from __future__ import annotations
 
@@ -40,9 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.launch import apply_quick
+from jaxpage.testing.launch import ROOT, apply_quick
 
 TIER_OPTIONS = ("kv_offloading_size", "kv_offloading_dir")
 CONFIGS = ("no_offload", "host", "host_disk", "disk_restart", "dp_load", "dp_cache_aware")
@@ -177,10 +176,11 @@ def run_child(name: str, args) -> dict:
     """A configuration in a fresh process (the data-parallel ones on 2 forced CPU devices)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if name.startswith("dp_"):
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
-    argv = [sys.executable, __file__, "--child", name, "--child-json", str(out), *child_flags(args)]
+    argv = [sys.executable, "-m", "benchmarks.multi_turn", "--child", name, "--child-json", str(out),
+            *child_flags(args)]
     proc = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -209,8 +209,9 @@ def report(results: dict) -> None:
               f"{same}" + (f"  routing {r['routing']}" if "routing" in r else ""))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
@@ -228,11 +229,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--child-timeout", type=float, default=900)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="write the workload, the options and every result here")
     parser.add_argument("--quick", action="store_true", help="a tiny workload (the smoke test)")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         apply_quick(parser, args, QUICK)
     args.data_parallel = bool(args.child and args.child.startswith("dp_"))

@@ -1,9 +1,10 @@
-"""Paged vs contiguous KV caches on the same memory: throughput, concurrency and KV waste, side by side.
+r"""Paged vs contiguous KV caches on the same memory: throughput, concurrency and KV waste, side by side.
 
-    python benchmarks/throughput.py [--json out.json] [--plot out.png]     # main run: about 8 minutes here
-    python benchmarks/throughput.py --max-len 1024 --json out.json          # 1024-token reservations (half the KV)
-    python benchmarks/throughput.py --quick --json out.json                 # smoke run (CI): about 30-80 s
-    python benchmarks/throughput.py --workload alpaca --num-requests 200 --duration 40 --warmup 15 \
+    python -m benchmarks.throughput [--json out.json] [--plot out.png]     # main run: about 8 minutes here
+    python -m benchmarks.throughput --max-len 1024 --json out.json          # 1024-token reservations (half the KV)
+    python -m benchmarks.throughput --quick --json out.json                 # smoke run (CI): about 30-80 s
+    jaxpage bench throughput [...]                                          # the same, from the CLI
+    python -m benchmarks.throughput --workload alpaca --num-requests 200 --duration 40 --warmup 15 \
         --extra-workloads shared_prefix parallel_sampling --extra-requests 64 --extra-duration 40 \
         --extra-warmup 15 --streams 0 --json extras.json                   # the other workloads: about 9 minutes
 
@@ -33,7 +34,6 @@ import dataclasses
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -41,22 +41,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jaxpage.worker.model_runner as model_runner  # noqa: E402
-from benchmarks import workloads  # noqa: E402
-from benchmarks.baselines import (ContiguousCache, RunStats, SlotBatching, StaticBatching,  # noqa: E402
+import jaxpage.worker.model_runner as model_runner
+from benchmarks.baselines import (ContiguousCache, RunStats, SlotBatching, StaticBatching,
                                   interleave, run_alone)
-from jaxpage.attention.kv_cache import bytes_per_block  # noqa: E402
-from jaxpage.config import ModelConfig  # noqa: E402
-from jaxpage.engine.arg_utils import EngineArgs  # noqa: E402
-from jaxpage.engine.config_builder import build_engine_config  # noqa: E402
-from jaxpage.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxpage.models import config_from_hf, unstack_layers  # noqa: E402
-from jaxpage.models.loader import default_cache_dir, load_model  # noqa: E402
-from jaxpage.sampling_params import SamplingParams  # noqa: E402
-from jaxpage.worker.compile_cache import enable_compilation_cache  # noqa: E402
-from jaxpage.worker.model_runner import ModelRunner  # noqa: E402
+from jaxpage.attention.kv_cache import bytes_per_block
+from jaxpage.config import ModelConfig
+from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.engine.config_builder import build_engine_config
+from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.models import config_from_hf, unstack_layers
+from jaxpage.models.loader import default_cache_dir, load_model
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.testing import workloads
+from jaxpage.worker.compile_cache import enable_compilation_cache
+from jaxpage.worker.model_runner import ModelRunner
 
 SYSTEMS = ("paged", "static_contiguous", "slot_contiguous")
 
@@ -311,7 +309,8 @@ def plot(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-len", type=int, default=2048,

@@ -1,11 +1,12 @@
 """Side by side with vLLM: `jaxpage serve` and, where the peer is installed, `vllm serve`, both driven by vLLM's own
 client (`vllm bench serve`, the real one) over several workloads at several concurrencies.
 
-    python benchmarks/vs_vllm.py                 # the default systems, every workload, C = 1, 8, 32 (~65 min)
-    python benchmarks/vs_vllm.py --quick         # concurrency 1 and 8, 2 x C prompts (~25 min)
-    python benchmarks/vs_vllm.py --systems jaxpage jaxpage-int8 vllm-fp32 --workloads fixed long --concurrency 1 32
-    python benchmarks/vs_vllm.py --report-only   # the table and the plot again, from the stored JSON
-    python benchmarks/vs_vllm.py --estimate      # the plan and its time estimate only
+    python -m benchmarks.vs_vllm                 # the default systems, every workload, C = 1, 8, 32 (~65 min)
+    python -m benchmarks.vs_vllm --quick         # concurrency 1 and 8, 2 x C prompts (~25 min)
+    python -m benchmarks.vs_vllm --systems jaxpage jaxpage-int8 vllm-fp32 --workloads fixed long --concurrency 1 32
+    python -m benchmarks.vs_vllm --report-only   # the table and the plot again, from the stored JSON
+    python -m benchmarks.vs_vllm --estimate      # the plan and its time estimate only
+    jaxpage bench vs-vllm [...]                  # the same, from the CLI
 
 Systems (each started here, warmed up by one untimed client run, measured, stopped, one after the other):
 jaxpage (`jaxpage serve`, its default config: bfloat16 on a CPU with avx512_bf16 or AMX); on request
@@ -62,9 +63,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.launch import ROOT, apply_quick, free_port, spawn, wait_serving
+from jaxpage.testing.launch import ROOT, apply_quick, free_port, spawn, wait_serving
 
 PEER = Path("/tmp/vllm-peer")
 RESULTS = ROOT / "benchmarks" / "results"
@@ -675,7 +674,8 @@ def paired(result: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
                         help=f"default {' '.join(DEFAULT_SYSTEMS)} (the other jaxpage configurations on request)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
@@ -745,7 +745,7 @@ def main(argv=None) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     result = {"machine": args.machine or f"{platform.machine()}, {os.cpu_count()} CPUs",
               "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": shlex.join(["python", "benchmarks/vs_vllm.py", *(sys.argv[1:] if argv is None else argv)]),
+              "command": shlex.join(["python", "-m", "benchmarks.vs_vllm", *(sys.argv[1:] if argv is None else argv)]),
               "versions": versions(args), "systems": args.systems,
               "workloads": [dataclasses.asdict(WORKLOADS[w]) for w in args.workloads],
               "prompts": (f"{args.num_prompts} prompts" if args.num_prompts else

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.utils import cdiv
-from pallas_kernels.quant import STORED_DTYPES
+
+# kv_cache_dtype option -> the pool's stored dtype ("auto": the model's); pallas_kernels.quant quantizes to them
+STORED_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +193,7 @@ class EngineConfig:
     attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
     tensor_parallel_size: int = 1  # devices the model is split over (model's KV heads already replicated to fit)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see pallas_kernels.quant
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see STORED_DTYPES
     data_parallel_size: int = 1  # engine replicas, each on its own group of tensor_parallel_size devices
     data_parallel_rank: int = 0  # this replica's group: devices [rank * tp, (rank + 1) * tp) (parallel.device_group)
     routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)  # the data-parallel front end's choice
@@ -254,7 +256,7 @@ class EngineConfig:
         come in too, cutting a step's padding from up to 50% to up to 33% for one compile more per octave, and a
         1-token bucket comes first: a lone decode step then reads the weights for one row, not eight (the Pallas
         kernels take tokens in blocks of 8). A TPU or GPU step below a few hundred tokens is bound by its weight
-        and K/V reads (``benchmarks/step_model.py``), which padding does not add to: there each halfway size
+        and K/V reads (``jaxpage/testing/step_model.py``), which padding does not add to: there each halfway size
         would cost a compile at start for a step a few percent shorter."""
         octaves = _powers(8, 2, self.max_num_batched_tokens)
         if self.attention_backend != "xla":

@@ -11,12 +11,13 @@ The attention kernels also take ``soft_cap`` (a static float: Gemma 2's logit ca
 scalar, traced or not: a sliding window, 0 for full attention; pages wholly before it are never read).
 The engine's own XLA path lives in jaxpage.attention.backends.
 """
-from pallas_kernels.gpu_decode import paged_decode_attention_gpu
-from pallas_kernels.kv_write_tpu import write_kv_tpu
-from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
-from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
-from pallas_kernels.reference import paged_decode_attention_reference, ragged_paged_attention_reference
-from pallas_kernels.tpu_decode import paged_decode_attention_tpu
+from pallas_kernels.decode_attention.gpu import paged_decode_attention_gpu
+from pallas_kernels.kv_write.tpu import write_kv_tpu
+from pallas_kernels.ragged_attention.gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_attention.tpu import ragged_paged_attention_tpu
+from pallas_kernels.decode_attention.reference import paged_decode_attention_reference
+from pallas_kernels.ragged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.decode_attention.tpu import paged_decode_attention_tpu
 
 __all__ = ["paged_decode_attention_gpu", "paged_decode_attention_reference", "paged_decode_attention_tpu",
            "ragged_paged_attention_gpu", "ragged_paged_attention_reference", "ragged_paged_attention_tpu", "write_kv_tpu"]

@@ -2,7 +2,7 @@
 
     pool: [num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim]   (lanes 0..D-1: K, D..2D-1: V)
 
-A TPU tiles a row-major array's last two axes by (8, 128): in the engine's unpacked layout (pallas_kernels.reference)
+A TPU tiles a row-major array's last two axes by (8, 128): in the engine's unpacked layout (pallas_kernels.common)
 a head_dim-64 row takes 128 lanes, half of them padding. Packed, K and V of a token fill the 128 lanes, so a
 block costs its real bytes. jaxpage.attention.kv_cache says when the engine packs (the ``pallas_tpu`` backend and
 head_dim 64). A page is still one contiguous run of every KV head; an int8 pool's scales keep their layout

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 INT8_MAX = 127.0
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
-STORED_DTYPES = {"int8": jnp.int8, "fp8": FP8}  # kv_cache_dtype option -> stored dtype ("auto": the model's)
 
 
 @dataclasses.dataclass(frozen=True)

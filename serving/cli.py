@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 # Before transformers is first imported: it advises at import that "PyTorch was not found", and jaxpage needs no torch.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -13,6 +15,21 @@ from jaxpage.worker.multihost import DistributedArgs  # noqa: E402
 from serving.cli_args import ServerArgs  # noqa: E402
 
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+# `jaxpage bench NAME ARGS...`: a script of the source checkout's benchmarks/ (beside serving/), run as
+# `python -m benchmarks.MODULE ARGS...` in a fresh process: the benchmarks set XLA flags and the environment
+# before jax loads. name: (module, one line)
+BENCHMARKS = {
+    "latency": ("latency", "tokens/s at 1, 8, 32 streams, one long prefill; A/B"),
+    "throughput": ("throughput", "paged vs contiguous KV caches on the same memory"),
+    "serve": ("serve", "a request-rate sweep against a server, gRPC or HTTP"),
+    "kernels": ("kernels", "paged decode attention kernels on one GPU, GB/s"),
+    "device-check": ("device_check", "the one-shot GPU check: kernels and the engine"),
+    "vs-vllm": ("vs_vllm", "jaxpage serve beside vllm serve (vllm bench serve)"),
+    "multi-turn": ("multi_turn", "multi-turn chat: prefix cache tiers, DP routing"),
+    "profile": ("profile", "where a CPU engine step's time goes (jax.profiler)"),
+    "lm-eval": ("lm_eval", "lm-eval scores: jaxpage serve vs transformers"),
+}
+ROOT = Path(__file__).resolve().parents[1]  # the checkout `pip install -e .` installed from
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +69,48 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
     cli.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     cli.add_argument("prompt", nargs="?", default="")
+
+    # listed here for `jaxpage --help`; main() hands `jaxpage bench ...` to bench() before this parser sees it
+    sub.add_parser("bench", help="run a benchmark of the source checkout (`jaxpage bench --help` lists them)",
+                   add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    width = max(map(len, BENCHMARKS)) + 2
+    parser = argparse.ArgumentParser(
+        prog="jaxpage bench", usage="%(prog)s [-h] NAME [ARGS...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a benchmark of the source checkout: `python -m benchmarks.MODULE ARGS...` of the\n"
+        "repository that serving/ is in, in a fresh process.\n\nbenchmarks:\n"
+        + "\n".join(f"  {name:<{width}}{line}" for name, (_, line) in BENCHMARKS.items()),
+        epilog="`jaxpage bench NAME --help`: the benchmark's own options. Needs a source checkout (benchmarks/\n"
+        "beside serving/: `pip install -e .` from a git clone).")
+    parser.add_argument("name", metavar="NAME", choices=list(BENCHMARKS),
+                        help="a benchmark of those above; the ARGS after it are its own")
+    return parser
+
+
+def bench(argv: list[str], root: Path = ROOT) -> int:
+    """`jaxpage bench NAME ARGS...`: the benchmark's exit status (2 without a source checkout)."""
+    if not argv or argv[0] not in BENCHMARKS:
+        bench_parser().parse_args(argv[:1])  # --help lists them (exit 0); else argparse's error (exit 2)
+        return 2
+    module = BENCHMARKS[argv[0]][0]
+    if not (root / "benchmarks" / f"{module}.py").is_file():
+        print(f"jaxpage: error: `jaxpage bench` needs a source checkout: no benchmarks/{module}.py in {root} "
+              "(clone the repository and `pip install -e .` from it)", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    # -P: the checkout's benchmarks package, not a benchmarks/ of the working directory (which stays the caller's,
+    # so that relative --json/--plot paths land there)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", f"benchmarks.{module}", *argv[1:]], env=env)
+    while True:
+        try:
+            code = proc.wait()
+            return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + its number
+        except KeyboardInterrupt:  # Ctrl-C reached the benchmark too: it stops its servers and exits; wait for it
+            continue
 
 
 def generate(ns: argparse.Namespace) -> int:
@@ -121,6 +179,9 @@ def client(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return bench(argv[1:])
     ns = build_parser().parse_args(argv)
     try:
         return {"generate": generate, "serve": serve, "client": client}[ns.command](ns)

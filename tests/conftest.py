@@ -19,7 +19,18 @@ LONGEST_FIRST = ("test_tensor_parallel.py", "test_structured_outputs.py", "test_
                  "test_benchmarks_smoke.py", "test_compile_tpu.py", "test_data_parallel.py", "test_vs_vllm.py")
 
 
+# The unit lane (`pytest -m unit`): modules that load no model and start no server (the engine core over
+# tests/fake_engine.py's runner, configs, parsers, the import graph, the documents' citations).
+UNIT = ("test_block_pool.py", "test_config_builder.py", "test_warmup.py", "test_registry.py", "test_vocab_shard.py",
+        "test_stop.py", "test_import_graph.py", "test_docs.py", "test_block_accounting.py", "test_prefill_limits.py",
+        "test_requests.py", "test_routing.py", "test_chat_parsers.py", "test_structured_serving.py",
+        "test_sliding_window_memory.py")
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in UNIT:
+            item.add_marker(pytest.mark.unit)
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
 

@@ -1,5 +1,5 @@
 """The servers the tests start: a `jaxpage serve` subprocess (of the real model, or of the stand-in engine of
-tests/stand_in.py, which starts in seconds) and its handle, and certificates to serve over TLS."""
+tests/fake_engine.py, which starts in seconds) and its handle, and certificates to serve over TLS."""
 from __future__ import annotations
 
 import datetime
@@ -13,15 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.launch import free_port, spawn
+from jaxpage.testing.launch import free_port, spawn
 from serving import generation_pb2 as pb
 
 ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "64",
                 "--dtype", "float32"]
 START_TIMEOUT = 180
+# SmolLM2's own template has no tools: served with a copy that has (and renders chats without tools as SmolLM2's)
+TEMPLATE = Path(__file__).parent / "data" / "tool_chat_template_hermes.jinja"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -74,21 +77,44 @@ def start(argv: list[str], log: Path) -> Server:
     return Server(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
 
 
+class HttpServer(Server):
+    @property
+    def base(self) -> str:
+        return self.metrics_url.removesuffix("/metrics")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def all_blocks_free(self) -> bool:
+        total = self.metrics()["jaxpage:kv_blocks_total"]
+        return self.wait_metric("jaxpage:kv_blocks_free", lambda v: v == total) == total
+
+
+def start_http(argv: list[str], log) -> HttpServer:
+    """A server with the OpenAI HTTP API beside gRPC, on free ports."""
+    port, http_port = free_port(), free_port()
+    proc = spawn([*argv, "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port)], log)
+    return HttpServer(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}/metrics", log)
+
+
 def greedy(max_tokens: int, **kw) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-# A stand-in engine's server: argv[1] is its fail flag (tests/stand_in.py), then `serve`'s flags.
+# A stand-in engine's server: argv[1] is its fail flag (tests/fake_engine.py), then `serve`'s flags.
 STAND_IN_SERVER = r'''
 import sys
 from jaxpage.engine.async_engine import AsyncEngine
 from serving.cli import build_parser
 from serving.server import run
-from tests.stand_in import make_engine
+from tests.fake_engine import stand_in_engine
 
 fail_flag = sys.argv[1]
 ns = build_parser().parse_args(["serve", *sys.argv[2:]])
-sys.exit(run(ns, lambda: AsyncEngine(make_engine(step_seconds=0.02, fail_flag=fail_flag,
+sys.exit(run(ns, lambda: AsyncEngine(stand_in_engine(step_seconds=0.02, fail_flag=fail_flag,
                                                   max_seqs_per_request=ns.max_seqs_per_request))))
 '''
 

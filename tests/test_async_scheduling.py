@@ -13,7 +13,7 @@ from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.structured_outputs import StructuredOutputsParams
 from jaxpage.worker.step import substitute_placeholders
-from tests.simulated_kv import record_prompt_rows_ahead
+from tests.fake_engine import record_prompt_rows_ahead
 
 
 def test_the_flag_is_vllms_and_on_by_default():

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from benchmarks.launch import free_port, spawn, wait_serving
+from jaxpage.testing.launch import free_port, spawn, wait_serving
 from tests.factories import engine_options, save_word_tokenizer, tiny_llama
 from tests.reference import save_random_model
 

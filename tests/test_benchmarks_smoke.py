@@ -1,25 +1,110 @@
-"""Smoke tests of benchmarks/throughput.py --quick and benchmarks/serving.py --quick: they run, and their JSON
-has the figures the reports are built on."""
+"""The benchmarks a user runs (benchmarks/, each also `jaxpage bench NAME`): every one's --help, and smoke runs of
+throughput --quick, serve --quick and device_check --smoke whose JSON has the figures the reports are built on."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from serving.cli import BENCHMARKS, bench, build_parser
+from serving.cli import main as cli_main
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("paged", "static_contiguous", "slot_contiguous")
 KEYS = ("requests_per_s", "output_tokens_per_s", "peak_concurrency", "kv_waste_frac")
 
 
+# --- every kept script's --help, and `jaxpage bench` ---------------------------------------------------------
+SCRIPTS = {**{name: module for name, (module, _) in BENCHMARKS.items()}, "gpu_step_profile": "gpu_step_profile"}
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_every_benchmark_has_a_help_naming_its_module(name, capsys):
+    """--help exits 0 before anything loads, with the docstring's first line and its `python -m` usage."""
+    module = importlib.import_module(f"benchmarks.{SCRIPTS[name]}")
+    with pytest.raises(SystemExit) as exit_:
+        (getattr(module, "parse_args", None) or module.main)(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0, out
+    assert out.startswith("usage: ") and "--json" in out, out
+    assert " ".join(module.__doc__.split("\n")[0].split()[:6]) in " ".join(out.split()), out
+    assert f"python -m benchmarks.{SCRIPTS[name]}" in out, out
+    assert "benchmarks/" + SCRIPTS[name] + ".py" not in module.__doc__  # run as a module, not by its path
+
+
+def test_jaxpage_bench_help_lists_every_benchmark(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert out.startswith("usage: jaxpage bench ")
+    section = out.split("\nbenchmarks:\n")[1].split("\n\n")[0]
+    listed = {m.group(1) for m in re.finditer(r"^  (\S+) +\S", section, re.MULTILINE)}  # one line each
+    assert listed == set(BENCHMARKS) == {"latency", "throughput", "serve", "kernels", "device-check", "vs-vllm",
+                                         "multi-turn", "profile", "lm-eval"}
+    for module, line in BENCHMARKS.values():
+        assert (ROOT / "benchmarks" / f"{module}.py").is_file()
+        assert " ".join(line.split()[:4]) in " ".join(out.split())
+    assert "bench" in build_parser().format_help()  # `jaxpage --help` names it too
+
+
+def test_jaxpage_bench_latency_help_runs_the_script(capfd):
+    """Through the CLI: a fresh `python -m benchmarks.latency --help`, its exit status passed on."""
+    assert cli_main(["bench", "latency", "--help"]) == 0
+    out = capfd.readouterr().out
+    assert out.startswith("usage: ") and "--compare TREE_A TREE_B" in out and "--plot" in out, out
+    assert "Latency by phase" in out
+    assert cli_main(["bench", "latency", "--phases", "no-such-phase"]) == 2  # the script's own argparse error
+    assert "invalid choice: 'no-such-phase'" in capfd.readouterr().err
+
+
+def test_jaxpage_bench_refuses_an_unknown_name_and_a_missing_checkout(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["bench", "no-such-benchmark"])
+    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["bench"])
+    assert exit_.value.code == 2
+    capsys.readouterr()
+    (tmp_path / "serving").mkdir()  # an installed package: serving/ without benchmarks/ beside it
+    assert bench(["latency", "--rounds", "1"], root=tmp_path) == 2
+    assert "`jaxpage bench` needs a source checkout" in capsys.readouterr().err
+
+
+def test_latency_table_and_plot(tmp_path, capsys):
+    """The table and the plot of a run and of a --compare, from made-up figures (no engine)."""
+    from benchmarks import latency
+
+    phases = ["decode1", "prefill1024"]
+    row = {"dtype": "float32", "decode1": [10.0, 12.0, 11.0], "prefill1024": [3.0, 2.0]}
+    latency.print_table(row, phases)
+    lines = capsys.readouterr().out.splitlines()
+    assert "| decode1 | tok/s | 10, 12, 11 | 11 |" in lines and "| prefill1024 | s | 3, 2 | 2.5 |" in lines
+    compared = {"dtype": "float32", "trees": ["/a", "/b"],
+                "figures": {"/a": {"decode1": [10.0, 12.0], "prefill1024": [2.0, 2.0]},
+                            "/b": {"decode1": [20.0, 18.0], "prefill1024": [1.0, 1.0]}},
+                "median": {"/a": {"decode1": 11.0, "prefill1024": 2.0}, "/b": {"decode1": 19.0, "prefill1024": 1.0}},
+                "paired_ratio_b_over_a": {"decode1": 1.75, "prefill1024": 0.5}}
+    latency.print_table(compared, phases)
+    assert "| decode1 | tok/s | 11 | 19 | 1.75 |" in capsys.readouterr().out.splitlines()
+    pytest.importorskip("matplotlib")
+    for i, r in enumerate((row, compared)):
+        latency.plot(r, phases, str(tmp_path / f"{i}.png"))
+        assert (tmp_path / f"{i}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- benchmarks/throughput.py --quick: paged vs the contiguous baselines on a tiny workload -----------------
 @pytest.fixture(scope="module")
 def quick_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("throughput") / "quick.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--json", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--quick", "--json", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), out
@@ -60,7 +145,7 @@ def test_quick_writes_a_plot(quick_result):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# --- benchmarks/serving.py --quick: Poisson arrivals against a `jaxpage serve` subprocess -------------------
+# --- benchmarks/serve.py --quick: Poisson arrivals against a `jaxpage serve` subprocess ---------------------
 LATENCY_KEYS = ("ttft", "tpot", "itl", "e2e", "normalized_latency")
 
 
@@ -69,9 +154,9 @@ def serving_quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("serving") / "quick.json"
     png = out.with_suffix(".png")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "benchmarks/serving.py", "--quick", "--rates", "2", "--num-requests", "4",
-                           "--max-tokens", "6", "--protocol", "grpc", "http", "--json", str(out), "--plot", str(png)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--quick", "--rates", "2", "--num-requests", "4",
+                           "--max-tokens", "6", "--protocol", "grpc", "http", "--json", str(out), "--plot", str(png)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), png
 
@@ -157,7 +242,7 @@ def test_multi_turn_quick_routes_each_second_turn_to_its_first_turns_replica(tmp
     save_random_model(tiny_llama(), tmp_path / "llama", seed=3)
     out = tmp_path / "multi_turn.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "benchmarks/multi_turn.py", "--quick", "--model", str(tmp_path / "llama"),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multi_turn", "--quick", "--model", str(tmp_path / "llama"),
                            "--max-model-len", "128", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Block accounting of the engine core under random workloads, without a model (hypothesis).
 
-The engine runs over a fake runner (tests/simulated_kv.py) that keeps a *simulated* KV pool: every slot holds a
+The engine runs over a fake runner (tests/fake_engine.py) that keeps a *simulated* KV pool: every slot holds a
 rolling hash of the token prefix whose K/V it stands for (what a real model's K/V at position p depends on: tokens
 0..p). The runner carries out the queued copies and swaps exactly as the real one batches them, writes each
 scheduled chunk, and then checks that every position a sequence attends to holds its own prefix's hash, so a
@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 from jaxpage.core.kv_cache_manager import COPY, SWAP_OUT
 from jaxpage.sampling_params import SamplingParams
-from tests.simulated_kv import (BLOCK_SIZE, EOS, VOCAB, check_accounting, check_all_free, make_engine, play,
+from tests.fake_engine import (BLOCK_SIZE, EOS, VOCAB, check_accounting, check_all_free, make_engine, play,
                                 record_prompt_rows_ahead, run_checked, scenarios)
 
 

@@ -1,7 +1,7 @@
 """The TPU compile lane: the real TPU compiler (libtpu, from the test extra), ahead of time, on this CPU.
 
 Nothing here runs on a TPU; it proves that Mosaic and XLA:TPU accept every kernel and engine step we would run
-there, and that a step holds no pool-sized temporaries. ``python -m benchmarks.compile_targets`` prints the
+there, and that a step holds no pool-sized temporaries. ``python -m jaxpage.testing.compile_targets`` prints the
 whole matrix (every bucket, every chip) as a table.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from benchmarks import compile_targets as ct
-from pallas_kernels.tpu_decode import ANY
+from jaxpage.testing import compile_targets as ct
+from pallas_kernels.decode_attention.tpu import ANY
 
 if platform.system() != "Linux" or platform.machine() != "x86_64":
     pytest.skip("libtpu is built for x86_64 Linux", allow_module_level=True)
@@ -98,7 +98,7 @@ def smollm2(backend="pallas_tpu"):
 
 def _lane_buckets(buckets: list[int]) -> list[int]:
     """The smallest and largest buckets (quick), and a middle one (the main lane); every bucket is compiled by
-    ``python -m benchmarks.compile_targets``, the suite keeps to the ends and the middle for time."""
+    ``python -m jaxpage.testing.compile_targets``, the suite keeps to the ends and the middle for time."""
     return sorted({buckets[0], buckets[-1]} | (set() if QUICK else {buckets[len(buckets) // 2]}))
 
 
@@ -124,7 +124,7 @@ def test_xla_path_step_holds_no_pool_copy():
 
 
 def test_llama3_8b_step_compiles_for_v6e():
-    """The largest bucket (the whole matrix: python -m benchmarks.compile_targets)."""
+    """The largest bucket (the whole matrix: python -m jaxpage.testing.compile_targets)."""
     config = ct.engine_config("llama-3-8b")
     assert_compiled(check_step("v6e", "llama-3-8b", config.token_buckets()[-1], config))
 
@@ -184,7 +184,7 @@ def test_speculative_verify_and_draft_steps_compile_for_v5e():
     smallest bucket: the target's verify step (each row's drafts for the penalties [S, 4], the drafts' q
     [S, vocab] float32 for rejection sampling, among its parameters) and the draft's step (q among its outputs)
     compile, each pool donated and aliased. The n-gram verify step's inputs are a subset of the first's
-    (``python -m benchmarks.compile_targets`` compiles it too)."""
+    (``python -m jaxpage.testing.compile_targets`` compiles it too)."""
     target, draft = ct.spec_configs("draft_model")
     seqs, vocab = target.num_seqs_for(target.token_buckets()[0]), target.model.vocab_size
     for config in (target, draft):

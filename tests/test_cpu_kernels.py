@@ -1,5 +1,5 @@
-"""CPU kernels: oneDNN's bfloat16 matmul (cpu_kernels.onednn) against float32 math, the in-place bfloat16 K/V
-write (cpu_kernels.kv_write) against the rows it was given, and bfloat16 SmolLM2 against transformers float32."""
+"""CPU kernels: oneDNN's bfloat16 matmul (jaxpage.cpu_kernels.onednn) against float32 math, the in-place bfloat16 K/V
+write (jaxpage.cpu_kernels.kv_write) against the rows it was given, and bfloat16 SmolLM2 against transformers float32."""
 from __future__ import annotations
 
 import jax
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cpu_kernels import kv_write, onednn
+from jaxpage.cpu_kernels import kv_write, onednn
 from jaxpage.models.layers import dense
-from pallas_kernels.reference import write_kv
+from jaxpage.attention.kv_write import write_kv
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN or a C++ compiler is missing")
 
@@ -68,7 +68,7 @@ def test_few_row_packed_products_on_either_kernel(rows, gemv_rows):
     """A few rows against packed bfloat16 weights run on packed_gemv.cc up to ``gemv_rows`` and on oneDNN's kernel
     above (the default depends on the CPU: 2 with AMX, 8 without); forced either way, each equals float32 math
     to bfloat16 rounding."""
-    from cpu_kernels import onednn
+    from jaxpage.cpu_kernels import onednn
 
     rng = np.random.default_rng(rows)
     kernel = np.asarray(jnp.asarray(rng.standard_normal((1536, 576)), jnp.bfloat16))
@@ -84,7 +84,7 @@ def test_few_row_packed_products_on_either_kernel(rows, gemv_rows):
 def test_timed_products_equal_float32_math_whichever_kernel_runs(rows, monkeypatch):
     """Up to ``timed_rows`` rows the product runs packed_gemv.cc or oneDNN's kernel by their measured times; the
     first calls of a shape alternate the two, and every call equals float32 math to bfloat16 rounding."""
-    from cpu_kernels import onednn
+    from jaxpage.cpu_kernels import onednn
 
     rng = np.random.default_rng(rows)
     kernel = np.asarray(jnp.asarray(rng.standard_normal((576, 1536)), jnp.bfloat16))
@@ -101,13 +101,13 @@ def test_timed_products_equal_float32_math_whichever_kernel_runs(rows, monkeypat
 
 @needs_onednn
 def test_timed_choice_takes_the_faster_kernel_and_follows_a_switch():
-    """cpu_kernels/timed_choice.h on the AMX VM's times (SmolLM2's 8-row products, ms: packed_gemv.cc 23.7 and
+    """jaxpage/cpu_kernels/timed_choice.h on the AMX VM's times (SmolLM2's 8-row products, ms: packed_gemv.cc 23.7 and
     oneDNN 15.9 in a fast spell, 27.5 and 33.1 in a slow one): after its warming calls it runs the faster kernel,
     tries the other every 32nd call, and when the spell changes it follows within two tries; with tries due 0 ms
     after the last instead of an hour, every call after the warming ones is a try."""
     import ctypes
 
-    from cpu_kernels.library import library
+    from jaxpage.cpu_kernels.library import library
 
     lib = library()
     lib.jaxpage_timed_choice_new.restype = ctypes.c_void_p
@@ -242,7 +242,7 @@ def test_smollm2_bfloat16_teacher_forced_quality_against_float32(hf_smollm2):
     tokens of varied text."""
     import dataclasses
 
-    from benchmarks.quality import SEGMENT, SOURCES, agreement_with_transformers
+    from jaxpage.testing.quality import SEGMENT, SOURCES, agreement_with_transformers
     from jaxpage.models import cast_weights, config_from_hf
     from jaxpage.models.loader import default_cache_dir, load_model
     from jaxpage.models.weights import pack_params
@@ -300,9 +300,9 @@ def test_paged_attention_kernel_equals_the_dense_reference(pool_dtype, head_dim,
                                                             window, soft_cap):
     """A mixed flat batch (a decode, a prompt chunk longer than one query tile, a one-token sequence, padding)
     through the CPU kernel, against the jnp reference that attends each token over its dense context."""
-    from cpu_kernels.paged_attention import paged_attention
+    from jaxpage.cpu_kernels.paged_attention import paged_attention
     from pallas_kernels.quant import pool_parts
-    from pallas_kernels.reference import paged_decode_attention_reference
+    from pallas_kernels.decode_attention.reference import paged_decode_attention_reference
 
     rng = np.random.default_rng(head_dim + window)
     num_blocks, width = 40, 10
@@ -328,8 +328,8 @@ def test_paged_attention_over_shared_prefix_pages_equals_the_dense_reference(hea
     """bfloat16 decodes of several sequences over the same leading blocks (vLLM's cascade attention), one of them
     shorter than the shared blocks, and prompt chunks with full pages behind them: on an AMX CPU the kernel takes
     these pages as tile products (prefix_tiles.h), elsewhere its fold; both against the dense jnp reference."""
-    from cpu_kernels.paged_attention import paged_attention
-    from pallas_kernels.reference import paged_decode_attention_reference
+    from jaxpage.cpu_kernels.paged_attention import paged_attention
+    from pallas_kernels.decode_attention.reference import paged_decode_attention_reference
 
     rng = np.random.default_rng(head_dim)
     num_blocks, width, block_size = 64, 8, 16
@@ -404,7 +404,7 @@ def test_lora_delta_kernel_equals_the_one_hot_form(x_shape, a_shape, b_shape, nu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,vocab,cap", [(1, 49152, None), (33, 1000, None), (5, 77, 30.0)])
 def test_greedy_pick_kernel_equals_the_numpy_argmax_and_log_softmax(dtype, rows, vocab, cap):
-    """The plain greedy sampler on the CPU (cpu_kernels/greedy_pick.cc, through ``plain_greedy``): the first
+    """The plain greedy sampler on the CPU (jaxpage/cpu_kernels/greedy_pick.cc, through ``plain_greedy``): the first
     largest logit's id (ties to the lowest id, as numpy's argmax) and the float64 log-softmax at it, from the LM
     head's raw output (bfloat16 or float32, soft-capped first where the model caps), and its XLA lowering for
     another platform keeps XLA's ops."""
@@ -433,11 +433,11 @@ def test_greedy_pick_kernel_equals_the_numpy_argmax_and_log_softmax(dtype, rows,
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(32, 2, 1536), (384, 2, 1536), (3, 5, 2, 48), (0, 2, 16)])
 def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
-    """vLLM's SiluAndMul on the CPU (cpu_kernels/silu_and_mul.cc, alone and through the MLP's
+    """vLLM's SiluAndMul on the CPU (jaxpage/cpu_kernels/silu_and_mul.cc, alone and through the MLP's
     ``fused_gated_activation``, which takes it for bfloat16): silu(gate) * up against float64 numpy, rounded once to the dtype (large gates of both signs included, where
     exp overflows one way; 384 rows run on the whole team), and its lowering for another platform keeps XLA's
     ops."""
-    from cpu_kernels.silu_and_mul import silu_and_mul
+    from jaxpage.cpu_kernels.silu_and_mul import silu_and_mul
     from jaxpage.models.layers import fused_gated_activation
 
     rng = np.random.default_rng(sum(shape))
@@ -463,11 +463,11 @@ def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
 @pytest.mark.parametrize("tokens,kv_heads,group,head_dim", [(5, 3, 3, 64), (600, 3, 3, 64), (4, 2, 1, 32),
                                                             (0, 3, 3, 64)])
 def test_rotary_embedding_kernel_splits_qkv_and_equals_the_float64_rope(dtype, tokens, kv_heads, group, head_dim):
-    """vLLM's rotary_embedding on the CPU (cpu_kernels/rotary_embedding.cc) over the fused q/k/v output [T, KVH,
+    """vLLM's rotary_embedding on the CPU (jaxpage/cpu_kernels/rotary_embedding.cc) over the fused q/k/v output [T, KVH,
     G + 2, D]: q and k rotated (rotate-half) against float64 numpy, rounded once to the dtype (600 tokens run on the
     whole team), v the same bits as its slice; through ``Attention.rotated_qkv`` (bfloat16, no q/k norms) the CPU
     lowering calls it and a CUDA lowering keeps XLA's ops."""
-    from cpu_kernels.rotary_embedding import rotary_embedding
+    from jaxpage.cpu_kernels.rotary_embedding import rotary_embedding
     from jaxpage.config import ModelConfig
     from jaxpage.models.attention import Attention
     from jaxpage.models.rope import rope_tables
@@ -509,11 +509,11 @@ def test_rotary_embedding_kernel_splits_qkv_and_equals_the_float64_rope(dtype, t
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(0, 64), (1, 576), (96, 576), (1024, 576), (3, 9, 128)])
 def test_rms_norm_kernels_equal_the_float64_norm(dtype, shape):
-    """vLLM's rms_norm and fused_add_rms_norm on the CPU (cpu_kernels/rms_norm.cc, alone and through ``RMSNorm``,
+    """vLLM's rms_norm and fused_add_rms_norm on the CPU (jaxpage/cpu_kernels/rms_norm.cc, alone and through ``RMSNorm``,
     which takes them for bfloat16): against float64 numpy of the residual as the dtype stores it (x + h rounded
     once), normed and rounded once (1,024 rows on the whole team); and their lowering for another platform keeps
     XLA's ops."""
-    from cpu_kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from jaxpage.cpu_kernels.rms_norm import fused_add_rms_norm, rms_norm
     from jaxpage.models.layers import RMSNorm
 
     rng = np.random.default_rng(sum(shape))
@@ -544,9 +544,9 @@ def test_rms_norm_kernels_equal_the_float64_norm(dtype, shape):
 _THREADS_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
-from cpu_kernels import onednn
-from cpu_kernels.greedy_pick import greedy_pick
-from cpu_kernels.paged_attention import paged_attention
+from jaxpage.cpu_kernels import onednn
+from jaxpage.cpu_kernels.greedy_pick import greedy_pick
+from jaxpage.cpu_kernels.paged_attention import paged_attention
 rng = np.random.default_rng(0)
 kernel = np.asarray(jnp.asarray(rng.standard_normal((1536, 576)), jnp.bfloat16))
 out = {"kernel": np.asarray(kernel, np.float32)}
@@ -569,7 +569,7 @@ for rows in (3, 17):
     tokens, logprobs = jax.jit(greedy_pick)(jnp.asarray(rng.standard_normal((rows, 4096)), jnp.float32))
     out[f"greedy{rows}"] = np.concatenate([np.asarray(tokens, np.float32), np.asarray(logprobs)])
 import ctypes
-from cpu_kernels.library import library
+from jaxpage.cpu_kernels.library import library
 threads = library().jaxpage_kernel_threads
 out["threads"] = np.array([threads(ctypes.c_int64(rows)) for rows in (1, 8, 9, 24)])
 np.savez(sys.argv[1], **out)
@@ -579,7 +579,7 @@ np.savez(sys.argv[1], **out)
 @needs_onednn
 def test_kernels_give_the_same_bits_on_one_thread_and_on_all(tmp_path):
     """The kernels run calls of up to JAXPAGE_CPU_SERIAL_ROWS rows (default 0) on one OpenMP thread
-    (cpu_kernels/threads.h): each call's result is the same bit for bit whatever the team, for products (packed on
+    (jaxpage/cpu_kernels/threads.h): each call's result is the same bit for bit whatever the team, for products (packed on
     either kernel, and plain), the attention and the greedy pick, at row counts on both sides of 8; the
     products also equal float32 math to bfloat16 rounding."""
     import os

@@ -1,6 +1,6 @@
 """The CUDA lowering lane: every GPU kernel, over the shapes the engine makes, and the whole jitted engine step
 with attention_backend="pallas_gpu" lower for CUDA here, on the CPU (jax.export, platforms=["cuda"]); a kernel
-that no longer lowers fails this file. See benchmarks/cuda_lowering.py."""
+that no longer lowers fails this file. See jaxpage/testing/cuda_lowering.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu_decode import triton_params
+from pallas_kernels.decode_attention.gpu import triton_params
 
-from benchmarks.cuda_lowering import (SHARED_MEMORY_BYTES, TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase,
+from jaxpage.testing.cuda_lowering import (SHARED_MEMORY_BYTES, TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase,
                                       compile_for_cuda, kernel_cases, layer_loop_cases, lower_for_cuda, run_case,
                                       spec_step_cases, step_cases)
 
@@ -60,7 +60,7 @@ def test_gpu_layer_loop_layer_lowers_with_the_triton_kernel(case):
 def test_lora_step_lowers_with_the_triton_kernel():
     """SmolLM2's step with 4 LoRA slots of rank 16 (smallest bucket): one Triton attention call, the slots among
     the arguments (q/k/v's A [layers, 1 + 4 slots, 576, 3 x 16]; the TP 3 case: tests/test_tensor_parallel.py)."""
-    from benchmarks.cuda_lowering import lora_step_case
+    from jaxpage.testing.cuda_lowering import lora_step_case
 
     text = lower_for_cuda(lora_step_case(), TARGET_LIST[-1])
     assert triton_calls(text) == 1
@@ -96,7 +96,7 @@ def test_the_triton_deprecation_is_not_shown_to_users():
     every DeprecationWarning on still does not see it). On JAX 0.10 there is no such warning to see."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    code = "from benchmarks.cuda_lowering import kernel_cases, lower_for_cuda; lower_for_cuda(kernel_cases()[1])"
+    code = "from jaxpage.testing.cuda_lowering import kernel_cases, lower_for_cuda; lower_for_cuda(kernel_cases()[1])"
     proc = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", code], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -44,7 +44,7 @@ if IN_CHILD:
     import numpy as np
     from prometheus_client.parser import text_string_to_metric_families
 
-    from benchmarks.launch import free_port, spawn, wait_serving
+    from jaxpage.testing.launch import free_port, spawn, wait_serving
     from jaxpage import LLM, SamplingParams
     from jaxpage.config import RoutingConfig
     from jaxpage.engine.arg_utils import EngineArgs

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from jaxpage import SamplingParams
 from jaxpage.engine.llm_engine import DoesNotFitError
 from jaxpage.sampling_params import MAX_STOP_TOKEN_IDS
-from tests.stand_in import TOKEN, make_engine
+from tests.fake_engine import STAND_IN_TOKEN as TOKEN
+from tests.fake_engine import stand_in_engine as make_engine
 
 
 def run(engine, max_steps: int = 2000) -> dict:

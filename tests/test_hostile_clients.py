@@ -16,7 +16,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.launch import health_status, wait_serving
+from jaxpage.testing.launch import health_status, wait_serving
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from tests.servers import SERVING, START_TIMEOUT, greedy, start

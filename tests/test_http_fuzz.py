@@ -20,10 +20,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from benchmarks.launch import wait_serving
+from jaxpage.testing.launch import wait_serving
 from tests.factories import tiny_llama
-from tests.servers import START_TIMEOUT
-from tests.test_openai_api import TEMPLATE, start
+from tests.servers import START_TIMEOUT, TEMPLATE, start_http
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--num-kv-blocks", "160",
@@ -54,7 +53,7 @@ def fuzzed_server(tmp_path_factory):
     tokenizer = byte_tokenizer()
     save_random_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=1024), path, seed=0)
     tokenizer.save_pretrained(path)
-    server = start(["-m", "serving.cli", "serve", "--model", str(path), *FLAGS], path / "server.log")
+    server = start_http(["-m", "serving.cli", "serve", "--model", str(path), *FLAGS], path / "server.log")
     try:
         wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
         yield server

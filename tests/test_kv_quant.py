@@ -1,7 +1,7 @@
 """KV cache quantization (kv_cache_dtype int8 / fp8): the quantizer against numpy, the pool's capacity on one byte
 budget, scales moving with their blocks, the option's plumbing, and quality on SmolLM2 against float32.
 
-The kernels with quantized pools against the dequantize-first reference are in test_kernels.py (``kv_`` cases).
+The kernels with quantized pools against the dequantize-first reference are in test_pallas_kernels.py (``kv_`` cases).
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def smollm2_quality():
     """(config, params, segments, float32 reference hidden states), the model loaded without an engine."""
-    from benchmarks import quality
+    from jaxpage.testing import quality
     from jaxpage.models.loader import default_cache_dir, load_model
 
     loaded = load_model(None, default_cache_dir())
@@ -129,7 +129,7 @@ def smollm2_quality():
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_teacher_forced_quality_against_float32(smollm2_quality, name):
-    from benchmarks import quality
+    from jaxpage.testing import quality
 
     options, min_top1, max_kl = VARIANTS[name]
     config, params, segments, reference = smollm2_quality

@@ -2,7 +2,7 @@
 device pool too small for the conversations' prefixes gives the tokens of an engine without the tiers (greedy
 and seeded) while restoring blocks instead of computing them; a restarted engine finds the disk tier's blocks;
 truncated, corrupt and foreign files are never served. The accounting over every tier is in the property test
-(tests/test_block_accounting.py, tests/simulated_kv.py). The same conversations over an int8 and an fp8 pool
+(tests/test_block_accounting.py, tests/fake_engine.py). The same conversations over an int8 and an fp8 pool
 (an int8 block's scales move with its values) and at tensor_parallel_size=2 on 2 forced CPU devices (a child
 pytest: the moves gather and load each device's KV heads) give their own engine's tokens without the tiers."""
 from __future__ import annotations
@@ -285,7 +285,7 @@ def test_fake_runner_restores_from_both_tiers_exactly(window, mode):
     prefixes of 3 blocks, sent round after round through a pool of 9 blocks, a host tier of 2 and the disk tier,
     with every layer sliding (window 20) or not, swap preemption beside the tiers or not: both tiers serve,
     the outputs are those of an engine without the tiers, and every block and host slot comes back."""
-    from tests.simulated_kv import check_all_free, make_engine, run_checked
+    from tests.fake_engine import check_all_free, make_engine, run_checked
 
     rng = np.random.default_rng(3)
     prefixes = [[int(t) for t in rng.integers(1, 24, 24)] for _ in range(3)]

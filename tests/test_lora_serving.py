@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 
-from benchmarks.launch import free_port, spawn, wait_serving
+from jaxpage.testing.launch import free_port, spawn, wait_serving
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
 from tests.factories import SEED, save_word_tokenizer, tiny_llama

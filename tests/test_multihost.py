@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.launch import free_port, spawn, wait_serving
+from jaxpage.testing.launch import free_port, spawn, wait_serving
 from jaxpage import LLM, SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc

@@ -15,7 +15,7 @@ with the official `openai` package (sync and async clients, streaming and not) a
   documented events; text.format and forced function calls are valid for their schemas; bad fields are 400s;
 - a client that disconnects (streaming or not) gets its blocks freed within a second;
 - SIGTERM lets the HTTP and gRPC streams in flight finish, then the server exits 0.
-A stand-in engine (test_serving's, no model) shows 429 for a full queue, and 503 for the calls in flight when
+A stand-in engine (test_grpc_service's, no model) shows 429 for a full queue, and 503 for the calls in flight when
 the engine dies, while the server makes a fresh engine (then 200 again).
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import httpx
@@ -34,46 +33,22 @@ import numpy as np
 import openai
 import pytest
 
-from benchmarks.launch import free_port, spawn, wait_serving
+from jaxpage.testing.launch import wait_serving
 from jaxpage import SamplingParams
 from serving import generation_pb2 as pb
 from serving import generation_pb2_grpc as pb_grpc
-from tests.servers import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, Server
+from tests.servers import ENGINE_FLAGS, STAND_IN_SERVER, START_TIMEOUT, TEMPLATE, start_http
 
 NAMES = ["smollm2-test", "another-name"]  # --served-model-name
-# SmolLM2's own template has no tools: served with a copy that has (and renders chats without tools as SmolLM2's)
-TEMPLATE = Path(__file__).parent / "data" / "tool_chat_template_hermes.jinja"
 CHAT_FLAGS = ["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
               "--reasoning-parser", "qwen3"]
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]
 LONG = [100 + i for i in range(200)]  # 13 blocks of 16 tokens
 
 
-class HttpServer(Server):
-    @property
-    def base(self) -> str:
-        return self.metrics_url.removesuffix("/metrics")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def all_blocks_free(self) -> bool:
-        total = self.metrics()["jaxpage:kv_blocks_total"]
-        return self.wait_metric("jaxpage:kv_blocks_free", lambda v: v == total) == total
-
-
-def start(argv: list[str], log) -> HttpServer:
-    port, http_port = free_port(), free_port()
-    proc = spawn([*argv, "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port)], log)
-    return HttpServer(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}/metrics", log)
-
-
 @pytest.fixture(scope="module")
 def server_started(tmp_path_factory):
-    server = start(["-m", "serving.cli", "serve", *ENGINE_FLAGS, "--num-kv-blocks", "160", "--grace-seconds", "60",
+    server = start_http(["-m", "serving.cli", "serve", *ENGINE_FLAGS, "--num-kv-blocks", "160", "--grace-seconds", "60",
                     "--served-model-name", *NAMES, *CHAT_FLAGS], tmp_path_factory.mktemp("http") / "server.log")
     yield server
     server.stop()
@@ -919,7 +894,7 @@ def test_sigterm_lets_http_and_grpc_streams_finish_then_exits_0(server):
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http_stand_in")
-    server = start(["-c", STAND_IN_SERVER, str(tmp / "fail"), "--max-queue", "4", "--grace-seconds", "5"],
+    server = start_http(["-c", STAND_IN_SERVER, str(tmp / "fail"), "--max-queue", "4", "--grace-seconds", "5"],
                    tmp / "server.log")
     wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
     server.fail_flag = tmp / "fail"

@@ -18,7 +18,7 @@ from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.sampler import _apply_penalties, is_plain_greedy, plain_greedy, sample
 from tests.compiles import CompileCounter
 from tests.reference import NEAR_TIE, hf_logits
-from tests.stand_in import make_engine
+from tests.fake_engine import stand_in_engine as make_engine
 
 
 def penalized(logits: np.ndarray, token_ids: list[int], num_prompt: int, p: SamplingParams) -> np.ndarray:

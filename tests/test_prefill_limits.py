@@ -1,5 +1,5 @@
 """The partial-prefill options (core/prefill_limits.py: long_prefill_token_threshold, max_num_partial_prefills,
-max_long_partial_prefills) over the fake runner of tests/simulated_kv.py, which checks every step against the
+max_long_partial_prefills) over the fake runner of tests/fake_engine.py, which checks every step against the
 options and the token budget (check_prefill_limits): decodes keep their token every step while prompts arrive,
 a short prompt overtakes long ones waiting for the long slot, and every prompt still finishes. With wave_prefill
 a step with fewer decodes than prompts to compute has no caps: a wave of arrivals starts at once."""
@@ -12,7 +12,7 @@ import pytest
 
 from jaxpage.core.prefill_limits import PrefillLimits
 from jaxpage.sampling_params import SamplingParams
-from tests.simulated_kv import VOCAB, check_all_free, make_engine, run_checked
+from tests.fake_engine import VOCAB, check_all_free, make_engine, run_checked
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,6 +1,6 @@
 """The request lifecycle both front ends share (serving/requests.py), in process over a stand-in engine: admission,
 the in-flight table, the metrics, the watcher's failing of a call and the neutral errors (each front end's codes
-for them are tested end to end in test_serving.py and test_openai_api.py)."""
+for them are tested end to end in test_grpc_service.py and test_openai_api.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +19,9 @@ from serving.requests import (
     RequestLifecycle,
     RequestTooLargeError,
 )
-from tests.stand_in import TOKEN, make_async_engine
+from jaxpage.engine.async_engine import AsyncEngine
+from tests.fake_engine import STAND_IN_TOKEN as TOKEN
+from tests.fake_engine import stand_in_engine
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -37,7 +39,7 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
 @contextlib.asynccontextmanager
 async def lifecycle(max_queue: int | None = None, **engine_options):
     requests = RequestLifecycle(Metrics(), max_queue=max_queue)
-    requests.engine = make_async_engine(**engine_options)
+    requests.engine = AsyncEngine(stand_in_engine(**engine_options))
     requests.accepting = True
     try:
         yield requests

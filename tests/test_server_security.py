@@ -120,7 +120,7 @@ def test_the_cli_client_speaks_mutual_tls_with_the_token(mtls_server, certs):
     import subprocess
     import sys
 
-    from benchmarks.launch import ROOT
+    from jaxpage.testing.launch import ROOT
 
     argv = [sys.executable, "-m", "serving.cli", "client", "--target", mtls_server.target, "--info",
             "--tls-ca", str(certs["ca.pem"]), "--tls-cert", str(certs["client.pem"]),

@@ -25,7 +25,7 @@ from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import SWAP_OUT, KVCacheManager
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence
-from tests.simulated_kv import BLOCK_SIZE, VOCAB, check_all_free, make_engine, play, run_checked, scenarios
+from tests.fake_engine import BLOCK_SIZE, VOCAB, check_all_free, make_engine, play, run_checked, scenarios
 
 
 def cdiv(a: int, b: int) -> int:

@@ -22,7 +22,7 @@ from jaxpage.spec_decode.rejection_sampler import emitted_tokens
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch, sample
 from tests.factories import engine_options, tiny_llama
-from tests.simulated_kv import (
+from tests.fake_engine import (
     VOCAB,
     check_all_free,
     make_engine,

@@ -1,12 +1,12 @@
-"""benchmarks.step_model's analytical counts against independent arithmetic (no compile)."""
+"""jaxpage.testing.step_model's analytical counts against independent arithmetic (no compile)."""
 import dataclasses
 import math
 
 import jax
 import pytest
 
-from benchmarks import compile_targets, step_model
-from benchmarks.step_model import CHIPS, KVLayout, Seq
+from jaxpage.testing import compile_targets, step_model
+from jaxpage.testing.step_model import CHIPS, KVLayout, Seq
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -128,7 +128,7 @@ def test_gpu_plan_against_the_kernels_blocking():
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.ragged_gpu import query_blocks
+    from pallas_kernels.ragged_attention.gpu import query_blocks
 
     layout, queries, pages = _gpu_layout(), 16, 4
     seqs = [Seq(40, 1), Seq(300, 1), Seq(100, 37), Seq(17, 17), Seq(33, 1)]

@@ -381,7 +381,7 @@ if IN_CHILD:
     def test_tp4_step_with_the_triton_kernel_lowers_for_cuda():
         """The CUDA lane at TP 4 (Llama-3-8B's shapes, attention_backend="pallas_gpu"): the step lowers for four
         GPUs with its one Triton attention call inside the shard_map and the layers' all-reduces."""
-        from benchmarks.cuda_lowering import TRITON_CALL, lower_for_cuda, tp_step_case
+        from jaxpage.testing.cuda_lowering import TRITON_CALL, lower_for_cuda, tp_step_case
 
         text = lower_for_cuda(tp_step_case(4))
         assert text.count(f"@{TRITON_CALL}") == 1, "the scanned layer holds one Triton attention call"
@@ -390,7 +390,7 @@ if IN_CHILD:
     def test_tp3_lora_step_lowers_for_cuda():
         """The CUDA lane's multi-LoRA step at TP 3 (SmolLM2's shapes, 4 slots of rank 16): it lowers for three
         GPUs with its one Triton call and the layers' all-reduces."""
-        from benchmarks.cuda_lowering import TRITON_CALL, lora_step_case, lower_for_cuda
+        from jaxpage.testing.cuda_lowering import TRITON_CALL, lora_step_case, lower_for_cuda
 
         text = lower_for_cuda(lora_step_case(3))
         assert text.count(f"@{TRITON_CALL}") == 1

@@ -19,8 +19,8 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PY
 
 
 def run_script(*argv: str, timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "benchmarks/vs_vllm.py", *argv], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_vllm", *argv], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.quality import SEGMENT, SOURCES, agreement_with_transformers
+from jaxpage.testing.quality import SEGMENT, SOURCES, agreement_with_transformers
 from jaxpage.config import ModelConfig
 from jaxpage.models import abstract_params, cast_weights, quantize_params
 from jaxpage.models.layers import Linear

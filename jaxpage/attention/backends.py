@@ -7,12 +7,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels import kv_write
-from cpu_kernels import paged_attention as cpu_attention
-from jaxpage.attention.kv_cache import write_kv
+from jaxpage.cpu_kernels import kv_write
+from jaxpage.cpu_kernels import paged_attention as cpu_attention
+from jaxpage.attention.kv_write import write_kv
 from jaxpage.distributed.parallel import model_axis_size, over_heads
 from pallas_kernels.quant import dequantize, pool_parts
-from pallas_kernels.reference import check_unpacked, soft_cap_logits, window_start
+from pallas_kernels.common import check_unpacked, soft_cap_logits, window_start
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 
@@ -32,7 +32,7 @@ def write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, poo
                      soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Writes this step's K/V into the pool and attends through the block tables; returns (out, pool).
 
-    Every backend has these semantics (pallas_kernels.reference.ragged_paged_attention_reference). A step
+    Every backend has these semantics (pallas_kernels.ragged_attention.reference). A step
     lowered for the CPU runs the Pallas backends through the Pallas interpreter (so the whole engine can be
     exercised here); lowered for a TPU or GPU, even ahead of time from a CPU, it runs them compiled. ``pairs``:
     the XLA path's per-step plan (``page_pairs``, built for the same ``window``), made once per step rather than
@@ -57,7 +57,7 @@ def _write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, po
     """write_and_attend on the heads and the slice of the pool that one device holds."""
     if backend == "xla":
         check_unpacked(pool, "the XLA attention path")
-        pool = _write_kv_for_platform(pool, layer, k, v, slot_mapping)
+        pool = write_kv(pool, layer, k, v, slot_mapping)
         return _attend_for_platform(q, pool, layer, token_seq, positions, block_tables, scale, pairs, window,
                                     soft_cap), pool
     import pallas_kernels
@@ -68,16 +68,6 @@ def _write_and_attend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, po
     return jax.lax.platform_dependent(  # the kernel mode follows the platform the step is lowered for
         q, k.astype(q.dtype), v.astype(q.dtype), pool, layer, token_seq, positions, slot_mapping, block_tables,
         cpu=functools.partial(kernel, interpret=True), default=functools.partial(kernel, interpret=False))
-
-
-def _write_kv_for_platform(pool, layer, k, v, slot_mapping):
-    """XLA's scatter, but on a TPU the K/V write kernel: XLA:TPU relayouts the whole pool around a scatter."""
-    from pallas_kernels import write_kv_tpu
-    from pallas_kernels.kv_write_tpu import tile_rows
-
-    if pool.shape[4] % tile_rows(pool.dtype):  # not lowerable for a TPU (build_engine_config refuses it there)
-        return write_kv(pool, layer, k, v, slot_mapping)
-    return jax.lax.platform_dependent(pool, layer, k, v, slot_mapping, tpu=write_kv_tpu, default=write_kv)
 
 
 def _attend_for_platform(q, pool, layer, token_seq, positions, block_tables, scale, pairs, window, soft_cap):

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from cpu_kernels import kv_write
+from jaxpage.cpu_kernels import kv_write
 from jaxpage.attention.kv_cache import NULL_BLOCK, jit_on_pool, pool_format
 
 

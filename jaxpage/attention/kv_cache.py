@@ -34,7 +34,6 @@ from jaxpage.distributed.parallel import pool_spec, with_mesh
 from jaxpage.utils import cdiv
 from pallas_kernels.packed import PACKED_LANES
 from pallas_kernels.quant import ScaledPool
-from pallas_kernels.reference import write_kv  # noqa: F401 (the one K/V write, shared with the kernels)
 
 NULL_BLOCK = 0
 

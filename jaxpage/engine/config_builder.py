@@ -7,7 +7,7 @@ import logging
 
 import jax
 
-from cpu_kernels import onednn
+from jaxpage.cpu_kernels import onednn
 from jaxpage.attention import kv_cache
 from jaxpage.attention.backends import resolve_backend
 from jaxpage.config import (
@@ -28,7 +28,7 @@ from jaxpage.models.causal_lm import weight_bytes
 from jaxpage.models.lora_slots import grouped_kernel_runs
 from jaxpage.models.weight_packing import packs_weights
 from jaxpage.utils import cdiv
-from pallas_kernels.kv_write_tpu import tile_rows
+from pallas_kernels.kv_write.tpu import tile_rows
 
 log = logging.getLogger(__name__)
 

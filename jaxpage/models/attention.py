@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpu_kernels import rotary_embedding as rope_kernel
+from jaxpage.cpu_kernels import rotary_embedding as rope_kernel
 from jaxpage.attention.backends import page_pairs_by_window, select_pairs, write_and_attend
 from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import MODEL_AXIS, model_axis_size
@@ -121,7 +121,7 @@ class Attention(nnx.Module):
 
     def rotated_qkv(self, y: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q and k (normed where the model has q/k norms, then rotated) and v from the fused q/k/v output. On the
-        CPU, bfloat16 without q/k norms on one device of the model axis is one kernel (cpu_kernels/rotary_embedding.cc,
+        CPU, bfloat16 without q/k norms on one device of the model axis is one kernel (jaxpage/cpu_kernels/rotary_embedding.cc,
         vLLM's rotary_embedding), where XLA:CPU ran two fusions and a copy."""
         def xla(y, cos, sin):
             q, k, v = self.qkv.split(y)

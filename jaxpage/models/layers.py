@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpu_kernels import onednn
-from cpu_kernels import rms_norm as norm_kernel
-from cpu_kernels import silu_and_mul as silu_kernel
+from jaxpage.cpu_kernels import onednn
+from jaxpage.cpu_kernels import rms_norm as norm_kernel
+from jaxpage.cpu_kernels import silu_and_mul as silu_kernel
 from jaxpage.distributed.parallel import MODEL_AXIS, model_axis_size
 from jaxpage.models.lora_slots import LoRAMapping, lora_delta, slots_being_built
 from jaxpage.models.quant import int8_dot, quantization_being_built
@@ -30,7 +30,7 @@ def param(shape: tuple[int, ...], names: tuple, dtype=jnp.float32) -> nnx.Param:
 
 class RMSNorm(nnx.Module):
     """x / rms(x) * weight, computed in float32. Gemma's (1 + weight) form is folded into the weight at load. On the
-    CPU, bfloat16 on one device of the model axis is one kernel (cpu_kernels/rms_norm.cc, vLLM's rms_norm and
+    CPU, bfloat16 on one device of the model axis is one kernel (jaxpage/cpu_kernels/rms_norm.cc, vLLM's rms_norm and
     fused_add_rms_norm), where XLA:CPU ran four thunks, and five with the residual add before it."""
 
     def __init__(self, dim: int, eps: float):
@@ -70,7 +70,7 @@ class RMSNorm(nnx.Module):
 def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = False,
           packed: bool = False) -> jax.Array:
     """x [..., *in] . kernel [*in, *out] (kernel [out, in] with ``transposed``, one axis each): on the CPU,
-    bfloat16 runs oneDNN's matmul (cpu_kernels.onednn: XLA:CPU converts bfloat16 dots to float32 every call);
+    bfloat16 runs oneDNN's matmul (jaxpage.cpu_kernels.onednn: XLA:CPU converts bfloat16 dots to float32 every call);
     every other platform and dtype, XLA's dot. ``packed``: the kernel holds oneDNN's packed bytes
     (jaxpage.models.weight_packing), which only the CPU's matmul reads."""
     in_axes = (1,) if transposed else tuple(range(num_in))
@@ -174,7 +174,7 @@ def gated_activation(name: str, gate: jax.Array, up: jax.Array) -> jax.Array:
 
 def fused_gated_activation(name: str, gate_up: jax.Array) -> jax.Array:
     """``gated_activation`` of the gate/up matmul's output [..., 2, I]. On the CPU, silu in bfloat16 on one device
-    of the model axis is one kernel (cpu_kernels/silu_and_mul.cc, vLLM's SiluAndMul): XLA:CPU's fusion took ~0.1 ms
+    of the model axis is one kernel (jaxpage/cpu_kernels/silu_and_mul.cc, vLLM's SiluAndMul): XLA:CPU's fusion took ~0.1 ms
     a layer at 32 rows of 1,536 (RESULTS.md, "The attention fold and SiluAndMul")."""
     def xla(y):
         return gated_activation(name, y[..., 0, :], y[..., 1, :])

@@ -13,7 +13,7 @@ against their B: two matmuls over the step's slots x R, no per-token gather of w
 has no mapping and runs the base model's program.
 
 On one CPU device with XLA's attention path and the CPU kernels built (``ModelConfig.cpu_lora_kernel``), the
-delta is instead their grouped kernel (cpu_kernels.lora_delta): each token against its own adapter only, whatever
+delta is instead their grouped kernel (jaxpage.cpu_kernels.lora_delta): each token against its own adapter only, whatever
 the number of adapters in the step, so a single slots bucket (every slot, as they lie) serves every step.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels import lora_delta as cpu_lora
+from jaxpage.cpu_kernels import lora_delta as cpu_lora
 
 LORA_LEAVES = ("lora_a", "lora_b")  # a Linear's slot parameters
 _BUILDING = contextvars.ContextVar("lora_slots", default=(0, 0, False))

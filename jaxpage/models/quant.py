@@ -5,8 +5,8 @@ nearest), so that kernel ~= values * scale. The matmul takes one of two forms:
   weight-only: x . values (converted to x's dtype inside the dot), then * scale; GPU and TPU, where XLA fuses the
     convert into the dot and the gain is the weights' memory traffic;
   dynamic: x quantized per row (absmax over its contracted axes / 127) to int8, an int8 x int8 dot accumulated in
-    int32, then * row scale * scale; the CPU, where int8 dots are faster than float ones (see
-    benchmarks/int8_matmul.py).
+    int32, then * row scale * scale; the CPU, where int8 dots are faster than float ones (docs/DESIGN.md §14,
+    the int8 forms on the CPU).
 """
 from __future__ import annotations
 
@@ -83,4 +83,4 @@ def int8_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> 
                                       default=lambda *a: int8_dot_weight_only(*a, num_in))
 
 
-CPU_DOT = int8_dot_dynamic  # benchmarks/int8_matmul.py and cpu_speed's modes compare it with the weight-only form
+CPU_DOT = int8_dot_dynamic  # faster than the weight-only form on XLA:CPU (docs/DESIGN.md §14)

@@ -1,4 +1,4 @@
-"""bfloat16 weights packed for oneDNN's matmul on the CPU (cpu_kernels.onednn), as vLLM's CPU backend prepacks
+"""bfloat16 weights packed for oneDNN's matmul on the CPU (jaxpage.cpu_kernels.onednn), as vLLM's CPU backend prepacks
 its oneDNN weights at load.
 
 oneDNN's kernel reorders plain weights into its own blocked layout inside every call; packed once at load, a
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from cpu_kernels import onednn
+from jaxpage.cpu_kernels import onednn
 
 _BUILDING = contextvars.ContextVar("onednn_packed_weights", default=False)
 
@@ -54,7 +54,7 @@ def linear_packs(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> bool:
 def unties_lm_head(cfg) -> bool:
     """Whether a tied LM head gets a packed copy of its own (a Linear made from the embedding at load, as int8's):
     the embedding stays plain for the lookup, and the head's matmul, 1.5-1.9x faster packed at 1-8 rows
-    (benchmarks/onednn_prepack.cc), costs a second copy of the embedding's bytes."""
+    (docs/DESIGN.md §14), costs a second copy of the embedding's bytes."""
     return (cfg.onednn_packed_weights and cfg.tie_word_embeddings and cfg.quantization is None
             and linear_packs((cfg.hidden_size,), (cfg.vocab_size,)))
 

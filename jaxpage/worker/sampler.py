@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import greedy_pick as greedy_kernel
+from jaxpage.cpu_kernels import greedy_pick as greedy_kernel
 from jaxpage.distributed.parallel import model_axis_size, over_vocab
 from jaxpage.distributed.vocab_shard import VocabShard
 from jaxpage.models.layers import soft_cap
@@ -162,7 +162,7 @@ def is_plain_greedy(sp: SamplingBatch) -> bool:
 def plain_greedy(raw_logits: jax.Array, cap: float | None = None) -> SamplerOutput:
     """``sample``'s output for rows that ``is_plain_greedy`` (one device), from the LM head's output before its
     float32 cast and soft cap (``compute_raw_logits``; ``cap``: the model's final_logit_softcap). On the CPU one
-    kernel (cpu_kernels/greedy_pick.cc) reads each row once where XLA:CPU makes four passes over [S, V] float32
+    kernel (jaxpage/cpu_kernels/greedy_pick.cc) reads each row once where XLA:CPU makes four passes over [S, V] float32
     temporaries; elsewhere ``greedy_pick_xla``."""
     rows = raw_logits.shape[0]
     no_top = (jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))

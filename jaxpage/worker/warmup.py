@@ -2,7 +2,7 @@
 
 XLA:CPU's compile of one program runs mostly on one core and releases the GIL, so the buckets compile side by side
 (tpu-inference precompiles the same way) on the CPU; on a TPU or GPU one thread (``compile_threads``). The
-compile lane (``benchmarks/compile_targets.py --warmup``) compiles this same list for TPU chips ahead of time.
+compile lane (``jaxpage/testing/compile_targets.py --warmup``) compiles this same list for TPU chips ahead of time.
 """
 from __future__ import annotations
 

@@ -1,0 +1,20 @@
+"""vLLM's rotary_embedding as one FFI call on the CPU, on the fused q/k/v output (jaxpage/cpu_kernels/rotary_embedding.cc)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.cpu_kernels.library import available
+
+__all__ = ["available", "rotary_embedding"]
+
+
+def rotary_embedding(y: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """y [T, KVH, G + 2, D] (per KV head its G query heads, then k, then v; float32 or bfloat16, D a multiple of 32),
+    cos and sin [T, D / 2] -> (q [T, KVH * G, D], k [T, KVH, D] rotated, rotate-half, and v [T, KVH, D]) in y's
+    dtype, computed in float32. CPU only, and only where ``available()``."""
+    tokens, kv_heads, width, head_dim = y.shape
+    kv = jax.ShapeDtypeStruct((tokens, kv_heads, head_dim), y.dtype)
+    q = jax.ShapeDtypeStruct((tokens, kv_heads * (width - 2), head_dim), y.dtype)
+    return jax.ffi.ffi_call("jaxpage_rotary_embedding", (q, kv, kv))(y, cos.astype(jnp.float32),
+                                                                     sin.astype(jnp.float32))
