@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import save_plot
 from jaxpage.attention.backends import paged_attention_xla
 from pallas_kernels import paged_decode_attention_gpu, paged_decode_attention_reference
 
@@ -216,11 +217,7 @@ def main(argv=None) -> dict:
     print_table(result)
     _write(args.json, result)
     if args.plot:
-        try:
-            plot(result, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("no plot: matplotlib is not installed")
+        save_plot(args.plot, lambda: plot(result, args.plot))
     return result
 
 

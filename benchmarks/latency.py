@@ -162,11 +162,9 @@ def main(argv=None) -> None:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=1)
     if args.plot:
-        try:
-            plot(row, args.phases, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("no plot: matplotlib is not installed")
+        from benchmarks.report import save_plot  # here: --compare's workers run this file under older trees
+
+        save_plot(args.plot, lambda: plot(row, args.phases, args.plot))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ import grpc
 import httpx
 import numpy as np
 
+from benchmarks.report import save_plot
 from jaxpage.testing import workloads
 from jaxpage.testing.launch import apply_quick, free_port, spawn, wait_serving
 from serving import generation_pb2 as pb
@@ -484,11 +485,7 @@ def main(argv=None) -> dict:
             f.write(dumps(result))
         print(f"wrote {args.json}")
     if args.plot:
-        try:
-            plot(result, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("no plot: matplotlib is not installed")
+        save_plot(args.plot, lambda: plot(result, args.plot))
     return result
 
 

@@ -44,6 +44,7 @@ import numpy as np
 import jaxpage.worker.model_runner as model_runner
 from benchmarks.baselines import (ContiguousCache, RunStats, SlotBatching, StaticBatching,
                                   interleave, run_alone)
+from benchmarks.report import save_plot
 from jaxpage.attention.kv_cache import bytes_per_block
 from jaxpage.config import ModelConfig
 from jaxpage.engine.arg_utils import EngineArgs
@@ -435,11 +436,7 @@ def main(argv=None) -> dict:
         Path(args.json).write_text(json.dumps(results, indent=1))
     plot_path = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if plot_path and all(s in main_result for s in SYSTEMS):
-        try:
-            plot(results, plot_path)
-            print(f"plot: {plot_path}")
-        except ImportError:
-            print("no plot: matplotlib is not installed")
+        save_plot(plot_path, lambda: plot(results, plot_path))
     return results
 
 

@@ -63,6 +63,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.report import save_plot
 from jaxpage.testing.launch import ROOT, apply_quick, free_port, spawn, wait_serving
 
 PEER = Path("/tmp/vllm-peer")
@@ -547,11 +548,7 @@ def report(result: dict, args) -> None:
         write_markdown(Path(args.markdown), markdown(result))
         print(f"wrote the table into {args.markdown}")
     if args.plot:
-        try:
-            plot(result, Path(args.plot))
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("no plot: matplotlib is not installed")
+        save_plot(args.plot, lambda: plot(result, Path(args.plot)))
 
 
 # --- main ----------------------------------------------------------------------------------------------------
