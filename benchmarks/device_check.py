@@ -12,7 +12,9 @@
    device copy bandwidth.
 3. The engine on a Llama-3-8B-shaped model with random bfloat16 weights (jaxpage/testing/random_model.py): the paged
    engine against the contiguous baselines (benchmarks/baselines.py, the same jitted step and the same KV
-   memory) at 1, 32 and 256 concurrent streams of 128 prompt + 128 output tokens.
+   memory) at 1, 32 and 256 concurrent streams of 128 prompt + 128 output tokens. Each figure is also a fraction
+   of its floor: the output tokens/s of decode steps that only read the weights once and each stream's K/V (at
+   the mean decode context) at the copy bandwidth section 2 measured; the weight bytes are recorded.
 Writes DIR/device_check.json (everything; also to --json F) and DIR/device_check.md (the short table), and prints
 the table.
 Each section has a time budget; what does not fit is recorded as skipped, never silently dropped.
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernels, throughput
+from jaxpage.attention.kv_cache import bytes_per_block
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.models.loader import default_cache_dir
 from jaxpage.testing import random_model, workloads
@@ -142,10 +145,19 @@ def paged_setup(setup: dict, scan_layers: bool = True):
     return loaded, runner, args, params
 
 
-def engine_benchmark(setup: dict, started: float, budget_s: float, report=lambda partial: None) -> dict:
+def decode_floor(weight_bytes: int, kv_bytes_per_token: float, copy_gbps: float, streams: int,
+                 context: float) -> float:
+    """Output tokens/s of decode steps that each read the weights once and every stream's K/V of ``context``
+    tokens, at ``copy_gbps``, and nothing else: the floor an engine's figure is a fraction of."""
+    return streams * copy_gbps * 1e9 / (weight_bytes + streams * context * kv_bytes_per_token)
+
+
+def engine_benchmark(setup: dict, started: float, budget_s: float, report=lambda partial: None,
+                     copy_gbps: float | None = None) -> dict:
     """Paged vs the contiguous baselines on one random-weight model; the runner and the caches (256 slots of
     max_len tokens each: every stream count fits) are compiled once and shared by the stream counts.
-    ``report`` gets the partial result after each stream count, so a run cut off by its lease keeps them."""
+    ``report`` gets the partial result after each stream count, so a run cut off by its lease keeps them.
+    With ``copy_gbps`` (section 2's), each stream count's floor and each system's fraction of it."""
     model, dtype = setup["model"], setup["dtype"]
     t = time.perf_counter()
     loaded, runner, args, params = paged_setup(setup)
@@ -154,6 +166,9 @@ def engine_benchmark(setup: dict, started: float, budget_s: float, report=lambda
     result = {"model": dict(layers=model.num_layers, hidden=model.hidden_size, heads=model.num_heads,
                             kv_heads=model.num_kv_heads, head_dim=model.head_dim, vocab=model.vocab_size),
               "dtype": dtype, "attention_backend": runner.config.attention_backend, "max_len": max_len,
+              "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(params)),
+              "kv_bytes_per_token": bytes_per_block(model, 16, jnp.dtype(dtype)) / 16, "copy_gbps": copy_gbps,
+              "decode_context": setup["prompt"] + setup["output"] / 2,
               "compile_and_init_s": time.perf_counter() - t, "streams": {}, "skipped": []}
     for n in setup["streams"]:
         if time.perf_counter() - started > budget_s:
@@ -165,6 +180,12 @@ def engine_benchmark(setup: dict, started: float, budget_s: float, report=lambda
         result["streams"][n] = {name: {k: run[name][k] for k in ("output_tokens_per_s", "requests_per_s",
                                                                  "seconds", "peak_concurrency")}
                                 for name in throughput.SYSTEMS}
+        if copy_gbps:
+            floor = decode_floor(result["weight_bytes"], result["kv_bytes_per_token"], copy_gbps, n,
+                                 result["decode_context"])
+            result["streams"][n]["floor_tokens_per_s"] = floor
+            for name in throughput.SYSTEMS:
+                result["streams"][n][name]["frac_of_floor"] = run[name]["output_tokens_per_s"] / floor
         report(result)
     return result
 
@@ -196,11 +217,20 @@ def markdown(result: dict) -> str:
     engine = result.get("engine")
     if engine:
         lines += ["", f"Engine, output tokens/s ({engine['dtype']}, {engine['model']['layers']} layers, "
+                      f"{engine['weight_bytes'] / 1e6:,.1f} MB of weights, "
                       f"attention {engine['attention_backend']}):", "",
-                  "| streams | paged | static contiguous | slot contiguous |", "| --- | --- | --- | --- |"]
+                  "| streams | paged | static contiguous | slot contiguous | floor |",
+                  "| --- | --- | --- | --- | --- |"]
         for n, r in engine["streams"].items():
-            lines.append(f"| {n} | " + " | ".join(f"{r[s]['output_tokens_per_s']:.0f}" for s in throughput.SYSTEMS)
-                         + " |")
+            cells = [f"{r[s]['output_tokens_per_s']:.0f}" + (f" ({100 * r[s]['frac_of_floor']:.0f}%)"
+                                                            if "frac_of_floor" in r[s] else "")
+                     for s in throughput.SYSTEMS]
+            floor = f"{r['floor_tokens_per_s']:.0f}" if "floor_tokens_per_s" in r else "-"
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {floor} |")
+        if engine.get("copy_gbps"):
+            lines.append(f"(floor: decode steps reading the weights once and each stream's K/V at "
+                         f"{engine['decode_context']:.0f} tokens, at {engine['copy_gbps']:.0f} GB/s; the tokens/s "
+                         "include the prompts' prefill, so a fraction understates decode's)")
         lines += [f"(skipped: {s['streams']} streams, {s['why']})" for s in engine["skipped"]]
     lines += ["", f"total {result['total_s']:.0f} s"]
     return "\n".join(lines) + "\n"
@@ -250,7 +280,8 @@ def main(argv=None) -> int:
     write(out, result, started, args.json)
     t = time.perf_counter()
     result["engine"] = engine_benchmark(setup, started, setup["engine_budget_s"],
-                                        lambda partial: write(out, {**result, "engine": partial}, started, args.json))
+                                        lambda partial: write(out, {**result, "engine": partial}, started, args.json),
+                                        result["kernel_bench"].get("copy_gbps"))
     result["seconds"]["engine"] = time.perf_counter() - t
     write(out, result, started, args.json)
     print(markdown(result))

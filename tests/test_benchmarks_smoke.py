@@ -218,8 +218,30 @@ def test_device_check_smoke_writes_every_section(tmp_path):
     assert sorted(int(n) for n in streams) == [1, 4] and not result["engine"]["skipped"]
     for run in streams.values():
         assert all(run[s]["output_tokens_per_s"] > 0 for s in SYSTEMS)
+    # the floor: the weights' bytes from the model's shapes, not from the weights the benchmark made
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.device_check import SMOKE
+    from jaxpage.testing import random_model
+
+    engine, dtype = result["engine"], jnp.dtype(SMOKE["dtype"])
+    shapes = jax.tree.leaves(random_model.param_shapes(SMOKE["model"], dtype))
+    assert engine["weight_bytes"] == sum(math.prod(a.shape) for a in shapes) * dtype.itemsize
+    model = SMOKE["model"]
+    assert engine["kv_bytes_per_token"] == 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
+    assert engine["copy_gbps"] == result["kernel_bench"]["copy_gbps"]
+    context = SMOKE["prompt"] + SMOKE["output"] / 2
+    for n, run in streams.items():
+        step_bytes = engine["weight_bytes"] + int(n) * context * engine["kv_bytes_per_token"]
+        assert run["floor_tokens_per_s"] == pytest.approx(int(n) * engine["copy_gbps"] * 1e9 / step_bytes)
+        for s in SYSTEMS:
+            assert run[s]["frac_of_floor"] == pytest.approx(run[s]["output_tokens_per_s"] / run["floor_tokens_per_s"])
     table = (tmp_path / "device_check.md").read_text()
-    assert "| streams | paged | static contiguous | slot contiguous |" in table and "| ragged" in table
+    assert "| streams | paged | static contiguous | slot contiguous | floor |" in table and "| ragged" in table
+    assert f"{engine['weight_bytes'] / 1e6:,.1f} MB of weights" in table and "% of the" in table
 
 
 def test_device_check_fails_on_any_failed_self_check():
