@@ -4,8 +4,8 @@ A contiguous cache of B slots x max_len tokens is written in jaxpage's pool layo
 blocks ``1 + i*M ... (i+1)*M`` (M = max_len / block_size) of a pool of ``B*M + 1`` blocks (block 0 is the null
 block). That reservation is made whether the tokens are ever written or not, exactly as a ``[B, max_len]``
 K/V tensor would be, and it lets the baselines run the very same step as the paged engine, on the weights as it
-holds them (``model_runner.step_weights``): the host layer loop (``jaxpage.worker.layer_loop``) on one CPU or GPU
-device, else the jitted ``jaxpage.worker.step.step`` (forward_hidden over the pool, then the greedy sampler).
+holds them (``model_runner.step_weights``), driven as the engine drives it there (``jaxpage.worker.step.LAYER_LOOP``:
+the host layer loop on one CPU or GPU device, else one program).
 Until 2026-12-04 the baselines ran the fused scan step on every device, whose weight copies the paged engine's
 layer loop does not make. B = budget_blocks // M, so the reserved memory equals the budget.
 
@@ -38,9 +38,8 @@ from jaxpage.models import TokenBatch
 from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.sampler import MAX_BANNED, SamplingBatch
-from jaxpage.worker.layer_loop import LayerLoop
-from jaxpage.worker.model_runner import runs_host_loop, step_weights
-from jaxpage.worker.step import jit_step, weight_shardings
+from jaxpage.worker.model_runner import step_weights
+from jaxpage.worker.step import layer_loop, make_step, unrolls_weights, weight_shardings
 
 
 @dataclasses.dataclass
@@ -202,7 +201,7 @@ class ContiguousCache:
             num_slots, self.blocks_per_slot)
         device = jax.devices()[0]
         # the weights and the step as the paged runner has them (the host layer loop where it runs one)
-        self.params, _ = step_weights(self.config, params, device, runs_host_loop(self.config, device))
+        self.params, _ = step_weights(self.config, params, device, layer_loop(self.config, device.platform))
         self.pool = allocate_kv_pool(model, self.config.num_kv_blocks, block_size, jnp.dtype(dtype),
                                      packed=packs_kv(model, self.config.attention_backend))
         self._step = _jitted_step(self.config)
@@ -252,9 +251,8 @@ def _jitted_step(config) -> object:
     """One jitted step per configuration, shared by the caches that have it (compiled once): the paged runner's
     (the host layer loop over unrolled weights where the runner runs one, else the fused step)."""
     device = jax.devices()[0]
-    if runs_host_loop(config, device):
-        return LayerLoop.make(config, weight_shardings(config, None, device, unrolled=True), device)
-    return jit_step(config)
+    loop = layer_loop(config, device.platform)
+    return make_step(config, loop, device, weight_shardings(config, None, device, unrolled=unrolls_weights(loop)))
 
 
 def _pad(values: np.ndarray, size: int) -> np.ndarray:

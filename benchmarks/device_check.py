@@ -15,6 +15,14 @@
    memory) at 1, 32 and 256 concurrent streams of 128 prompt + 128 output tokens. Each figure is also a fraction
    of its floor: the output tokens/s of decode steps that only read the weights once and each stream's K/V (at
    the mean decode context) at the copy bandwidth section 2 measured; the weight bytes are recorded.
+4. The step's layer-loop drivers (benchmarks/gpu_step_profile.py --layouts: host loop, scan, scan with XLA's
+   dynamic-slice fusion, unrolled) on the same model: decode steps at 1 and 32 streams, the wall of
+   ``LLMEngine.step`` against the GPU's busy time in it (the idle fraction), with async scheduling as served.
+5. The vLLM paper's comparison (benchmarks/throughput.py's setup): ShareGPT-like lengths at t=0, 2048-token
+   reservations, the same KV memory for every system, a warm-up window then a measured one; beside section 3,
+   where every request fits.
+``--sections`` runs some of them (a rerun of what a first run's time limit skipped); ``--budget-s`` is the whole
+run's: a section not started within it is recorded as skipped.
 Writes DIR/device_check.json (everything; also to --json F) and DIR/device_check.md (the short table), and prints
 the table.
 Each section has a time budget; what does not fit is recorded as skipped, never silently dropped.
@@ -24,7 +32,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -51,7 +62,9 @@ SMOKE = dict(heads=((8, 2, 64, 16, "float32"),), model=random_model.TINY, dtype=
              prompt=8, output=4, max_num_batched_tokens=8, chunks=[(0, 20), (5, 17)], decodes=[(40, 1), (0, 1)],
              kernel_bench=["--smoke", "--batches", "1", "--contexts", "64", "--samples", "1", "--calls", "1",
                            "--no-check"], engine_budget_s=120.0,
-             prefill=[(16, 20), (0, 12)], prefill_calls=1, prefill_rows=(64,))
+             prefill=[(16, 20), (0, 12)], prefill_calls=1, prefill_rows=(64,), layout_steps=2, budget_s=600.0,
+             paper=dict(slots=3, max_len=64, requests=6, scale=0.08, max_num_seqs=8, warmup=0.0, duration=0.0))
+SECTIONS = ("checks", "kernels", "prefill", "engine", "layouts", "paper")
 
 
 # --- 1. self-checks ---------------------------------------------------------------------------------------
@@ -128,12 +141,14 @@ def prefill_bench(setup: dict, interpret: bool) -> dict:
 
 
 # --- 3. the engine ----------------------------------------------------------------------------------------
-def paged_setup(setup: dict, scan_layers: bool = True):
-    """The random-weight model's paged runner, compiled, with a slot of max_len for each of the most streams:
-    (loaded, runner, the throughput.py args it was built from, the weights)."""
+def paged_setup(setup: dict, scan_layers: bool = True, max_len: int | None = None, slots: int | None = None,
+                max_num_seqs: int | None = None):
+    """The random-weight model's paged runner, compiled, with a slot of max_len (default: a stream's prompt and
+    output) for each of ``slots`` (default: the most streams): (loaded, runner, the throughput.py args it was
+    built from, the weights)."""
     model = setup["model"]
-    max_len = -(-(setup["prompt"] + setup["output"]) // 16) * 16
-    slots = max(setup["streams"])
+    max_len = max_len or -(-(setup["prompt"] + setup["output"]) // 16) * 16
+    slots = slots or max(setup["streams"])
     args = types.SimpleNamespace(dtype=setup["dtype"], block_size=16, max_len=max_len, scan_layers=scan_layers,
                                  max_num_batched_tokens=setup["max_num_batched_tokens"], preemption_mode="recompute",
                                  sequential=False, systems=list(throughput.SYSTEMS),
@@ -141,7 +156,7 @@ def paged_setup(setup: dict, scan_layers: bool = True):
                                  **throughput.prefill_limits_defaults())
     loaded = types.SimpleNamespace(tokenizer=None, eos_token_ids=(), name=f"random {model.num_layers}-layer")
     params = random_model.random_params(model, jnp.dtype(setup["dtype"]))
-    runner = throughput.paged_runner(loaded, model, params, args, slots * (max_len // 16) + 1, slots)
+    runner = throughput.paged_runner(loaded, model, params, args, slots * (max_len // 16) + 1, max_num_seqs or slots)
     return loaded, runner, args, params
 
 
@@ -190,12 +205,54 @@ def engine_benchmark(setup: dict, started: float, budget_s: float, report=lambda
     return result
 
 
+def layouts_section(smoke: bool, out: Path, deadline: float) -> dict:
+    """Section 4 in a process of its own (``gpu_step_profile --layouts``: it builds its engines with this module's
+    ``paged_setup``), which frees the sections' device memory before it and keeps a driver that crashes the
+    runtime from ending this run; given the time left."""
+    left = max(deadline - time.perf_counter(), 1.0)
+    command = [sys.executable, "-m", "benchmarks.gpu_step_profile", "--layouts", "--out", str(out),
+               "--budget-s", f"{left:.0f}"] + (["--smoke"] if smoke else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    returncode = None
+    try:
+        proc = subprocess.run(command, env=env, timeout=left + 120, capture_output=True, text=True)
+        print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        pass
+    path = out / "gpu_layouts.json"
+    found = json.loads(path.read_text()) if path.exists() else {"layouts": {}, "skipped": []}
+    if returncode != 0:
+        found["error"] = "the layouts process ended early (see its output above)"
+    return found
+
+
+def paper_benchmark(setup: dict) -> dict:
+    """Section 5: throughput.py's comparison on the random-weight model: ``paper["slots"]`` reservations of
+    ``paper["max_len"]`` tokens are every system's KV memory; the paged engine runs up to ``max_num_seqs``."""
+    p, model = setup["paper"], setup["model"]
+    t = time.perf_counter()
+    loaded, runner, args, params = paged_setup(setup, max_len=p["max_len"], slots=p["slots"],
+                                               max_num_seqs=p["max_num_seqs"])
+    caches = throughput.contiguous_caches(model, params, args, p["slots"], runner.config.attention_backend)
+    result = {"setup": p, "compile_and_init_s": time.perf_counter() - t}
+    w = workloads.sharegpt(p["requests"], p["max_len"], model.vocab_size, 0, scale=p["scale"])
+    print(f"paper: {w.describe()}", flush=True)
+    run = throughput.compare(loaded, args, w, {"paged": runner}, caches, throughput.SYSTEMS,
+                             p["duration"] or None, p["warmup"])
+    for name in throughput.SYSTEMS:
+        result[name] = {k: v for k, v in run[name].items() if k != "trace"}
+    result["paged_speedup_vs_best_baseline"] = run.get("paged_speedup_vs_best_baseline")
+    return result
+
+
 # --- the report -------------------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
     lines = [f"# Device check: {result['device']} ({result['platform']}), JAX {result['jax']}"
              f"{', SMOKE (interpreted, tiny)' if result['smoke'] else ''}", "",
              "| self-check | max abs err | ok |", "| --- | --- | --- |"]
-    for name, c in result["self_checks"].items():
+    for name, c in result.get("self_checks", {}).items():
         for sub, r in (c.items() if "ok" not in c else [("", c)]):
             lines.append(f"| {name} {sub} | {r['max_abs_err']:.2e} | {'yes' if r['ok'] else 'NO'} |")
     bench = result.get("kernel_bench")
@@ -232,6 +289,25 @@ def markdown(result: dict) -> str:
                          f"{engine['decode_context']:.0f} tokens, at {engine['copy_gbps']:.0f} GB/s; the tokens/s "
                          "include the prompts' prefill, so a fraction understates decode's)")
         lines += [f"(skipped: {s['streams']} streams, {s['why']})" for s in engine["skipped"]]
+    layouts = result.get("layouts")
+    if layouts:
+        lines += ["", "Decode steps by layer-loop driver (LLMEngine.step wall / GPU busy, ms; GPU idle %):", "",
+                  "| driver | streams | wall | busy | idle % |", "| --- | --- | --- | --- | --- |"]
+        for loop, entry in layouts["layouts"].items():
+            for d in entry.get("decode", []):
+                lines.append(f"| {loop} | {d['streams']} | {d.get('wall_ms_median', d['untraced_wall_ms_median']):.2f}"
+                             f" | {d.get('gpu_busy_ms', float('nan')):.2f} | "
+                             f"{100 * d.get('gpu_idle_frac', float('nan')):.0f} |")
+            if "error" in entry:
+                lines.append(f"| {loop} | error: {entry['error'][:120]} | | | |")
+        lines += [f"(skipped: {s['layout']}, {s['why']})" for s in layouts["skipped"]]
+    paper = result.get("paper")
+    if paper:
+        lines += ["", f"The paper's setup ({paper['setup']['slots']} x {paper['setup']['max_len']}-token reservations"
+                      f" of KV memory, {paper['setup']['requests']} ShareGPT-like requests at t=0): requests/s "
+                      + ", ".join(f"{name} {paper[name]['requests_per_s']:.2f}" for name in throughput.SYSTEMS)
+                      + f"; paged / best contiguous {paper['paged_speedup_vs_best_baseline']:.2f}x"]
+    lines += [f"(skipped: section {s})" for s in result.get("skipped_sections", [])]
     lines += ["", f"total {result['total_s']:.0f} s"]
     return "\n".join(lines) + "\n"
 
@@ -252,6 +328,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for device_check.json and device_check.md")
     parser.add_argument("--json", default=None, help="also write device_check.json's content here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                        help="the sections to run (default: all, in order)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="the run's seconds: a section not started within them is skipped (default: 450 "
+                             "on a GPU)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     enable_compilation_cache(default_cache_dir())
@@ -260,32 +341,53 @@ def main(argv=None) -> int:
         print(f"no GPU ({device.platform}): run with --smoke to check the script on tiny shapes")
         return 2
     setup = SMOKE if args.smoke else FULL
+    deadline = started + (args.budget_s or setup["budget_s"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-              "python": platform.python_version(), "smoke": args.smoke}
-    result["self_checks"] = self_checks(setup, interpret=args.smoke)
-    result["seconds"] = {"self_checks": time.perf_counter() - started}
-    print(f"self-checks: {json.dumps(result['self_checks'])}", flush=True)
-    write(out, result, started, args.json)
-    if not checks_ok(result["self_checks"]):
-        print("FAILED: a GPU kernel does not match its reference")
-        return 1
-    result["kernel_bench"] = kernels.main(setup["kernel_bench"] + ["--json", str(out / "kernel_bench.json")])
-    result["seconds"]["kernel_bench"] = result["kernel_bench"]["total_s"]
-    write(out, result, started, args.json)
-    t = time.perf_counter()
-    result["prefill"] = prefill_bench(setup, interpret=args.smoke)
-    result["seconds"]["prefill"] = time.perf_counter() - t
-    write(out, result, started, args.json)
-    t = time.perf_counter()
-    result["engine"] = engine_benchmark(setup, started, setup["engine_budget_s"],
-                                        lambda partial: write(out, {**result, "engine": partial}, started, args.json),
-                                        result["kernel_bench"].get("copy_gbps"))
-    result["seconds"]["engine"] = time.perf_counter() - t
+              "python": platform.python_version(), "smoke": args.smoke, "sections": args.sections,
+              "seconds": {}, "skipped_sections": []}
+    for section in SECTIONS:
+        if section not in args.sections:
+            continue
+        if section != "checks" and time.perf_counter() > deadline:
+            result["skipped_sections"].append(section)
+            continue
+        t = time.perf_counter()
+        if not run_section(section, setup, args, result, started, deadline, out):
+            return 1
+        result["seconds"][section] = time.perf_counter() - t
+        write(out, result, started, args.json)
     write(out, result, started, args.json)
     print(markdown(result))
     return 0
+
+
+def run_section(section: str, setup: dict, args, result: dict, started: float, deadline: float, out: Path) -> bool:
+    """One section into ``result``; False where the self-checks failed (the run stops there)."""
+    if section == "checks":
+        result["self_checks"] = self_checks(setup, interpret=args.smoke)
+        print(f"self-checks: {json.dumps(result['self_checks'])}", flush=True)
+        write(out, result, started, args.json)
+        if not checks_ok(result["self_checks"]):
+            print("FAILED: a GPU kernel does not match its reference")
+            return False
+    elif section == "kernels":
+        result["kernel_bench"] = kernels.main(setup["kernel_bench"] + ["--json", str(out / "kernel_bench.json")])
+    elif section == "prefill":
+        result["prefill"] = prefill_bench(setup, interpret=args.smoke)
+    elif section == "engine":
+        copy_gbps = (result.get("kernel_bench") or {}).get("copy_gbps") or kernels.copy_bandwidth(
+            2 ** 28 if args.smoke else 2 ** 32, 5)
+        budget = min(setup["engine_budget_s"], deadline - started)
+        result["engine"] = engine_benchmark(setup, started, budget,
+                                            lambda partial: write(out, {**result, "engine": partial}, started,
+                                                                  args.json), copy_gbps)
+    elif section == "layouts":
+        result["layouts"] = layouts_section(args.smoke, out, deadline)
+    elif section == "paper":
+        result["paper"] = paper_benchmark(setup)
+    return True
 
 
 if __name__ == "__main__":

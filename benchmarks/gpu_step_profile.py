@@ -10,11 +10,11 @@
 2. The paged engine on 256 streams of 128 + 128 tokens, all at t=0, with serve's prefill limits
    (long_prefill_token_threshold, max_num_partial_prefills) and with them lifted (only the step's token
    budget, as vLLM V1 schedules by default): output tokens/s, peak running sequences and steps.
-3. With --layouts, only part 1, for each way the step can hold the layers: ``host_loop`` (one compiled layer
-   called once per layer from the host over each layer's own weight buffers, jaxpage.worker.layer_loop: serve's
-   default on a CPU and, since this measurement, on a GPU), ``unrolled`` (``scan_layers=False``) and ``scan`` (one
-   compiled layer in a ``lax.scan`` over stacked weights: the GPU's default before), chosen here through
-   model_runner.HOST_LAYER_LOOP_PLATFORMS.
+3. With --layouts, only part 1, for each driver of the step's layer loop (jaxpage.worker.step.LAYER_LOOPS):
+   ``host_loop`` (one compiled layer called once per layer from the host over each layer's own weight buffers:
+   the default on a CPU and a GPU), ``scan`` (one program, a ``lax.scan`` over stacked weights), ``scan_dsf``
+   (the scan compiled with XLA:GPU's dynamic-slice fusion) and ``unrolled`` (``scan_layers=False``), chosen
+   here through step.LAYER_LOOP. This is the measurement that picks the GPU's entry there.
 Writes DIR/gpu_step_profile.json (also to --json F; DIR/gpu_layouts.json with --layouts) and prints it, then a
 table.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import time
@@ -34,7 +35,7 @@ from benchmarks import device_check, kernels, throughput
 from benchmarks.profile import traced_steps, union_ms
 from jaxpage import SamplingParams
 from jaxpage.engine.llm_engine import LLMEngine
-from jaxpage.worker import model_runner
+from jaxpage.worker import step
 
 LIFTED = {"long_prefill_token_threshold": 0, "max_num_partial_prefills": 256, "max_long_partial_prefills": 256}
 
@@ -78,6 +79,7 @@ def decode_profile(loaded, runner, streams: int, steps: int, prompt: int, vocab:
             "wall_ms_median": float(np.median(walls)),
             "wall_ms_mean": float(np.mean(walls)), "gpu_busy_ms": streams_ms,
             "gpu_idle_ms": float(np.mean(walls)) - streams_ms,
+            "gpu_idle_frac": 1.0 - streams_ms / float(np.mean(walls)),
             "per_line_union_ms": {line: union_ms(ivs) / steps for line, ivs in lines.items()},
             "kernels": collections.Counter(name for line, name, *_ in events if line.startswith("Stream"))
             .most_common(12)}
@@ -96,28 +98,45 @@ def policy_run(loaded, runner, limits: dict, streams: int, prompt: int, output: 
             "seconds": seconds, "steps": steps, "peak_running": peak}
 
 
-def layouts(setup: dict, steps: int, out: Path) -> dict:
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layouts": {}}
-    platforms = model_runner.HOST_LAYER_LOOP_PLATFORMS
-    for name, scan, loop_here in (("host_loop", True, True), ("unrolled", False, False), ("scan", True, False)):
-        here = jax.devices()[0].platform
-        model_runner.HOST_LAYER_LOOP_PLATFORMS = tuple(p for p in platforms if p != here) + ((here,) * loop_here)
+def layouts(setup: dict, steps: int, out: Path, deadline: float = float("inf"), streams=None) -> dict:
+    """Part 3: decode steps of each layer-loop driver (jaxpage.worker.step.LAYER_LOOPS) at each of ``streams``
+    (default: 1 and 32), chosen through step.LAYER_LOOP; a driver not started by ``deadline`` (perf_counter
+    seconds) is recorded as skipped."""
+    streams = streams or (1, min(32, max(setup["streams"])))
+    here = jax.devices()[0].platform
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layouts": {}, "skipped": []}
+    for loop in step.LAYER_LOOPS:
+        if time.perf_counter() > deadline:
+            result["skipped"].append({"layout": loop, "why": "time budget"})
+            continue
         try:
-            started = time.perf_counter()
-            loaded, runner, _, _ = device_check.paged_setup(setup, scan_layers=scan)
-            entry = {"compile_and_init_s": time.perf_counter() - started}
-            entry["decode"] = [decode_profile(loaded, runner, n, steps, setup["prompt"], setup["model"].vocab_size)
-                               for n in (1, min(32, max(setup["streams"])))]
+            with driving(here, loop):
+                started = time.perf_counter()
+                loaded, runner, _, _ = device_check.paged_setup(setup, scan_layers=loop != "unrolled")
+                entry = {"compile_and_init_s": time.perf_counter() - started}
+                assert runner.layer_loop == loop, (runner.layer_loop, loop)
+                entry["decode"] = [decode_profile(loaded, runner, n, steps, setup["prompt"],
+                                                  setup["model"].vocab_size) for n in streams]
         except Exception as e:  # noqa: BLE001 - a layout that fails here is recorded; the others still run
             entry = {"error": repr(e)}
-        finally:
-            model_runner.HOST_LAYER_LOOP_PLATFORMS = platforms
-        result["layouts"][name] = entry
-        print(name, json.dumps(entry, default=str)[:600], flush=True)
+        result["layouts"][loop] = entry
+        print(loop, json.dumps(entry, default=str)[:600], flush=True)
         (out / "gpu_layouts.json").write_text(json.dumps(result, indent=1, default=str))
-        loaded = runner = None  # noqa: F841 - the weights and the pool go before the next layout's
+        loaded = runner = None  # the weights and the pool go before the next layout's
         jax.clear_caches()
     return result
+
+
+@contextlib.contextmanager
+def driving(platform: str, loop: str):
+    """step.LAYER_LOOP naming ``loop`` for ``platform`` (the one-device default there), "unrolled" aside: an
+    engine asks for it with scan_layers=False."""
+    before = step.LAYER_LOOP.get(platform)
+    step.LAYER_LOOP[platform] = "host_loop" if loop == "unrolled" else loop
+    try:
+        yield
+    finally:
+        step.LAYER_LOOP[platform] = before
 
 
 def print_table(result: dict) -> None:
@@ -127,10 +146,11 @@ def print_table(result: dict) -> None:
             print(f"\n{name}: {entry['error']}")
             continue
         print(f"\n{name} layout:" if name else "")
-        print("| streams | wall ms (median) | GPU busy ms | GPU idle ms |\n| --- | --- | --- | --- |")
+        print("| streams | wall ms (median) | GPU busy ms | GPU idle ms | idle % |\n| --- | --- | --- | --- | --- |")
         for d in entry.get("decode", []):
             print(f"| {d['streams']} | {d.get('wall_ms_median', d['untraced_wall_ms_median']):.2f} | "
-                  f"{d.get('gpu_busy_ms', float('nan')):.2f} | {d.get('gpu_idle_ms', float('nan')):.2f} |")
+                  f"{d.get('gpu_busy_ms', float('nan')):.2f} | {d.get('gpu_idle_ms', float('nan')):.2f} | "
+                  f"{100 * d.get('gpu_idle_frac', float('nan')):.0f} |")
     if result.get("prefill_limits"):
         print("\n| prefill limits | output tok/s | seconds | steps | peak running |\n| --- | --- | --- | --- | --- |")
         for r in result["prefill_limits"]:
@@ -149,13 +169,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, a few steps (runs on a CPU)")
     parser.add_argument("--layouts", action="store_true", help="decode steps of each layer layout (part 3) only")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="--layouts: a driver not started within these seconds is skipped")
     args = parser.parse_args(argv)
     setup = dict(device_check.SMOKE, output=40) if args.smoke else device_check.FULL
     model, steps, many = setup["model"], (4 if args.smoke else 24), max(setup["streams"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.layouts:
-        result = layouts(setup, steps, out)
+        deadline = time.perf_counter() + (args.budget_s or float("inf"))
+        result = layouts(setup, device_check.SMOKE["layout_steps"] if args.smoke else steps, out, deadline)
         print_table(result)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -218,6 +218,16 @@ def test_device_check_smoke_writes_every_section(tmp_path):
     assert sorted(int(n) for n in streams) == [1, 4] and not result["engine"]["skipped"]
     for run in streams.values():
         assert all(run[s]["output_tokens_per_s"] > 0 for s in SYSTEMS)
+    from jaxpage.worker.step import LAYER_LOOPS
+
+    layouts = result["layouts"]  # each driver built as asked (the script asserts the runner's), each stream count
+    assert list(layouts["layouts"]) == list(LAYER_LOOPS) and not layouts["skipped"], layouts
+    for loop, entry in layouts["layouts"].items():
+        assert [d["streams"] for d in entry["decode"]] == [1, 4] and all(
+            d["untraced_wall_ms_median"] > 0 for d in entry["decode"]), (loop, entry)
+    paper = result["paper"]
+    assert paper["setup"]["max_len"] == 64 and not result["skipped_sections"]
+    assert all(paper[s]["completed_requests"] == paper["setup"]["requests"] for s in SYSTEMS), paper
     # the floor: the weights' bytes from the model's shapes, not from the weights the benchmark made
     import math
 

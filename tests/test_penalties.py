@@ -15,7 +15,13 @@ from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.distributed.vocab_shard import VocabShard
 from jaxpage.sequence import Sequence, SequenceGroup
 from jaxpage.worker.input_batch import InputBatch, build_batch
-from jaxpage.worker.sampler import _apply_penalties, is_plain_greedy, plain_greedy, sample
+from jaxpage.worker.sampler import (
+    _apply_penalties,
+    is_plain_greedy,
+    plain_greedy,
+    plain_greedy_on_device,
+    sample,
+)
 from tests.compiles import CompileCounter
 from tests.reference import NEAR_TIE, hf_logits
 from tests.fake_engine import stand_in_engine as make_engine
@@ -128,8 +134,8 @@ def test_greedy_with_penalties_matches_transformers_and_compiles_nothing(smollm2
 
 
 def test_plain_greedy_rows_take_the_short_sampler_with_sample_s_tokens_and_logprobs():
-    """The layer loop samples a batch of plain greedy rows with ``plain_greedy`` (argmax, log-softmax at it):
-    such batches are recognised on the host, any row asking for more (randomness, a penalty, a bias, a ban
+    """The step samples a batch of plain greedy rows with ``plain_greedy`` (argmax, log-softmax at it):
+    such batches are recognised on the host (the layer loop) and on the device (one program) alike, any row asking for more (randomness, a penalty, a bias, a ban
     under min_tokens, top logprobs, a grammar's bitmask) sends the batch to ``sample``; and the short path's
     tokens and log-probabilities are the numpy reference's and ``sample``'s, ties to the lowest id included."""
     config = make_engine(max_num_seqs=4, max_model_len=64).config
@@ -147,12 +153,15 @@ def test_plain_greedy_rows_take_the_short_sampler_with_sample_s_tokens_and_logpr
         return build_batch(config, scheduled, (2,), InputBatch(config), bitmask)[1]
 
     greedy = SamplingParams(temperature=0)
+    on_device = jax.jit(plain_greedy_on_device)  # the one-program step's choice: the host's, on every batch
     plain = batch_of([greedy] * 3)
-    assert is_plain_greedy(plain)
+    assert is_plain_greedy(plain) and bool(on_device(plain))
     for name, p in others.items():
-        assert not is_plain_greedy(batch_of([greedy, p, greedy])), name
+        batch = batch_of([greedy, p, greedy])
+        assert not is_plain_greedy(batch) and not bool(on_device(batch)), name
     words = -(-vocab // 32)
-    assert not is_plain_greedy(batch_of([greedy] * 3, np.where(np.arange(words) == 0, 5, -1)[None].repeat(3, 0)))
+    grammar = batch_of([greedy] * 3, np.where(np.arange(words) == 0, 5, -1)[None].repeat(3, 0))
+    assert not is_plain_greedy(grammar) and not bool(on_device(grammar))
     logits = rng.normal(size=(len(plain.temperature), vocab)).astype(np.float32) * 3
     logits[1, [7, 11]] = logits[1].max() + 1  # a tie: the lower id wins, as jnp.argmax
     short, full = jax.jit(plain_greedy)(jnp.asarray(logits)), jax.jit(sample)(jnp.asarray(logits), plain)

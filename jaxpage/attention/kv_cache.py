@@ -178,16 +178,18 @@ def _zeros_pool(xp, model, num_blocks, block_size, dtype, packed):
 
 
 def jit_on_pool(fn, num_args: int, pool_arg: int, returns: str, where=None, arg_shardings: dict | None = None,
-                dtype=None, packed: bool = False):
+                dtype=None, packed: bool = False, compiler_options: dict | None = None):
     """``jax.jit(fn)`` with argument ``pool_arg`` (of ``num_args``) the pool (of stored ``dtype``) in
     ``pool_format``. returns: "pool" (fn returns the updated pool), "pair" (returns ``(result, pool)``), both with
     the pool donated, "result" (fn only reads the pool) or "blocks" (returns blocks of the pool, sharded as it
     is). where: a device or a mesh (fn then traced under it); arg_shardings: other arguments' shardings by
-    position (else on the device, or replicated); packed: the pool's layout."""
+    position (else on the device, or replicated); packed: the pool's layout; compiler_options: XLA's, for its
+    executables."""
     pool_sharding, other = _shardings(where, dtype, packed)
     pool, arg_shardings = pool_format(where, dtype, packed), arg_shardings or {}
     in_shardings = tuple(pool if i == pool_arg else arg_shardings.get(i, other) for i in range(num_args))
     out_shardings = {"pool": pool, "pair": (other, pool), "result": other, "blocks": pool_sharding}[returns]
     donate = () if returns in ("result", "blocks") else (pool_arg,)
     fn = with_mesh(fn, where if isinstance(where, Mesh) else None)
-    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
+    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate,
+                   compiler_options=compiler_options)

@@ -8,7 +8,6 @@ from jaxpage.models.causal_lm import (
     CausalLM,
     abstract_params,
     begin_layers,
-    bind,
     cast_weights,
     compute_logits,
     compute_raw_logits,
@@ -18,6 +17,7 @@ from jaxpage.models.causal_lm import (
     model_graph,
     partition_specs,
     run_layer,
+    run_layers,
     stack_layers,
     top_weights,
     unstack_layers,
@@ -25,7 +25,7 @@ from jaxpage.models.causal_lm import (
 from jaxpage.models.registry import SUPPORTED_MODEL_TYPES, architecture, config_from_hf
 from jaxpage.models.weights import hf_state_from_gguf, params_from_hf_state, quantize_params
 
-__all__ = ["TokenBatch", "CausalLM", "abstract_params", "begin_layers", "bind", "cast_weights", "compute_logits",
+__all__ = ["TokenBatch", "CausalLM", "abstract_params", "begin_layers", "cast_weights", "compute_logits",
            "compute_raw_logits", "final_norm", "forward_hidden", "layer_linears", "model_graph", "partition_specs",
-           "run_layer", "stack_layers", "top_weights", "unstack_layers", "SUPPORTED_MODEL_TYPES", "architecture",
+           "run_layer", "run_layers", "stack_layers", "top_weights", "unstack_layers", "SUPPORTED_MODEL_TYPES", "architecture",
            "config_from_hf", "hf_state_from_gguf", "params_from_hf_state", "quantize_params"]

@@ -56,23 +56,6 @@ class CausalLM(nnx.Module):
         self.scale_embeddings = getattr(arch, "SCALE_EMBEDDINGS", False)  # Gemma: x * sqrt(hidden_size)
         self.cfg = cfg
 
-    def __call__(self, pool: jax.Array, batch: TokenBatch, backend: str) -> tuple[jax.Array, jax.Array]:
-        x, ctx = self.begin(batch, backend, block_size=pool_block_size(pool))
-        consts = layer_constants(self.cfg)
-        if isinstance(self.layers, nnx.List):
-            for i, layer in enumerate(self.layers):
-                x, pool = layer(x, pool, jax.tree.map(lambda a, i=i: a[i], consts), ctx)
-        else:
-            graph, stacked = nnx.split(self.layers)
-
-            def body(carry, xs):
-                state, layer_consts = xs
-                x, pool = nnx.merge(graph, state)(*carry, layer_consts, ctx)
-                return (x, pool), None
-
-            (x, pool), _ = jax.lax.scan(body, (x, pool), (stacked, jax.tree.map(jnp.asarray, consts)))
-        return self.final_norm(x), pool
-
     def begin(self, batch: TokenBatch, backend: str, block_size: int) -> tuple[jax.Array, StepContext]:
         """The embedded tokens and what every layer of the step shares."""
         x = self.embed(batch.token_ids)
@@ -105,11 +88,6 @@ def model_graph(cfg: ModelConfig, unrolled: bool = False):
     return nnx.graphdef(_abstract_model(cfg, unrolled))
 
 
-def bind(cfg: ModelConfig, params: dict) -> CausalLM:
-    """The model module over these weights (a pure dict), inside or outside a trace."""
-    return nnx.merge(model_graph(cfg, _is_unrolled(params)), params)
-
-
 def top_weights(params: dict) -> dict:
     """The weights outside the decoder layers (embedding, final norm, LM head)."""
     return {k: v for k, v in params.items() if k != "layers"}
@@ -131,9 +109,13 @@ def _layer_graph(cfg: ModelConfig):
 
 
 def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch, backend: str = "xla"):
-    """Runs all layers over the flat batch; returns final-normed hidden states [T, D] and the updated pool.
-    backend: the attention backend (jaxpage.attention.backends.BACKENDS, resolved), static under jit."""
-    return bind(cfg, params)(pool, batch, backend)
+    """Runs all layers over the flat batch inside one program (``run_layers``); returns final-normed hidden states
+    [T, D] and the updated pool. backend: the attention backend (jaxpage.attention.backends.BACKENDS, resolved),
+    static under jit."""
+    top = top_weights(params)
+    x, shared = begin_layers(cfg, top, batch, backend, pool_block_size(pool))
+    x, pool = run_layers(cfg, params["layers"], x, pool, batch, shared, backend)
+    return final_norm(cfg, top, x), pool
 
 
 def begin_layers(cfg: ModelConfig, top: dict, batch: TokenBatch, backend: str, block_size: int):
@@ -148,6 +130,26 @@ def run_layer(cfg: ModelConfig, layer: dict, consts: LayerConstants, x: jax.Arra
     """One decoder layer (its weights: one entry of the unrolled ``layers``; its constants: one row of
     ``layer_constants``); returns (x, pool)."""
     return nnx.merge(_layer_graph(cfg), layer)(x, pool, consts, StepContext(batch, backend, shared))
+
+
+def run_layers(cfg: ModelConfig, layers: dict, x: jax.Array, pool: jax.Array, batch: TokenBatch, shared,
+               backend: str) -> tuple[jax.Array, jax.Array]:
+    """Every decoder layer in turn, inside the caller's program: ``run_layer`` in a ``lax.scan`` over stacked
+    weights (one compiled layer body) or once per layer over unrolled ones (each layer compiled, reading its own
+    buffers). jaxpage.worker.layer_loop drives the same ``run_layer`` from the host instead."""
+    consts = layer_constants(cfg)
+    if _is_unrolled({"layers": layers}):
+        for i in range(cfg.num_layers):
+            x, pool = run_layer(cfg, layers[i], jax.tree.map(lambda a, i=i: a[i], consts), x, pool, batch, shared,
+                                backend)
+        return x, pool
+
+    def body(carry, xs):
+        layer, layer_consts = xs
+        return run_layer(cfg, layer, layer_consts, *carry, batch, shared, backend), None
+
+    (x, pool), _ = jax.lax.scan(body, (x, pool), (layers, jax.tree.map(jnp.asarray, consts)))
+    return x, pool
 
 
 def final_norm(cfg: ModelConfig, top: dict, x: jax.Array) -> jax.Array:

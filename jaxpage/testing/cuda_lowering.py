@@ -218,7 +218,7 @@ def step_cases(buckets=None) -> list[LoweringCase]:
 
 
 def layer_loop_cases() -> list[LoweringCase]:
-    """The GPU's step as it runs on one device (model_runner.HOST_LAYER_LOOP_PLATFORMS): the layer loop's one
+    """The GPU's step as it runs on one device (step.LAYER_LOOP): the layer loop's one
     compiled decoder layer (``run_layer``, over one layer's own weights) of SmolLM2-135M and Llama-3-8B in
     bfloat16, at the largest token bucket; the stages around it hold no kernel of ours."""
     from jaxpage.testing.random_model import LLAMA3_8B, SMOLLM2_135M, param_shapes

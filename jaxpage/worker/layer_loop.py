@@ -1,4 +1,5 @@
-"""The step on a CPU: one compiled decoder layer, called once per layer from the host.
+"""The step's host driver (jaxpage.worker.step, ``host_loop``): one compiled decoder layer, called once per layer
+from the host, and the tail's stages (jaxpage.worker.step_tail) as programs of their own.
 
 In a ``lax.scan`` over stacked weights XLA:CPU copies each layer's weights out of the stack before its matmuls
 (36 % of a one-stream SmolLM2 step); unrolled layers read their own buffers but take ~3x the compile time. Here
@@ -28,7 +29,7 @@ from jaxpage.distributed.parallel import put
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
 from jaxpage.worker.sampler import is_plain_greedy
-from jaxpage.worker.step_tail import greedy_rows, prompt_logprobs_of, sample_rows
+from jaxpage.worker.step_tail import greedy_rows, has_greedy_path, prompt_logprobs_of, sample_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ class LayerLoop:
     @classmethod
     def make(cls, config: EngineConfig, weights: dict, where=None) -> "LayerLoop":
         """weights: the unrolled weights' shardings; where: the device (one device only: a mesh's layer call is a
-        launch on each of its devices, see ``model_runner.HOST_LAYER_LOOP_PLATFORMS``)."""
+        launch on each of its devices, see ``step.MESH_LAYER_LOOP``)."""
         cfg, backend = config.model, config.attention_backend
 
         def begin(top, batch):
@@ -97,7 +98,7 @@ class LayerLoop:
                                  packs_kv(config.model, config.attention_backend))
         return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(_first_rows),
                    jax.jit(functools.partial(sample_rows, config)),
-                   None if config.sampler_returns_probs else jax.jit(functools.partial(greedy_rows, config)),
+                   jax.jit(functools.partial(greedy_rows, config)) if has_greedy_path(config) else None,
                    jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {})
 
     def compile(self, params: dict, pool, batch, sampling, fewer_rows: tuple = ()) -> "LayerLoop":

@@ -29,13 +29,14 @@ from jaxpage.models.placement import place_params, replicate_kv_heads
 from jaxpage.models.weights import pack_params
 from jaxpage.worker.input_batch import InputBatch, build_batch
 from jaxpage.worker.kv_tiers import TIER_MOVES, KVTierMoves, kv_identity
-from jaxpage.worker.layer_loop import LayerLoop
 from jaxpage.worker.sampler import SamplerOutput, SamplingBatch
 from jaxpage.worker.step import (
     compile_step,
-    jit_step,
+    layer_loop,
+    make_step,
     replicated,
     substitute_placeholders,
+    unrolls_weights,
     weight_shardings,
 )
 from jaxpage.worker.warmup import (
@@ -49,25 +50,12 @@ from jaxpage.worker.warmup import (
 
 log = logging.getLogger(__name__)
 
-# where one compiled layer runs once per layer from the host (jaxpage.worker.layer_loop) instead of in a lax.scan:
-# XLA:CPU and XLA:GPU copy a scanned layer's weights out of the stack (on an H200, Llama-3-8B bfloat16: the GPU
-# busy 12.1 ms a decode step against 4.9 ms in the loop; benchmarks/gpu_step_profile.py --layouts). TPU: not
-# measured, so it keeps the scan. One device only: a tensor-parallel layer call is a launch on every device of
-# the mesh, and 30 of them made a step 4x the fused step's on 3 forced CPU devices (SmolLM2, 8 streams: 4.0 s
-# against 1.0 s).
-HOST_LAYER_LOOP_PLATFORMS = ("cpu", "gpu")
-
-
-def runs_host_loop(config: EngineConfig, device, mesh: Mesh | None = None) -> bool:
-    """Whether a step of ``config`` on ``device`` (or ``mesh``) runs the host layer loop over unrolled weights."""
-    return config.scan_layers and device.platform in HOST_LAYER_LOOP_PLATFORMS and mesh is None
-
-
-def step_weights(config: EngineConfig, params: dict, where, host_loop: bool) -> tuple[dict, dict]:
-    """The checkpoint's weights as the step takes them, placed on ``where`` (a device or a mesh), and their
-    shardings: packed for oneDNN where the model packs, LoRA slots added (all zeros), the layers unrolled for the
-    host loop or ``scan_layers=False``, the KV heads replicated where tensor parallelism needs it."""
-    unrolled = host_loop or not config.scan_layers
+def step_weights(config: EngineConfig, params: dict, where, loop: str) -> tuple[dict, dict]:
+    """The checkpoint's weights as the step driven by ``loop`` (step.LAYER_LOOPS) takes them, placed on ``where``
+    (a device or a mesh), and their shardings: packed for oneDNN where the model packs, LoRA slots added (all
+    zeros), the layers unrolled where the driver reads each layer's own buffers, the KV heads replicated where
+    tensor parallelism needs it."""
+    unrolled = unrolls_weights(loop)
     params = pack_params(config.model, params)
     if config.model.max_loras:
         params = with_empty_slots(config, params)
@@ -112,10 +100,11 @@ class ModelRunner:
         self.mesh = where if isinstance(where, Mesh) else None
         device = self.mesh.devices.flat[0] if self.mesh is not None else where
         self._platform = device.platform
-        host_loop = runs_host_loop(config, device, self.mesh)
+        self.layer_loop = layer_loop(config, device.platform, self.mesh)
+        host_loop = self.layer_loop == "host_loop"
         # LoRA: the adapters on the host and in the device slots (all zeros until an adapter is written in)
         self.lora = WorkerLoRAManager(config) if config.model.max_loras else None
-        self.params, shardings = step_weights(config, params, where, host_loop)
+        self.params, shardings = step_weights(config, params, where, self.layer_loop)
         self._lora_writer = SlotWriter(self.params) if self.lora is not None else None
         kv_dtype = jnp.dtype(config.kv_dtype)
         packed = packs_kv(config.model, config.attention_backend)
@@ -123,8 +112,7 @@ class ModelRunner:
                                         packed)
         self.host_pool = (host_kv_pool(config.model, config.num_host_blocks, config.block_size, kv_dtype, packed)
                           if config.num_host_blocks else None)
-        self._step = (LayerLoop.make(config, shardings, where) if host_loop
-                      else jit_step(config, where))
+        self._step = make_step(config, self.layer_loop, where, shardings)
         self._compiled: dict[WarmupProgram, object] = {}  # the warm-up's executables
         self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
         self.block_moves = BlockMoves.jit(where, kv_dtype, packed)

@@ -151,12 +151,21 @@ def sample_shard(logits: jax.Array, sp: SamplingBatch, vocab: VocabShard, noise,
 def is_plain_greedy(sp: SamplingBatch) -> bool:
     """Whether every row of a host batch asks for the argmax and its log-probability only (no randomness,
     penalty, bias, ban, grammar, top logprobs or draft): then ``plain_greedy`` gives ``sample``'s output."""
-    if sp.draft_ids is not None or bool(np.asarray(sp.want_top)):
-        return False
-    plain = (np.all(np.asarray(sp.temperature) <= 0) and np.all(np.asarray(sp.repetition_penalty) == 1)
-             and not np.any(np.asarray(sp.presence_penalty)) and not np.any(np.asarray(sp.frequency_penalty)))
-    return bool(plain and np.all(np.asarray(sp.logit_bias_ids) < 0) and np.all(np.asarray(sp.banned) < 0)
-                and np.all(np.asarray(sp.allowed) == -1))
+    return sp.draft_ids is None and bool(_all_plain_greedy(sp, np))
+
+
+def plain_greedy_on_device(sp: SamplingBatch) -> jax.Array:
+    """``is_plain_greedy`` of a traced batch, a bool scalar on the device (the fused step's choice)."""
+    return jnp.logical_and(sp.draft_ids is None, _all_plain_greedy(sp, jnp))
+
+
+def _all_plain_greedy(sp: SamplingBatch, xp):
+    """The one rule of ``is_plain_greedy``, in numpy (``xp=np``) or traced (``xp=jnp``)."""
+    checks = (~xp.asarray(sp.want_top), xp.all(xp.asarray(sp.temperature) <= 0),
+              xp.all(xp.asarray(sp.repetition_penalty) == 1), ~xp.any(xp.asarray(sp.presence_penalty) != 0),
+              ~xp.any(xp.asarray(sp.frequency_penalty) != 0), xp.all(xp.asarray(sp.logit_bias_ids) < 0),
+              xp.all(xp.asarray(sp.banned) < 0), xp.all(xp.asarray(sp.allowed) == -1))
+    return functools.reduce(xp.logical_and, checks)
 
 
 def plain_greedy(raw_logits: jax.Array, cap: float | None = None) -> SamplerOutput:

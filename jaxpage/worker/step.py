@@ -1,6 +1,12 @@
-"""The engine's step: one pure function from (weights, pool, batch, sampling) to (sampled tokens, pool), jitted
-with the pool donated; where its inputs live (weights, pool, the rest); and its inputs' shapes per token bucket,
-which warm-up and the compile lanes compile it for."""
+"""The engine's step: one pure function from (weights, pool, batch, sampling) to (sampled tokens, pool), with the
+pool donated; how its layer loop is driven on each platform; where its inputs live (weights, pool, the rest); and
+its inputs' shapes per token bucket, which warm-up and the compile lanes compile it for.
+
+The step is a sequence of stages (jaxpage.models: ``begin_layers``, ``run_layer`` per layer, ``final_norm``; then
+the tail, jaxpage.worker.step_tail). Two drivers run them: one program per token bucket (``jit_step``: the layers
+in a ``lax.scan`` over stacked weights, or unrolled over each layer's own buffers), or the host
+(jaxpage.worker.layer_loop: each stage a program, one compiled layer called once per layer). ``LAYER_LOOP`` says
+which runs where."""
 from __future__ import annotations
 
 import functools
@@ -23,6 +29,47 @@ from jaxpage.worker.sampler import MAX_BANNED, SamplerOutput, SamplingBatch
 from jaxpage.worker.step_tail import sample_tokens
 
 
+# How the step's layers run (``layer_loop``), each a driver of the same stages:
+#   host_loop  one compiled layer called once per layer from the host over each layer's own weight buffers
+#              (layer_loop.LayerLoop): XLA:CPU and XLA:GPU copy a scanned layer's weights out of the stack before
+#              its matmuls (on an H200, Llama-3-8B bfloat16, one stream: GPU busy 12.1 ms a decode step in the scan
+#              against 4.9 ms here, benchmarks/RESULTS.md "Device check (GPU)"), and an unrolled program takes ~3x the
+#              scan's compile time; but it is ~35 launches from Python a step.
+#   scan       one program, a lax.scan over stacked weights: one launch, one compiled layer.
+#   scan_dsf   the scan compiled with XLA:GPU's dynamic-slice fusion, which lets a matmul read its layer's slice of
+#              the stack in place: one launch and, if it covers the layer's matmuls, no weight copies. Not measured.
+#   unrolled   one program over unrolled weights (scan_layers=False on any platform): one launch, no copies.
+LAYER_LOOPS = ("host_loop", "scan", "scan_dsf", "unrolled")
+# one device, by platform. TPU: Mosaic reads the stacked weights in place and one launch a step matters most, so the
+# scan (the compile lane's and the step model's program); GPU: host_loop until the device check's layouts
+# section (benchmarks/gpu_step_profile.py --layouts) measures the one-launch programs against it.
+LAYER_LOOP = {"cpu": "host_loop", "gpu": "host_loop", "tpu": "scan"}
+# A tensor-parallel mesh: a layer call from the host is a launch on every device of the mesh (30 of them made a
+# step 4x the fused step's on 3 forced CPU devices, SmolLM2, 8 streams), so the step is one program.
+MESH_LAYER_LOOP = "scan"
+COMPILER_OPTIONS = {"scan_dsf": {"xla_gpu_enable_dynamic_slice_fusion": True}}
+
+
+def layer_loop(config: EngineConfig, platform: str, mesh: Mesh | None = None) -> str:
+    """The driver of ``config``'s layers on ``platform`` (a device's, or a mesh's), one of LAYER_LOOPS."""
+    if not config.scan_layers:
+        return "unrolled"
+    return MESH_LAYER_LOOP if mesh is not None else LAYER_LOOP.get(platform, "scan")
+
+
+def unrolls_weights(loop: str) -> bool:
+    """Whether the weights of a step driven by ``loop`` hold each layer in buffers of its own."""
+    return loop in ("host_loop", "unrolled")
+
+
+def make_step(config: EngineConfig, loop: str, where=None, weights: dict | None = None):
+    """The step of one layer-loop driver: a ``LayerLoop`` (weights: the unrolled weights' shardings) or the jitted
+    program (``jit_step``)."""
+    if loop == "host_loop":
+        return LayerLoop.make(config, weights, where)
+    return jit_step(config, where, COMPILER_OPTIONS.get(loop))
+
+
 def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
          sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
     """One engine iteration: write K/V, attend through the block tables, sample one token per sequence."""
@@ -37,13 +84,13 @@ def substitute_placeholders(token_ids: jax.Array, sampled: jax.Array, rows: jax.
     return jnp.where(token_ids == PLACEHOLDER_TOKEN_ID, sampled[rows].astype(token_ids.dtype), token_ids)
 
 
-def jit_step(config: EngineConfig, where=None):
-    """``step`` jitted with the pool donated and in its one format: the engine's step, and what the compile lane
-    compiles ahead of time for other targets. where: a device, or the mesh of a tensor-parallel config (the
-    weights split as ``weight_shardings`` says)."""
+def jit_step(config: EngineConfig, where=None, compiler_options: dict | None = None):
+    """``step`` jitted with the pool donated and in its one format: the one-program driver, and what the compile
+    lane compiles ahead of time for other targets. where: a device, or the mesh of a tensor-parallel config (the
+    weights split as ``weight_shardings`` says); compiler_options: XLA's (``COMPILER_OPTIONS``)."""
     arg_shardings = {0: weight_shardings(config, where)} if isinstance(where, Mesh) else None
     return jit_on_pool(functools.partial(step, config), 4, 1, "pair", where, arg_shardings, config.kv_dtype,
-                       packs_kv(config.model, config.attention_backend))
+                       packs_kv(config.model, config.attention_backend), compiler_options)
 
 
 def compile_step(jitted, params, pool, batch, sampling, fewer_rows: tuple = ()):

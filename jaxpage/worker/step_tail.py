@@ -1,6 +1,9 @@
-"""The step's tail: from the final-normed hidden states to the sampler's output. The LM head and the sampler at
-each row's token (``sample_rows``: its shapes depend on the sequence bucket only) and the prompt logprobs at the
-tokens that ask for them (``prompt_logprobs_of``: per token of the flat batch)."""
+"""The step's tail, one for both drivers of the layer loop (jaxpage.worker.step): from the final-normed hidden
+states to the sampler's output. The LM head and the sampler at each row's token (``sample_rows``, or
+``greedy_rows`` where every row is plain greedy: their shapes depend on the sequence bucket only) and the prompt
+logprobs at the tokens that ask for them (``prompt_logprobs_of``: per token of the flat batch). Where the choice
+between the two samplers is made is the driver's: on the host (the host layer loop compiles each apart, and a
+plain greedy step sends no sampling settings) or on the device (``choose_sampler``, inside one program)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +19,7 @@ from jaxpage.worker.sampler import (
     SamplerOutput,
     SamplingBatch,
     plain_greedy,
+    plain_greedy_on_device,
     prompt_logprobs,
     sample,
 )
@@ -28,7 +32,7 @@ def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: 
                   sampling: SamplingBatch) -> SamplerOutput:
     """The whole tail in one function (the fused step's): ``sample_rows`` at each sequence's last scheduled
     token of final-normed ``hidden`` [T, D], and ``prompt_logprobs_of`` where the batch has prompt targets."""
-    out = sample_rows(config, params, hidden[batch.logits_indices], sampling)
+    out = choose_sampler(config, params, hidden[batch.logits_indices], sampling)
     if sampling.prompt_targets is None:  # a batch made without targets (the benchmarks' own)
         return out
     return dataclasses.replace(out, prompt=prompt_logprobs_of(config, params, hidden, sampling.prompt_targets))
@@ -37,6 +41,22 @@ def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: 
 def sample_rows(config: EngineConfig, params: dict, rows: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
     """The sampler's per-row output from the rows' final-normed hidden states [S, D] (prompt targets unread)."""
     return sample(compute_logits(config.model, params, rows), sampling, config.sampler_returns_probs)
+
+
+def has_greedy_path(config: EngineConfig) -> bool:
+    """Whether the tail may take ``greedy_rows``: not where the step returns each row's distribution (a draft
+    model's runner) or samples a vocabulary split over a tensor-parallel mesh."""
+    return not config.sampler_returns_probs and config.tensor_parallel_size == 1
+
+
+def choose_sampler(config: EngineConfig, params: dict, rows: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
+    """``greedy_rows`` or ``sample_rows``, chosen on the device by ``plain_greedy_on_device``: a conditional runs
+    one of them."""
+    if not has_greedy_path(config) or sampling.draft_ids is not None:
+        return sample_rows(config, params, rows, sampling)
+    sampling = dataclasses.replace(sampling, prompt_targets=None)
+    return jax.lax.cond(plain_greedy_on_device(sampling), lambda: greedy_rows(config, params, rows),
+                        lambda: sample_rows(config, params, rows, sampling))
 
 
 def greedy_rows(config: EngineConfig, params: dict, rows: jax.Array) -> SamplerOutput:
