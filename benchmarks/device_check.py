@@ -18,7 +18,9 @@
 4. The step's layer-loop drivers (benchmarks/gpu_step_profile.py --layouts: host loop, scan, scan with XLA's
    dynamic-slice fusion, unrolled) on the same model: decode steps at 1 and 32 streams, the wall of
    ``LLMEngine.step`` against the GPU's busy time in it (the idle fraction), with async scheduling as served.
-5. The vLLM paper's comparison (benchmarks/throughput.py's setup): ShareGPT-like lengths at t=0, 2048-token
+5. The prefill limits (vLLM's names) on the GPU: the paged engine on 256 streams under serve's limits, chosen on a
+   CPU, and with them lifted, ABAB: output tokens/s against inter-token latency p50/p99.
+6. The vLLM paper's comparison (benchmarks/throughput.py's setup): ShareGPT-like lengths at t=0, 2048-token
    reservations, the same KV memory for every system, a warm-up window then a measured one; beside section 3,
    where every request fits.
 ``--sections`` runs some of them (a rerun of what a first run's time limit skipped); ``--budget-s`` is the whole
@@ -30,6 +32,7 @@ Each section has a time budget; what does not fit is recorded as skipped, never 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -45,8 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernels, throughput
+from jaxpage import SamplingParams
 from jaxpage.attention.kv_cache import bytes_per_block
 from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.models.loader import default_cache_dir
 from jaxpage.testing import random_model, workloads
 from jaxpage.worker.compile_cache import enable_compilation_cache
@@ -64,7 +69,8 @@ SMOKE = dict(heads=((8, 2, 64, 16, "float32"),), model=random_model.TINY, dtype=
                            "--no-check"], engine_budget_s=120.0,
              prefill=[(16, 20), (0, 12)], prefill_calls=1, prefill_rows=(64,), layout_steps=2, budget_s=600.0,
              paper=dict(slots=3, max_len=64, requests=6, scale=0.08, max_num_seqs=8, warmup=0.0, duration=0.0))
-SECTIONS = ("checks", "kernels", "prefill", "engine", "layouts", "paper")
+SECTIONS = ("checks", "kernels", "prefill", "engine", "layouts", "defaults", "paper")
+LIFTED = {"long_prefill_token_threshold": 0, "max_num_partial_prefills": 256, "max_long_partial_prefills": 256}
 
 
 # --- 1. self-checks ---------------------------------------------------------------------------------------
@@ -228,8 +234,54 @@ def layouts_section(smoke: bool, out: Path, deadline: float) -> dict:
     return found
 
 
+def engine_for(loaded, runner, **limits) -> LLMEngine:
+    return LLMEngine(dataclasses.replace(runner.config, **limits), runner, tokenizer=None, eos_token_ids=(),
+                     model_name=loaded.name)
+
+
+def add_requests(engine: LLMEngine, n: int, prompt: int, output: int, vocab: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        engine.add_request(str(i), {"prompt_token_ids": rng.integers(100, vocab, prompt).tolist()},
+                           SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True))
+
+
+def policy_run(loaded, runner, limits: dict, streams: int, prompt: int, output: int, vocab: int) -> dict:
+    """``streams`` requests at t=0 under the scheduling ``limits``: output tokens/s, and the inter-token latency
+    (each request's gaps between consecutive outputs, pooled) that the limits trade it against."""
+    engine = engine_for(loaded, runner, **limits)
+    add_requests(engine, streams, prompt, output, vocab, seed=1)
+    steps, peak, started = 0, 0, time.perf_counter()
+    last, gaps = {}, []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id in last:
+                gaps.append(now - last[out.request_id])
+            last[out.request_id] = now
+        steps += 1
+        peak = max(peak, engine.scheduler.num_running_seqs())
+    seconds = time.perf_counter() - started
+    itl = np.asarray(gaps or [np.nan]) * 1e3
+    return {"limits": limits or "serve's defaults", "output_tokens_per_s": streams * output / seconds,
+            "seconds": seconds, "steps": steps, "peak_running": peak,
+            "itl_ms_p50": float(np.percentile(itl, 50)), "itl_ms_p99": float(np.percentile(itl, 99))}
+
+
+def defaults_section(setup: dict) -> dict:
+    """Section 5: the paged engine on the most streams at t=0 under serve's prefill limits (chosen on a CPU) and
+    with them lifted (the token budget only, as vLLM V1 schedules by default), twice each in turn (ABAB): output
+    tokens/s against inter-token latency, the trade a GPU default is chosen by."""
+    loaded, runner, _, _ = paged_setup(setup)
+    n, model = max(setup["streams"]), setup["model"]
+    runs = [policy_run(loaded, runner, limits, n, setup["prompt"], setup["output"], model.vocab_size)
+            for limits in ({}, LIFTED, {}, LIFTED)]
+    return {"streams": n, "runs": runs}
+
+
 def paper_benchmark(setup: dict) -> dict:
-    """Section 5: throughput.py's comparison on the random-weight model: ``paper["slots"]`` reservations of
+    """Section 6: throughput.py's comparison on the random-weight model: ``paper["slots"]`` reservations of
     ``paper["max_len"]`` tokens are every system's KV memory; the paged engine runs up to ``max_num_seqs``."""
     p, model = setup["paper"], setup["model"]
     t = time.perf_counter()
@@ -266,6 +318,13 @@ def markdown(result: dict) -> str:
             cells = [f"{m[k]['gbps']:.0f} ({100 * m[k]['frac_of_copy']:.0f}%)" if "gbps" in m.get(k, {}) else "error"
                      for k in ("pallas_ours", "pallas_jax", "xla_engine")]
             lines.append(f"| {batch} | {context} | " + " | ".join(cells) + " |")
+        for r in bench["results"]:
+            d = r.get("device")
+            if d:
+                lines.append(f"batch {r['batch']} context {r['context']}: {r['median_us']:.1f} us a call, "
+                             f"{d['device_us_per_call']:.1f} us of it on the GPU: " + ", ".join(
+                                 f"{k['name'][:40]} {k['us_per_call']:.1f} us x{k['launches_per_call']:.0f}"
+                                 for k in d["kernels"][:4]))
     prefill = result.get("prefill")
     if prefill:
         timed = {k[:-3]: v for k, v in prefill.items() if k.endswith("_us")}
@@ -301,6 +360,12 @@ def markdown(result: dict) -> str:
             if "error" in entry:
                 lines.append(f"| {loop} | error: {entry['error'][:120]} | | | |")
         lines += [f"(skipped: {s['layout']}, {s['why']})" for s in layouts["skipped"]]
+    defaults = result.get("defaults")
+    if defaults:
+        lines += ["", f"Prefill limits at {defaults['streams']} streams (ABAB): " + "; ".join(
+            f"{'serve' if isinstance(r['limits'], str) else 'lifted'} {r['output_tokens_per_s']:.0f} tok/s, "
+            f"ITL p50 {r['itl_ms_p50']:.1f} / p99 {r['itl_ms_p99']:.1f} ms, peak {r['peak_running']}"
+            for r in defaults["runs"])]
     paper = result.get("paper")
     if paper:
         lines += ["", f"The paper's setup ({paper['setup']['slots']} x {paper['setup']['max_len']}-token reservations"
@@ -385,6 +450,8 @@ def run_section(section: str, setup: dict, args, result: dict, started: float, d
                                                                   args.json), copy_gbps)
     elif section == "layouts":
         result["layouts"] = layouts_section(args.smoke, out, deadline)
+    elif section == "defaults":
+        result["defaults"] = defaults_section(setup)
     elif section == "paper":
         result["paper"] = paper_benchmark(setup)
     return True

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -33,33 +32,16 @@ import numpy as np
 
 from benchmarks import device_check, kernels, throughput
 from benchmarks.profile import traced_steps, union_ms
-from jaxpage import SamplingParams
-from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.worker import step
-
-LIFTED = {"long_prefill_token_threshold": 0, "max_num_partial_prefills": 256, "max_long_partial_prefills": 256}
-
 
 def gpu_event(plane: str, line: str, name: str) -> bool:
     return plane.startswith("/device:GPU")
 
 
-def engine_for(loaded, runner, **limits) -> LLMEngine:
-    return LLMEngine(dataclasses.replace(runner.config, **limits), runner, tokenizer=None, eos_token_ids=(),
-                     model_name=loaded.name)
-
-
-def add(engine: LLMEngine, n: int, prompt: int, output: int, vocab: int, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        engine.add_request(str(i), {"prompt_token_ids": rng.integers(100, vocab, prompt).tolist()},
-                           SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True))
-
-
 def decode_profile(loaded, runner, streams: int, steps: int, prompt: int, vocab: int) -> dict:
     """Wall and GPU-busy ms per decode step once all ``streams`` decode (untimed steps first, then traced)."""
-    engine = engine_for(loaded, runner)
-    add(engine, streams, prompt, 2 * steps + 16, vocab)
+    engine = device_check.engine_for(loaded, runner)
+    device_check.add_requests(engine, streams, prompt, 2 * steps + 16, vocab)
     while any(len(s.token_ids) - s.num_computed_tokens > 1 for r in engine.requests.values() for s in r.group.seqs):
         engine.step()
     untraced = []
@@ -83,19 +65,6 @@ def decode_profile(loaded, runner, streams: int, steps: int, prompt: int, vocab:
             "per_line_union_ms": {line: union_ms(ivs) / steps for line, ivs in lines.items()},
             "kernels": collections.Counter(name for line, name, *_ in events if line.startswith("Stream"))
             .most_common(12)}
-
-
-def policy_run(loaded, runner, limits: dict, streams: int, prompt: int, output: int, vocab: int) -> dict:
-    engine = engine_for(loaded, runner, **limits)
-    add(engine, streams, prompt, output, vocab, seed=1)
-    steps, peak, started = 0, 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        peak = max(peak, engine.scheduler.num_running_seqs())
-    seconds = time.perf_counter() - started
-    return {"limits": limits or "serve's defaults", "output_tokens_per_s": streams * output / seconds,
-            "seconds": seconds, "steps": steps, "peak_running": peak}
 
 
 def layouts(setup: dict, steps: int, out: Path, deadline: float = float("inf"), streams=None) -> dict:
@@ -152,11 +121,13 @@ def print_table(result: dict) -> None:
                   f"{d.get('gpu_busy_ms', float('nan')):.2f} | {d.get('gpu_idle_ms', float('nan')):.2f} | "
                   f"{100 * d.get('gpu_idle_frac', float('nan')):.0f} |")
     if result.get("prefill_limits"):
-        print("\n| prefill limits | output tok/s | seconds | steps | peak running |\n| --- | --- | --- | --- | --- |")
+        print("\n| prefill limits | output tok/s | seconds | steps | peak running | ITL p50 / p99 ms |\n"
+              "| --- | --- | --- | --- | --- | --- |")
         for r in result["prefill_limits"]:
             limits = r["limits"] if isinstance(r["limits"], str) else "lifted"
             print(f"| {limits} | {r['output_tokens_per_s']:.0f} | {r['seconds']:.1f} | {r['steps']} | "
-                  f"{r['peak_running']} |")
+                  f"{r['peak_running']} | {r.get('itl_ms_p50', float('nan')):.1f} / "
+                  f"{r.get('itl_ms_p99', float('nan')):.1f} |")
     if "floor_ms" in result:
         print(f"\nfloor: {result['weights_gb']:.2f} GB of weights at {result['copy_gbps']:.0f} GB/s = "
               f"{result['floor_ms']:.2f} ms a step")
@@ -193,8 +164,8 @@ def main(argv=None) -> int:
     result["floor_ms"] = weights / (result["copy_gbps"] * 1e9) * 1e3  # each weight read once per step
     write = lambda: (out / "gpu_step_profile.json").write_text(json.dumps(result, indent=1, default=str))  # noqa: E731
     result["prefill_limits"] = []
-    for limits in ({}, LIFTED, {}, LIFTED):
-        result["prefill_limits"].append(policy_run(loaded, runner, limits, many, setup["prompt"], setup["output"],
+    for limits in ({}, device_check.LIFTED, {}, device_check.LIFTED):
+        result["prefill_limits"].append(device_check.policy_run(loaded, runner, limits, many, setup["prompt"], setup["output"],
                                                    model.vocab_size))
         write()
     result["decode"] = []

@@ -10,7 +10,9 @@ sequence at the full context. Each configuration gets enough independent pools a
 permutations of blocks) that one round over them is several times the L2 cache; a sample times ``--calls``
 back-to-back calls rotating over them and blocks once; the reported time is the median of ``--samples``
 samples. Bandwidth counts the K/V pages each call must read (plus q and the output), against a measured
-device-to-device copy (read + write bytes). Stops starting new configurations after ``--budget-s`` seconds so the
+device-to-device copy (read + write bytes). A call's time there includes the host's dispatch, which bounds small
+batches; our kernel's calls up to ``--breakdown-batch`` are also run under the profiler, recording the GPU's busy
+time per call and each GPU kernel in it (the split-K kernel, the ops that combine its splits). Stops starting new configurations after ``--budget-s`` seconds so the
 whole run stays under 8 minutes.
 """
 from __future__ import annotations
@@ -77,6 +79,36 @@ def time_method(fn, sets, calls, samples):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / calls)
     return statistics.median(times)
+
+
+def device_breakdown(fn, sets, calls: int) -> dict | None:
+    """Where a call's time goes on the device: ``calls`` calls under the profiler, each GPU kernel's mean
+    microseconds and launches per call, and the union of the GPU streams' busy time per call (the host's dispatch
+    is what a call's wall time adds to it). None where no GPU event was traced (a CPU)."""
+    import collections
+    import glob
+    import tempfile
+
+    jax.block_until_ready(fn(*sets[0]))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready([fn(*sets[i % len(sets)]) for i in range(calls)])
+        data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    events = [(e.name, e.start_ns, e.end_ns) for plane in data.planes if plane.name.startswith("/device:GPU")
+              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    if not events:
+        return None
+    spans, end = 0, -math.inf
+    for _, a, b in sorted(events, key=lambda e: e[1]):
+        if b > end:
+            spans, end = spans + b - max(a, end), b
+    by_name = collections.defaultdict(list)
+    for name, a, b in events:
+        by_name[name].append(b - a)
+    kernels = sorted(((name, sum(d) / calls / 1e3, len(d) / calls) for name, d in by_name.items()),
+                     key=lambda k: -k[1])
+    return {"device_us_per_call": spans / calls / 1e3,
+            "kernels": [{"name": n[:120], "us_per_call": us, "launches_per_call": k} for n, us, k in kernels[:12]]}
 
 
 def methods(lens, scale, interpret):
@@ -149,6 +181,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--calls", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no configuration after this")
     parser.add_argument("--json", default=None, help="write every configuration's figures here")
+    parser.add_argument("--breakdown-batch", type=int, default=16,
+                        help="our kernel's calls up to this batch are also profiled: each GPU kernel's time")
     parser.add_argument("--plot", default=None, help="PNG: GB/s per method and configuration (needs matplotlib)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="check our kernel against the reference first (device_check does its own)")
@@ -212,6 +246,8 @@ def main(argv=None) -> dict:
                 result["results"].append({"batch": batch, "context": context, "method": name,
                                           "median_us": seconds * 1e6, "gbps": gbps,
                                           "frac_of_copy": gbps / result["copy_gbps"], "input_sets": num_sets})
+                if name == "pallas_ours" and batch <= args.breakdown_batch:  # launch-bound sizes: on the device
+                    result["results"][-1]["device"] = device_breakdown(fn, sets, calls)
             del sets
     result["total_s"] = time.perf_counter() - started
     print_table(result)

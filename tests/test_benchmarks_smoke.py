@@ -225,6 +225,9 @@ def test_device_check_smoke_writes_every_section(tmp_path):
     for loop, entry in layouts["layouts"].items():
         assert [d["streams"] for d in entry["decode"]] == [1, 4] and all(
             d["untraced_wall_ms_median"] > 0 for d in entry["decode"]), (loop, entry)
+    runs = result["defaults"]["runs"]  # serve's prefill limits and lifted, ABAB, each with its latency
+    assert [isinstance(r["limits"], str) for r in runs] == [True, False, True, False], runs
+    assert all(r["output_tokens_per_s"] > 0 and 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] for r in runs), runs
     paper = result["paper"]
     assert paper["setup"]["max_len"] == 64 and not result["skipped_sections"]
     assert all(paper[s]["completed_requests"] == paper["setup"]["requests"] for s in SYSTEMS), paper
