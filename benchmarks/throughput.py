@@ -92,8 +92,7 @@ def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: 
     assert kv_cache_dtype != "auto" or config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
     num_host_blocks = config.num_kv_blocks if args.preemption_mode == "swap" else 0
     config = dataclasses.replace(config, preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks)
-    runner = ModelRunner(config, params)
-    runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
+    runner = ModelRunner(config, params, loaded.eos_token_ids)
     runner.warm_up(progress=False)
     return runner
 

@@ -24,7 +24,7 @@ LONGEST_FIRST = ("test_tensor_parallel.py", "test_structured_outputs.py", "test_
 UNIT = ("test_block_pool.py", "test_config_builder.py", "test_warmup.py", "test_registry.py", "test_vocab_shard.py",
         "test_stop.py", "test_import_graph.py", "test_docs.py", "test_block_accounting.py", "test_prefill_limits.py",
         "test_requests.py", "test_routing.py", "test_chat_parsers.py", "test_structured_serving.py",
-        "test_sliding_window_memory.py")
+        "test_sliding_window_memory.py", "test_runner_contract.py")
 
 
 def pytest_collection_modifyitems(items):

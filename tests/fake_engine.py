@@ -55,8 +55,11 @@ def prefix_hashes(token_ids: list[int], lora_int_id: int = 0) -> list[int]:
 
 
 class FakeRunner:
-    """The runner interface over a simulated KV pool (see the module docstring). ``fixed_token``: every row
-    samples it (else a draw that depends on the row's tokens and seed); ``step_seconds``: each step's time."""
+    """The runner contract (jaxpage.worker.runner.Runner) over a simulated KV pool (see the module docstring).
+    ``fixed_token``: every row samples it (else a draw that depends on the row's tokens and seed);
+    ``step_seconds``: each step's time."""
+
+    tiers = None  # no tier moves of the device's to time
 
     def __init__(self, config, num_host_blocks: int, fixed_token: int | None = None, step_seconds: float = 0.0):
         self.config = config
@@ -79,6 +82,9 @@ class FakeRunner:
 
     def load_lora(self, request) -> None:
         """Adapters have no weights here: the simulated K/V of a token depends on its sequence's adapter id."""
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Nothing is held per adapter."""
 
     def apply(self, ops) -> None:
         nb = self.config.num_kv_blocks

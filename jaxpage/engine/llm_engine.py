@@ -28,6 +28,7 @@ from jaxpage.utils import cdiv
 from jaxpage.worker.compile_cache import enable_compilation_cache
 from jaxpage.worker.draft_runner import DraftRunner
 from jaxpage.worker.multihost import runner_class
+from jaxpage.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,7 @@ def _load_draft(args: EngineArgs, cache_dir: Path, target):
 def _draft_runner(config: EngineConfig, draft_model: ModelConfig, draft) -> DraftRunner:
     """The draft's runner (``draft``: the LoadedModel, ``draft_model``: its shapes) over its own pool of the
     target's geometry (``draft_engine_config`` checks the draft against the target: vocabulary, positions)."""
-    drafter = DraftRunner(draft_engine_config(config, draft_model), draft.params)
-    drafter.runner.eos_token_ids = tuple(sorted(draft.eos_token_ids))
-    return drafter
+    return DraftRunner(draft_engine_config(config, draft_model), draft.params, draft.eos_token_ids)
 
 
 class DoesNotFitError(ValueError):
@@ -75,9 +74,9 @@ class DoesNotFitError(ValueError):
 
 
 class LLMEngine:
-    """The engine over any runner with ``warm_up``, ``apply(DeviceOps)`` and ``execute(scheduled)``."""
+    """The engine over a runner (jaxpage.worker.runner.Runner)."""
 
-    def __init__(self, config: EngineConfig, runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
+    def __init__(self, config: EngineConfig, runner: Runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
                  drafter: DraftRunner | None = None):
         self.config = config
         self.drafter = drafter  # speculative decoding's draft model (method draft_model), its runner and pool
@@ -93,7 +92,7 @@ class LLMEngine:
         window = config.model.sliding_window if config.model.every_layer_windowed else 0
         host_tier = HostKVTier(config.num_offload_blocks) if config.num_offload_blocks else None
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.num_host_blocks, window, host_tier,
-                                 getattr(runner, "disk_tier", None))
+                                 runner.disk_tier)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids, next_seq_id=self._seq_ids.__next__)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
@@ -104,7 +103,7 @@ class LLMEngine:
         self.load_seconds = self.warmup_seconds = 0.0
         self.structured: StructuredOutputManager | None = None  # made with the first constrained request
         # Async scheduling, where the runner can leave a step running (launch/fetch; not across several hosts)
-        self.async_scheduling = config.async_scheduling and getattr(runner, "supports_async_scheduling", False)
+        self.async_scheduling = config.async_scheduling and runner.supports_async_scheduling
         self._in_flight: InFlight | None = None  # the decode step left running on the device
         # a launched step that is not the decode fast path, read at the start of the next step() (async
         # scheduling): the step before's outputs go out while it runs, not after it
@@ -126,8 +125,7 @@ class LLMEngine:
         draft = _load_draft(args, cache_dir, loaded)
         draft_model = config_from_hf(draft.hf_config) if draft is not None else None
         config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0, draft_model)
-        runner = runner_class()(config, loaded.params)  # process 0 of several: broadcasts
-        runner.eos_token_ids = tuple(sorted(loaded.eos_token_ids))
+        runner = runner_class()(config, loaded.params, loaded.eos_token_ids)  # process 0 of several: broadcasts
         drafter = _draft_runner(config, draft_model, draft) if draft is not None else None
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                      model_name=loaded.name, drafter=drafter)
@@ -429,7 +427,7 @@ class LLMEngine:
     def _offload_stats(self) -> dict:
         """The prefix cache's host and disk tiers, when on: hits in blocks and bytes per tier, offloads and
         restores (blocks, and the host's seconds spent on them), and vLLM's external_prefix_cache_* in tokens."""
-        kv, tiers = self.kv, getattr(self.runner, "tiers", None)
+        kv, tiers = self.kv, self.runner.tiers
         if kv.host_tier is None:
             return {}
         c, disk = kv.offload, kv.disk_tier

@@ -24,9 +24,9 @@ from jaxpage.worker.model_runner import ModelRunner
 
 
 class DraftRunner:
-    def __init__(self, config: EngineConfig, params: dict):
+    def __init__(self, config: EngineConfig, params: dict, eos_token_ids=()):
         self.config = config
-        self.runner = ModelRunner(config, params)
+        self.runner = ModelRunner(config, params, eos_token_ids)
         # tokens whose draft K/V are in the draft's pool, per sequence (valid below the target's computed tokens)
         self._computed: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 

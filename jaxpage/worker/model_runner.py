@@ -93,7 +93,7 @@ class ModelRunner:
 
     supports_async_scheduling = True  # launch leaves the step running; fetch reads it
 
-    def __init__(self, config: EngineConfig, params: dict):
+    def __init__(self, config: EngineConfig, params: dict, eos_token_ids=()):
         self.config = config
         identity = kv_identity(config, params) if config.kv_offloading_dir else {}  # of the checkpoint's weights
         where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
@@ -120,7 +120,7 @@ class ModelRunner:
         self.tiers = (KVTierMoves(config, kv_dtype, self.block_moves, self._move_size, identity)
                       if config.num_offload_blocks else None)
         self.disk_tier = self.tiers.disk_tier if self.tiers is not None else None
-        self.eos_token_ids: tuple[int, ...] = ()
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_token_ids))  # min_tokens bans them
         # build_batch's persistent block tables and sampling settings; the host loop samples a step's rows only
         self.input_batch = InputBatch(config, sampled_rows_apart=host_loop and jax.process_count() == 1)
         self._substitute = jax.jit(substitute_placeholders, out_shardings=replicated(config))
