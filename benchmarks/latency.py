@@ -59,9 +59,11 @@ def serve(dtype: str) -> None:
 
 
 def start_worker(script: str, tree: str, *args: str) -> subprocess.Popen:
-    """``script --serve *args`` with ``tree`` first on PYTHONPATH, once it has printed "ready"."""
+    """``script --serve *args`` with ``tree`` first on PYTHONPATH, once it has printed "ready". -P: the script's
+    folder is not put on sys.path, where benchmarks/kernels.py would shadow the ``kernels`` package that
+    transformers imports."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
-    worker = subprocess.Popen([sys.executable, os.path.abspath(script), "--serve", *args], env=env,
+    worker = subprocess.Popen([sys.executable, "-P", os.path.abspath(script), "--serve", *args], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     while worker.stdout.readline().strip() != "ready":
         assert worker.poll() is None, f"the worker of {tree} exited"

@@ -35,43 +35,32 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
 
-def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_cache_memory: int | None,
-                        num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int,
-                        max_model_len: int | None, gpu_memory_utilization: float,
-                        attention_backend: str = "auto", scan_layers: bool = True,
-                        tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                        quantization: str | None = None, data_parallel_size: int = 1,
-                        data_parallel_rank: int = 0, enable_prefix_caching: bool = True,
-                        preemption_mode: str = "recompute", swap_space: int = EngineArgs.swap_space,
-                        max_seqs_per_request: int | None = None,
-                        long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold,
-                        max_num_partial_prefills: int = EngineArgs.max_num_partial_prefills,
-                        max_long_partial_prefills: int = EngineArgs.max_long_partial_prefills,
-                        wave_prefill: bool = EngineArgs.wave_prefill,
-                        prefill_into_padding: bool = EngineArgs.prefill_into_padding,
-                        async_scheduling: bool = EngineArgs.async_scheduling,
-                        async_prompt_steps: bool | None = None, enable_lora: bool = False,
-                        max_loras: int = EngineArgs.max_loras, max_lora_rank: int = EngineArgs.max_lora_rank,
-                        max_cpu_loras: int | None = None,
-                        speculative_config: dict | SpeculativeConfig | None = None,
-                        kv_offloading_size: float = 0.0, kv_offloading_backend: str | None = None,
-                        kv_offloading_dir: str | None = None,
-                        kv_offloading_disk_size: float = EngineArgs.kv_offloading_disk_size,
-                        routing: RoutingConfig | None = None,
-                        draft_model: ModelConfig | None = None) -> EngineConfig:
+def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, data_parallel_rank: int = 0,
+                        draft_model: ModelConfig | None = None, async_prompt_steps: bool | None = None,
+                        **options) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
-    preemption_mode swap). draft_model: the draft's shapes with speculative decoding's draft_model method (its
-    pool has the target's block ids, so each block's bytes are both models')"""
-    speculative_config = speculative_config_of(speculative_config)
+    preemption_mode swap), for ``model`` (the checkpoint's shapes). args: the engine's options (EngineArgs, the
+    one declaration of each option, its default, flag and help); ``options``: EngineArgs fields set over args'.
+    data_parallel_rank: which of ``data_parallel_size`` replicas this is; draft_model: the draft's shapes with
+    speculative decoding's draft_model method (its pool has the target's block ids, so each block's bytes are both
+    models'); async_prompt_steps: EngineConfig's (None: on off the CPU)."""
+    args = dataclasses.replace(args or EngineArgs(), **options)
+    dtype, block_size, max_num_seqs = args.dtype, args.block_size, args.max_num_seqs
+    max_num_batched_tokens, quantization = args.max_num_batched_tokens, args.quantization
+    tensor_parallel_size, data_parallel_size = args.tensor_parallel_size, args.data_parallel_size
+    kv_cache_dtype, preemption_mode, async_scheduling = args.kv_cache_dtype, args.preemption_mode, args.async_scheduling
+    enable_prefix_caching, num_kv_blocks = args.enable_prefix_caching, args.num_kv_blocks
+    max_cpu_loras, kv_offloading_dir = args.max_cpu_loras, args.kv_offloading_dir
+    speculative_config = speculative_config_of(args.speculative_config)
     assert (draft_model is not None) == (speculative_config is not None
                                          and speculative_config.method == "draft_model"), "draft_model: its shapes"
     check_quantization(quantization)
     dtype = resolve_dtype(dtype, cpu_bfloat16=cpu_serves_bfloat16(model, quantization))
     model = dataclasses.replace(model, quantization=quantization)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
-    backend = resolve_backend(attention_backend)
-    if enable_lora:
-        model, max_cpu_loras = _with_lora(model, max_loras, max_lora_rank, max_cpu_loras,
+    backend = resolve_backend(args.attention_backend)
+    if args.enable_lora:
+        model, max_cpu_loras = _with_lora(model, args.max_loras, args.max_lora_rank, max_cpu_loras,
                                           grouped_kernel_runs(backend, tensor_parallel_size, group))
     model = model_for_tp(model, tensor_parallel_size)
     require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
@@ -85,7 +74,7 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
             f"must be >= max_num_seqs={max_num_seqs}")
     limit = model.max_position_embeddings
-    max_model_len = max_model_len or limit
+    max_model_len = args.max_model_len or limit
     require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
             f"must be between 1 and the model's max_position_embeddings={limit}")
     models = (model,) if draft_model is None else (model, draft_model)  # a draft runs on the target's first device
@@ -93,7 +82,8 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
                  for m, shards in zip(models, (tensor_parallel_size, 1))]
     if num_kv_blocks is None:
         num_kv_blocks = _blocks_for_memory(models, dtype, block_size, sum(per_block), max_model_len,
-                                           kv_cache_memory, gpu_memory_utilization, tensor_parallel_size, group)
+                                           args.kv_cache_memory, args.gpu_memory_utilization, tensor_parallel_size,
+                                           group)
     else:
         _check_num_kv_blocks(num_kv_blocks, block_size, max_model_len)
     log.info("KV pool: %d blocks of %d tokens, %s", num_kv_blocks, block_size, ", ".join(
@@ -101,11 +91,12 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
         f"{('target', 'draft')[i]} model" for i, b in enumerate(per_block)))
     require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode, "must be 'recompute' or 'swap'")
     long_prefill_token_threshold = _long_prefill_token_threshold(
-        long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills, max_model_len)
+        args.long_prefill_token_threshold, args.max_num_partial_prefills, args.max_long_partial_prefills,
+        max_model_len)
     host_per_block = sum(kv_cache.bytes_per_block(m, block_size, kv_dtype) for m in models)  # each model swaps
-    num_host_blocks = swap_space // host_per_block if preemption_mode == "swap" else 0
-    num_offload_blocks = _num_offload_blocks(kv_offloading_size, kv_offloading_backend, kv_offloading_dir,
-                                             kv_offloading_disk_size, host_per_block, enable_prefix_caching)
+    num_host_blocks = args.swap_space // host_per_block if preemption_mode == "swap" else 0
+    num_offload_blocks = _num_offload_blocks(args.kv_offloading_size, args.kv_offloading_backend, kv_offloading_dir,
+                                             args.kv_offloading_disk_size, host_per_block, enable_prefix_caching)
     if speculative_config is not None and speculative_config.method == "draft_model" and async_scheduling:
         log.info("speculative decoding (draft_model): async scheduling is off (the draft model computes each "
                  "step's tokens from the host's view of them)")
@@ -113,23 +104,24 @@ def build_engine_config(model: ModelConfig, *, dtype: str, block_size: int, kv_c
     config = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
-                          attention_backend=backend, scan_layers=scan_layers,
+                          attention_backend=backend, scan_layers=args.scan_layers,
                           tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
                           data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
                           enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
-                          num_host_blocks=num_host_blocks, max_seqs_per_request=max_seqs_per_request,
+                          num_host_blocks=num_host_blocks, max_seqs_per_request=args.max_seqs_per_request,
                           long_prefill_token_threshold=long_prefill_token_threshold,
-                          max_num_partial_prefills=max_num_partial_prefills,
-                          max_long_partial_prefills=max_long_partial_prefills, wave_prefill=wave_prefill,
-                          prefill_into_padding=prefill_into_padding,
+                          max_num_partial_prefills=args.max_num_partial_prefills,
+                          max_long_partial_prefills=args.max_long_partial_prefills, wave_prefill=args.wave_prefill,
+                          prefill_into_padding=args.prefill_into_padding,
                           async_scheduling=async_scheduling,
                           async_prompt_steps=(jax.default_backend() != "cpu" if async_prompt_steps is None
                                               else async_prompt_steps),
                           max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config,
                           num_offload_blocks=num_offload_blocks, kv_offloading_dir=kv_offloading_dir,
-                          kv_offloading_disk_bytes=int(kv_offloading_disk_size * (1 << 30)),
-                          routing=routing or RoutingConfig())
-    require(config.seqs_per_request >= 1, "max_seqs_per_request", max_seqs_per_request, "must be >= 1")
+                          kv_offloading_disk_bytes=int(args.kv_offloading_disk_size * (1 << 30)),
+                          routing=RoutingConfig(args.data_parallel_routing, args.cache_threshold,
+                                                args.balance_abs_threshold, args.balance_rel_threshold))
+    require(config.seqs_per_request >= 1, "max_seqs_per_request", args.max_seqs_per_request, "must be >= 1")
     return config
 
 
@@ -149,30 +141,8 @@ def speculative_config_of(options: dict | SpeculativeConfig | None) -> Speculati
 
 def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_rank: int = 0,
                             draft_model: ModelConfig | None = None) -> EngineConfig:
-    """The EngineConfig of every engine option in ``args``, for ``model`` (the shapes of the loaded checkpoint;
-    draft_model: the draft's, with speculative decoding's draft_model method); data_parallel_rank: which of
-    ``args.data_parallel_size`` replicas it is."""
-    return build_engine_config(
-        model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-        scan_layers=args.scan_layers, tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-        data_parallel_size=args.data_parallel_size, data_parallel_rank=data_parallel_rank,
-        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space, max_seqs_per_request=args.max_seqs_per_request,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills, wave_prefill=args.wave_prefill,
-        prefill_into_padding=args.prefill_into_padding,
-        async_scheduling=args.async_scheduling,
-        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
-        kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
-        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_disk_size=args.kv_offloading_disk_size,
-        routing=RoutingConfig(args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold,
-                              args.balance_rel_threshold), draft_model=draft_model)
+    """The EngineConfig of every engine option in ``args``, for ``model`` (see ``build_engine_config``)."""
+    return build_engine_config(model, args, data_parallel_rank=data_parallel_rank, draft_model=draft_model)
 
 
 def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfig:
