@@ -419,8 +419,11 @@ def check_accounting(engine: LLMEngine) -> None:
 
 def record_prompt_rows_ahead(engine: LLMEngine) -> list[int]:
     """Records, for each step the engine schedules while the one before runs, how many of its rows compute more
-    than one token (a prompt or its chunk)."""
-    prompt_rows, schedule_ahead = [], engine.scheduler.schedule_ahead
+    than one token (a prompt or its chunk); a synchronous engine's scheduler never schedules ahead."""
+    prompt_rows = []
+    if not engine.async_scheduling:
+        return prompt_rows
+    schedule_ahead = engine.scheduler.schedule_ahead
 
     def recording():
         out = schedule_ahead()

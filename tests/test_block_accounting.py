@@ -82,8 +82,12 @@ def _check_ahead_and_synchronous(run) -> None:
 
 
 def _count_ahead(engine) -> list[bool]:
-    """Records, for each time the engine asks, whether the next step was scheduled while one ran."""
-    asked, schedule_ahead = [], engine.scheduler.schedule_ahead
+    """Records, for each time the engine asks, whether the next step was scheduled while one ran (a synchronous
+    engine's scheduler has no look-ahead: it never asks)."""
+    asked = []
+    if not engine.async_scheduling:
+        return asked
+    schedule_ahead = engine.scheduler.schedule_ahead
     engine.scheduler.schedule_ahead = lambda: (out := schedule_ahead(), asked.append(out is not None))[0]
     return asked
 

@@ -1,7 +1,6 @@
 """LLMEngine: requests in, one scheduled and executed step at a time, outputs back."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -13,9 +12,11 @@ from jaxpage.config import EngineConfig, ModelConfig
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.kv_offload import HostKVTier
+from jaxpage.core.async_scheduler import AsyncScheduler
 from jaxpage.core.scheduler import Scheduler
-from jaxpage.core.scheduler_output import sampled_rows
+from jaxpage.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.engine.batch_queue import BatchQueue
 from jaxpage.engine.config_builder import draft_engine_config, engine_config_from_args, speculative_config_of
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.models import config_from_hf
@@ -33,16 +34,6 @@ from jaxpage.worker.runner import Runner
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineArgs", "LLMEngine", "DoesNotFitError"]
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A launched step whose tokens the host has not read: the runner's handle, and the rows whose sequences
-    hold placeholders for them."""
-
-    launched: object  # the runner's LaunchedStep
-    rows: list[int]
-    first_tokens: bool = False  # it samples some request's first token
 
 
 def _load_draft(args: EngineArgs, cache_dir: Path, target):
@@ -94,7 +85,11 @@ class LLMEngine:
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.num_host_blocks, window, host_tier,
                                  runner.disk_tier)
         self._seq_ids = itertools.count()
-        self.scheduler = Scheduler(config, self.kv, self.eos_token_ids, next_seq_id=self._seq_ids.__next__)
+        # Async scheduling, where the runner can leave a step running (launch/fetch; not across several hosts)
+        self.async_scheduling = config.async_scheduling and runner.supports_async_scheduling
+        scheduler = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler(config, self.kv, self.eos_token_ids, next_seq_id=self._seq_ids.__next__)
+        self.batch_queue = BatchQueue(self)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self.requests = self.output_processor.requests  # request id -> RequestState, while unfinished
         self.finished_metrics = self.output_processor.finished_metrics
@@ -102,13 +97,6 @@ class LLMEngine:
         self.peak_kv = {"blocks_used": 0, "kv_tokens_stored": 0, "kv_slots_allocated": 0}
         self.load_seconds = self.warmup_seconds = 0.0
         self.structured: StructuredOutputManager | None = None  # made with the first constrained request
-        # Async scheduling, where the runner can leave a step running (launch/fetch; not across several hosts)
-        self.async_scheduling = config.async_scheduling and runner.supports_async_scheduling
-        self._in_flight: InFlight | None = None  # the decode step left running on the device
-        # a launched step that is not the decode fast path, read at the start of the next step() (async
-        # scheduling): the step before's outputs go out while it runs, not after it
-        self._unread = None
-        self._ready: list[RequestOutput] = []  # outputs of a step in flight read outside step(), for the next
 
     @classmethod
     def from_args(cls, args: EngineArgs, data_parallel_rank: int | None = None) -> "LLMEngine":
@@ -249,122 +237,62 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ends the request now and returns its blocks to the pool."""
-        self.wait_for_step()
-        self._ready = [o for o in self._ready if o.request_id != request_id]  # nothing comes after its abort
+        self.batch_queue.drop(request_id)
         request = self.output_processor.abort(request_id)
         if request is not None:
             self.scheduler.finish_group(request.group, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._ready) or self.scheduler.has_unfinished()
+        return bool(self.batch_queue.ready) or self.scheduler.has_unfinished()
 
     # --- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one iteration; returns an output for every request that got a token.
+        """Schedules and runs one iteration; returns an output for every request that got a token. With async
+        scheduling, jaxpage.engine.batch_queue's step (the device runs a step while the next is scheduled)."""
+        if self.async_scheduling:
+            return self.batch_queue.step()
+        out, outputs = self.schedule()
+        if not out.scheduled:
+            return outputs
+        failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
+        bitmask = self.prepare(out.scheduled, failed)
+        sampled = self.runner.execute(out.scheduled) if bitmask is None else self.runner.execute(out.scheduled, bitmask)
+        return outputs + self.update(out.scheduled, sampled, failed)
 
-        With async scheduling a step of plain requests (Scheduler.runs_ahead) is left running on the device: the
-        next call schedules and launches the step after it (its tokens taken from the device) before it reads
-        this one's, so outputs come a step late; a step that cannot be scheduled ahead waits for the step in
-        flight first, and is itself read at the start of the next call when this one has outputs to return
-        (see DESIGN.md, the step)."""
-        outputs, self._ready = self._ready, []
-        if self._unread is not None:
-            outputs += self._read_unread()
-        elif self._in_flight is not None:
-            # a step with first tokens is read before the next is scheduled: their TTFT does not wait a step more
-            ahead = (self.scheduler.schedule_ahead() if self.async_scheduling and not self._in_flight.first_tokens
-                     else None)
-            if ahead is not None:
-                self.runner.apply(ahead.ops)
-                launched = self.runner.launch(ahead.scheduled, previous=self._in_flight.launched)
-                # asked before the read: a request ending there must not make this step synchronous (read at
-                # once, two steps' tokens in one call, the device idle while the next step is scheduled)
-                holds = self.scheduler.runs_ahead(ahead.scheduled)
-                outputs += self._finish_in_flight()
-                if holds:
-                    self._hold(launched)
-                else:  # it verifies drafts: the step after starts where its accepted tokens end
-                    outputs += self._finish(launched, self._live_rows(launched))
-                return outputs
-            outputs += self._finish_in_flight()
+    def schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """The scheduler's next step, its block moves applied (the draft model's pool too), and the outputs of
+        the requests that can never fit (ended with finish_reason 'abort')."""
         out = self.scheduler.schedule()
         self.runner.apply(out.ops)
         if self.drafter is not None:
             self.drafter.apply(out.ops)
-        outputs += [self._fail(group) for group in self.scheduler.take_failed()]
-        if not out.scheduled:
-            return outputs
-        failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
+        return out, [self._fail(group) for group in self.scheduler.take_failed()]
+
+    def prepare(self, scheduled: list[ScheduledSeq], failed: dict[str, Exception]):
+        """The per-request work before a step runs: the draft model's drafts, the structured outputs' bitmask
+        (None: no row constrained); a request whose work fails goes into ``failed``."""
         if self.drafter is not None:  # speculative decoding's draft model fills in the pending drafts
-            self.drafter.propose(out.scheduled)
-        bitmask = self.structured.bitmask(out.scheduled, failed) if self.structured is not None else None
-        if not self.async_scheduling:
-            sampled = (self.runner.execute(out.scheduled) if bitmask is None
-                       else self.runner.execute(out.scheduled, bitmask))
-            return outputs + self._update(out.scheduled, sampled, failed)
-        launched = self.runner.launch(out.scheduled, bitmask)
-        if not failed and self.scheduler.runs_ahead(out.scheduled):
-            self._hold(launched)
-            return outputs
-        if outputs and not failed:
-            self._unread = launched
-            return outputs
-        return outputs + self._update(out.scheduled, self.runner.fetch(launched), failed)
+            self.drafter.propose(scheduled)
+        return self.structured.bitmask(scheduled, failed) if self.structured is not None else None
 
-    def wait_for_step(self) -> None:
-        """Waits for the step in flight or unread, if any (async scheduling), and takes its tokens: the queues are
-        then as after a synchronous step. Its outputs come with the next ``step()``."""
-        if self._unread is not None:
-            self._ready += self._read_unread()
-        if self._in_flight is not None:
-            self._ready += self._finish_in_flight()
-
-    def close(self) -> None:
-        """Puts the disk tier's queued blocks on disk and stops its writer thread; the engine takes no more steps.
-        (Without it, the writer's queue is still flushed when the interpreter exits.)"""
-        if self.kv.disk_tier is not None:
-            self.kv.disk_tier.close()
-
-    def _hold(self, launched) -> None:
-        """Leaves a launched step in flight: its live rows' sequences get placeholders for their tokens."""
-        rows = self._live_rows(launched)
-        held = [launched.scheduled[i] for i in rows]
-        first = any(s.samples and s.seq.num_output_tokens == 0 for s in held)
-        self.scheduler.add_placeholders(held)
-        self._in_flight = InFlight(launched, rows, first) if rows else None
-
-    @staticmethod
-    def _live_rows(launched) -> list[int]:
-        """The rows of a launched step whose sequence has not ended since its launch."""
-        return [i for i, s in enumerate(launched.scheduled) if s.seq.finish_reason is None]
-
-    def _finish_in_flight(self) -> list[RequestOutput]:
-        """The step in flight's tokens read and taken by the scheduler as a synchronous step's."""
-        flight, self._in_flight = self._in_flight, None
-        self.scheduler.remove_placeholders([flight.launched.scheduled[i] for i in flight.rows])
-        return self._finish(flight.launched, flight.rows)
-
-    def _read_unread(self) -> list[RequestOutput]:
-        """The unread step's tokens, waited for and taken as a synchronous step's."""
-        launched, self._unread = self._unread, None
-        return self._update(launched.scheduled, self.runner.fetch(launched), {})
-
-    def _finish(self, launched, rows: list[int]) -> list[RequestOutput]:
-        """A launched step's tokens read, those of ``rows`` taken (a row whose sequence ended since its launch
-        computed tokens that are dropped)."""
-        sampled = self.runner.fetch(launched)
-        scheduled = [launched.scheduled[i] for i in rows]
-        if len(rows) != len(launched.scheduled):
-            sampled = sampled.rows(sampled_rows(launched.scheduled, rows))
-        return self._update(scheduled, sampled, {})
-
-    def _update(self, scheduled, sampled, failed: dict[str, Exception]) -> list[RequestOutput]:
+    def update(self, scheduled, sampled, failed: dict[str, Exception]) -> list[RequestOutput]:
         """A step's sampled tokens taken by the scheduler, then the outputs of the requests that got one."""
         now = time.monotonic()
         got_token = self.scheduler.update_from_output(scheduled, sampled, failed)
         outputs = self.output_processor.process_outputs(got_token, failed, now)
         self._track_peak_kv()
         return outputs
+
+    def wait_for_step(self) -> None:
+        """Waits for the step in flight or unread, if any (async scheduling), and takes its tokens: the queues are
+        then as after a synchronous step. Its outputs come with the next ``step()``."""
+        self.batch_queue.wait()
+
+    def close(self) -> None:
+        """Puts the disk tier's queued blocks on disk and stops its writer thread; the engine takes no more steps.
+        (Without it, the writer's queue is still flushed when the interpreter exits.)"""
+        if self.kv.disk_tier is not None:
+            self.kv.disk_tier.close()
 
     def _fail(self, group: SequenceGroup) -> RequestOutput:
         """A request that cannot fit in the pool even alone: it ends with finish_reason 'abort'."""
