@@ -309,7 +309,7 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
     if own_dir:
         weakref.finalize(engine, shutil.rmtree, own_dir, True)
     if speculative:
-        engine.scheduler.proposer = FakeDraftProposer()
+        engine.scheduler.drafts.proposer = FakeDraftProposer()
     runner.block_pool = engine.block_pool
     check_each_schedule(engine.scheduler)
     engine.refuse_unfittable = refuse_unfittable

@@ -67,7 +67,7 @@ def test_speculative_config_flag_and_vllm_defaults():
         parser.parse_args(["--speculative-config", "[1]"])
     engine = make_engine(num_kv_blocks=20, speculative=2)
     assert engine.async_scheduling and engine.config.speculative_config.num_speculative_tokens == 2
-    assert make_engine(num_kv_blocks=20).scheduler.proposer is None  # off by default
+    assert make_engine(num_kv_blocks=20).scheduler.drafts is None  # off by default
 
 
 def test_ngram_proposer_takes_the_latest_longest_match():
@@ -350,8 +350,8 @@ def test_async_scheduling_runs_plain_steps_ahead_and_drafts_one_step_late():
     engine = make_engine(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, speculative=3)
     assert engine.async_scheduling
     launched = []  # every step's launch
-    drafts = engine.scheduler.proposer.propose  # no draft in every third step: plain steps happen too
-    engine.scheduler.proposer.propose = lambda seq, k: drafts(seq, k) if len(launched) % 3 else []
+    drafts = engine.scheduler.drafts.proposer.propose  # no draft in every third step: plain steps happen too
+    engine.scheduler.drafts.proposer.propose = lambda seq, k: drafts(seq, k) if len(launched) % 3 else []
     ahead = []  # for each step launched while the one before ran: whether it carries drafts
 
     def record(scheduled, previous):

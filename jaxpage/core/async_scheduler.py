@@ -29,11 +29,11 @@ class AsyncScheduler(Scheduler):
         if self._decode is scheduled:
             return not any(s.group.params.has_penalties or s.group.params.structured_outputs is not None
                            for s in scheduled)
-        return self.prompt_steps_ahead and self.proposer is None and all(runs_plain(s.group) for s in scheduled)
+        return self.prompt_steps_ahead and self.drafts is None and all(runs_plain(s.group) for s in scheduled)
 
     def schedule_ahead(self) -> SchedulerOutput | None:
         """The next step while the last one runs (its rows hold placeholders, see add_placeholders): the decode
-        fast path (with speculation, its drafts proposed one step late: see _draft), else, with
+        fast path (with speculation, its drafts proposed one step late: see DraftScheduling.draft), else, with
         prompt_steps_ahead, the full pass where nothing in it depends on the tokens still on the device
         (_full_pass_ahead_is_safe: new plain requests admitted beside the running ones, a prompt's next chunk,
         its first decode). None (nothing changed) otherwise; the engine then waits for the last step's tokens
@@ -49,7 +49,7 @@ class AsyncScheduler(Scheduler):
         speculation, every group running or waiting plain (runs_plain), and every running sequence's next
         tokens fit in the free blocks with no preemption (which would recompute a placeholder) and no copy on
         write."""
-        if not self.running or self.swapped or self._failed or self.proposer is not None:
+        if not self.running or self.swapped or self._failed or self.drafts is not None:
             return False
         if not all(runs_plain(g) for g in itertools.chain(self.running, self.waiting)):
             return False

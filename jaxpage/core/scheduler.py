@@ -1,7 +1,6 @@
 """Scheduler: iteration-level (continuous) batching under a token budget, with chunked prefill and preemption."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -14,13 +13,13 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.prefill_limits import PrefillLimits, decodes_and_prefills, padding_room
 from jaxpage.core.prompt_logprobs import lacks_prompt_logprobs, take_prompt_logprobs
 from jaxpage.core.scheduler_output import (
-    PLACEHOLDER_TOKEN_ID,
     ScheduledSeq,
     SchedulerOutput,
 )
-from jaxpage.core.stop import check_stop, reached_min_tokens
+from jaxpage.core.stop import check_stop
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from jaxpage.spec_decode.metrics import SpecDecodingStats
+from jaxpage.core.draft_scheduling import DraftScheduling
 from jaxpage.spec_decode.proposer import make_proposer
 from jaxpage.spec_decode.rejection_sampler import emitted_tokens
 
@@ -48,7 +47,7 @@ class Scheduler:
         self._decode: list[ScheduledSeq] | None = None
         # speculative decoding: the proposer of draft tokens and the acceptance counters (None: off)
         spec = config.speculative_config
-        self.proposer = make_proposer(spec)
+        self.drafts = DraftScheduling(config, kv, make_proposer(spec)) if spec is not None else None
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
 
     def add(self, group: SequenceGroup) -> None:
@@ -108,65 +107,13 @@ class Scheduler:
             self._prefill_into_padding(scheduled)
         scheduled.extend(self._forks(scheduled))
         plain = scheduled
-        if self.proposer is not None:
-            scheduled = self._with_drafts(scheduled)
+        if self.drafts is not None:
+            scheduled = self.drafts.with_drafts(scheduled, self.num_running_seqs())
         if not scheduled and not self.running and (self.waiting or self.swapped):
             self._fail_head()
         elif not self.waiting and not self.swapped and not self._failed:
             self._decode = self._decode_rows(plain)  # its rows without drafts: the next step proposes afresh
         return SchedulerOutput(scheduled, self.kv.take_ops())
-
-    def _with_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Speculative decoding: each decode row that may speculate (``_speculates``) gets the proposer's draft
-        tokens, as many as what is left of the step's token budget, of its rows (a draft token's position is a
-        sampled row: at most max_sampled_rows a step) and of the free blocks allow; the row then computes its
-        last token and the drafts (a copy of the row: ``scheduled`` stays as it was, for the decode fast path).
-        ``scheduled`` itself when no row got a draft, or when the running sequences number
-        disable_by_batch_size or more. No draft runs past the sequence's max_len, and none preempts anything."""
-        spec = self.config.speculative_config
-        if spec.disable_by_batch_size and self.num_running_seqs() >= spec.disable_by_batch_size:
-            return scheduled
-        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
-        rows = self.config.max_sampled_rows - len(scheduled)
-        parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}  # forks sample their last token
-        out = scheduled
-        for i, s in enumerate(scheduled):
-            if min(budget, rows) <= 0:
-                break
-            seq = s.seq
-            k = min(spec.num_speculative_tokens, budget, rows, seq.max_len - seq.num_tokens - 1)
-            if k <= 0 or not self._speculates(s) or id(seq) in parents:
-                continue
-            draft = self._draft(seq, k)
-            if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
-                out = list(scheduled) if out is scheduled else out
-                out[i] = dataclasses.replace(s, num_new_tokens=1 + len(draft), spec_token_ids=tuple(draft))
-                budget -= len(draft)
-                rows -= len(draft)
-        return out
-
-    def _draft(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k draft tokens after ``seq``. When its last token is still on the device (a placeholder: this
-        step is scheduled while the one before runs), one step late: the proposal after the tokens before it,
-        its first token taken as the guess of the one in flight and the rest as the drafts (verified against
-        the real token all the same: a wrong guess only costs acceptance)."""
-        if seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
-            return self.proposer.propose(seq, k)[:k]
-        placeholder = seq.token_ids.pop()  # the proposer sees the sequence as the host knows it
-        try:
-            return self.proposer.propose(seq, k + 1)[1:k + 1]
-        finally:
-            seq.token_ids.append(placeholder)
-
-    @staticmethod
-    def _speculates(s: ScheduledSeq) -> bool:
-        """Whether a row may carry draft tokens: a decode row (its sequence's last token, sampled) of a request
-        without beams, past min_tokens (the banned stop tokens end there). Penalties speculate: a draft
-        position's count the drafts before it (SamplingBatch.history_extra); so do structured outputs: each draft
-        position is masked by the grammar's state after the drafts before it (structured/manager.py)."""
-        p = s.group.params
-        return (s.num_new_tokens == 1 and s.samples and s.logits_of is None and not p.use_beam_search
-                and reached_min_tokens(s.seq, p))
 
     def _prefill_into_padding(self, scheduled: list[ScheduledSeq]) -> None:
         """Chunks that long_prefill_token_threshold cut short take the rows the step pads to anyway (its token
@@ -175,7 +122,7 @@ class Scheduler:
         the step of 96 rows that its 64-token chunk pads to, where it took two steps. Not with speculative
         decoding, whose drafts come after and take the room."""
         cfg = self.config
-        if not (cfg.prefill_into_padding and cfg.long_prefill_token_threshold) or self.proposer is not None:
+        if not (cfg.prefill_into_padding and cfg.long_prefill_token_threshold) or self.drafts is not None:
             return
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         room = min(padding_room(cfg, num_tokens), cfg.max_num_batched_tokens - num_tokens)
@@ -293,7 +240,7 @@ class Scheduler:
             return None  # the full pass preempts
         for seq in grow:
             self.kv.reserve(seq, 1)
-        scheduled = self._with_drafts(rows) if self.proposer is not None else rows
+        scheduled = self.drafts.with_drafts(rows, self.num_running_seqs()) if self.drafts is not None else rows
         return SchedulerOutput(scheduled, self.kv.take_ops())
 
     def _fail_head(self) -> None:

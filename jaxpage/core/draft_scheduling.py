@@ -1,0 +1,73 @@
+"""Speculative decoding's part of scheduling: which rows of a step carry draft tokens, and how many. The
+scheduler calls ``with_drafts`` on each step it makes; the proposer (jaxpage/spec_decode/) gives the tokens, and
+the scheduler verifies them when the step's output comes back (Scheduler.update_from_output)."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpage.config import EngineConfig
+from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
+from jaxpage.core.stop import reached_min_tokens
+from jaxpage.sequence import Sequence
+from jaxpage.spec_decode.proposer import Proposer
+
+
+class DraftScheduling:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer):
+        self.config = config
+        self.kv = kv
+        self.proposer = proposer
+
+    def with_drafts(self, scheduled: list[ScheduledSeq], num_running: int) -> list[ScheduledSeq]:
+        """Each decode row that may speculate (``speculates``) gets the proposer's draft
+        tokens, as many as what is left of the step's token budget, of its rows (a draft token's position is a
+        sampled row: at most max_sampled_rows a step) and of the free blocks allow; the row then computes its
+        last token and the drafts (a copy of the row: ``scheduled`` stays as it was, for the decode fast path).
+        ``scheduled`` itself when no row got a draft, or when the running sequences number
+        disable_by_batch_size or more (``num_running``). No draft runs past the sequence's max_len, and none
+        preempts anything."""
+        spec = self.config.speculative_config
+        if spec.disable_by_batch_size and num_running >= spec.disable_by_batch_size:
+            return scheduled
+        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        rows = self.config.max_sampled_rows - len(scheduled)
+        parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}  # forks sample their last token
+        out = scheduled
+        for i, s in enumerate(scheduled):
+            if min(budget, rows) <= 0:
+                break
+            seq = s.seq
+            k = min(spec.num_speculative_tokens, budget, rows, seq.max_len - seq.num_tokens - 1)
+            if k <= 0 or not self.speculates(s) or id(seq) in parents:
+                continue
+            draft = self.draft(seq, k)
+            if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
+                out = list(scheduled) if out is scheduled else out
+                out[i] = dataclasses.replace(s, num_new_tokens=1 + len(draft), spec_token_ids=tuple(draft))
+                budget -= len(draft)
+                rows -= len(draft)
+        return out
+
+    def draft(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k draft tokens after ``seq``. When its last token is still on the device (a placeholder: this
+        step is scheduled while the one before runs), one step late: the proposal after the tokens before it,
+        its first token taken as the guess of the one in flight and the rest as the drafts (verified against
+        the real token all the same: a wrong guess only costs acceptance)."""
+        if seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+            return self.proposer.propose(seq, k)[:k]
+        placeholder = seq.token_ids.pop()  # the proposer sees the sequence as the host knows it
+        try:
+            return self.proposer.propose(seq, k + 1)[1:k + 1]
+        finally:
+            seq.token_ids.append(placeholder)
+
+    @staticmethod
+    def speculates(s: ScheduledSeq) -> bool:
+        """Whether a row may carry draft tokens: a decode row (its sequence's last token, sampled) of a request
+        without beams, past min_tokens (the banned stop tokens end there). Penalties speculate: a draft
+        position's count the drafts before it (SamplingBatch.history_extra); so do structured outputs: each draft
+        position is masked by the grammar's state after the drafts before it (structured/manager.py)."""
+        p = s.group.params
+        return (s.num_new_tokens == 1 and s.samples and s.logits_of is None and not p.use_beam_search
+                and reached_min_tokens(s.seq, p))
