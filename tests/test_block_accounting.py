@@ -368,3 +368,37 @@ def test_group_ended_before_its_fork_returns_n_completions(params):
     assert out.finished and len(out.outputs) == params.n
     assert all(c.token_ids == [] and c.finish_reason == "abort" for c in out.outputs)
     check_all_free(engine)
+
+
+@pytest.mark.parametrize("concurrent", [64, 128])
+def test_async_scheduling_gives_the_synchronous_outputs_at_64_and_128_requests(concurrent):
+    """``concurrent`` requests at once over a pool too small for all of them (recompute preemptions), with
+    speculative drafts (3 a step once fewer than 8 sequences run: disable_by_batch_size), n = 2 samples,
+    penalties, seeded random samples, stop tokens and EOS in the mix: async scheduling ends every request with the
+    synchronous engine's tokens, finish and stop reasons and log-probabilities, checking the block accounting
+    after every step, and steps are scheduled while the one before runs; every block comes back. (Structured
+    outputs need a tokenizer: tests/test_async_scheduling.py mixes them in on SmolLM2.)"""
+    mixes = [dict(temperature=0.0), dict(temperature=1.0, seed=3, n=2), dict(temperature=0.0, presence_penalty=0.5),
+             dict(temperature=0.8, seed=11, stop_token_ids=[5]), dict(temperature=0.0, repetition_penalty=1.2),
+             dict(temperature=0.7, seed=2, frequency_penalty=0.3, n=2)]
+
+    def run(async_scheduling):
+        engine = make_engine(num_kv_blocks=concurrent * 3 // 4 + 20, max_num_seqs=concurrent,
+                             max_num_batched_tokens=2 * concurrent, speculative=3, disable_by_batch_size=8,
+                             async_scheduling=async_scheduling)
+        asked = _count_ahead(engine)
+        for i in range(concurrent):
+            mix = mixes[i % len(mixes)]  # the rows that keep a step synchronous end early: later steps run ahead
+            synchronous = "n" in mix or any(k.endswith("penalty") for k in mix)
+            p = SamplingParams(max_tokens=3 + i % 3 if synchronous else 20 + i % 25, ignore_eos=i % 5 == 0,
+                               **{"seed": i, **mix})  # seeded: the fake draws by seed, greedy rows too
+            prompt = [1 + (i * 5 + j) % (VOCAB - 1) for j in range(3 + i % 7)]
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
+        done = run_checked(engine, max_steps=2000)
+        check_all_free(engine)
+        assert engine.scheduler.num_preemptions > 0 and engine.scheduler.spec_stats.num_drafts > 0
+        return _ends(done), asked
+    expected, _ = run(False)
+    got, asked = run(True)
+    assert got == expected and len(got) == concurrent
+    assert sum(asked) >= 2, f"{sum(asked)} steps scheduled while one ran"
