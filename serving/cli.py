@@ -27,6 +27,7 @@ BENCHMARKS = {
     "vs-vllm": ("vs_vllm", "jaxpage serve beside vllm serve (vllm bench serve)"),
     "multi-turn": ("multi_turn", "multi-turn chat: prefix cache tiers, DP routing"),
     "profile": ("profile", "where a CPU engine step's time goes (jax.profiler)"),
+    "engine-host": ("engine_host", "the engine's host time per step, no device work; A/B"),
     "lm-eval": ("lm_eval", "lm-eval scores: jaxpage serve vs transformers"),
 }
 ROOT = Path(__file__).resolve().parents[1]  # the checkout `pip install -e .` installed from
