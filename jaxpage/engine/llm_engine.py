@@ -90,7 +90,7 @@ class LLMEngine:
         scheduler = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler(config, self.kv, self.eos_token_ids, next_seq_id=self._seq_ids.__next__)
         self.batch_queue = BatchQueue(self)
-        self.output_processor = OutputProcessor(tokenizer, self.scheduler)
+        self.output_processor = OutputProcessor(tokenizer, self._end)
         self.requests = self.output_processor.requests  # request id -> RequestState, while unfinished
         self.finished_metrics = self.output_processor.finished_metrics
         self._arrivals = itertools.count()
@@ -240,7 +240,7 @@ class LLMEngine:
         self.batch_queue.drop(request_id)
         request = self.output_processor.abort(request_id)
         if request is not None:
-            self.scheduler.finish_group(request.group, FinishReason.ABORT)
+            self._end(request.group, None, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.batch_queue.ready) or self.scheduler.has_unfinished()
@@ -293,6 +293,14 @@ class LLMEngine:
         (Without it, the writer's queue is still flushed when the interpreter exits.)"""
         if self.kv.disk_tier is not None:
             self.kv.disk_tier.close()
+
+    def _end(self, group: SequenceGroup, seq: Sequence | None, reason: FinishReason) -> None:
+        """Ends a sequence (``seq``) or a whole request (None) outside the scheduler's own update (its stop
+        tokens, lengths and beams): an abort, a stop string, a request done or failed. Its blocks go back now."""
+        if seq is None:
+            self.scheduler.finish_group(group, reason)
+        else:
+            self.scheduler.finish_seq(group, seq, reason)
 
     def _fail(self, group: SequenceGroup) -> RequestOutput:
         """A request that cannot fit in the pool even alone: it ends with finish_reason 'abort'."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from typing import Callable
 
 from jaxpage.core.beam_search import final_beams
-from jaxpage.core.scheduler import Scheduler
 from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.core.stop import check_stop, reached_min_tokens
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
@@ -28,12 +28,13 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Turns the sequences' new tokens into text and outputs; ends sequences at their stop strings and requests
-    once every sequence is done."""
+    """Turns the sequences' new tokens into text and outputs. It ends nothing itself: a stop string, a request
+    whose every sequence is done and a request that failed are reported to the engine through ``end(group, seq,
+    reason)`` (seq None: the whole request), which ends them in its scheduler at once."""
 
-    def __init__(self, tokenizer, scheduler: Scheduler):
+    def __init__(self, tokenizer, end: Callable[[SequenceGroup, Sequence | None, FinishReason], None]):
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
+        self.end = end
         self.requests: dict[str, RequestState] = {}
         self.finished_metrics: collections.deque[RequestMetrics] = collections.deque(maxlen=1000)
 
@@ -100,7 +101,7 @@ class OutputProcessor:
                     _drop_last(seq, len(new) - 1 - i, new_logprobs)
                     reason = check_stop(seq, p, stop_string=stop)
                     if seq.finish_reason is None:
-                        self.scheduler.finish_seq(request.group, seq, reason)
+                        self.end(request.group, seq, reason)
                     else:  # it reached its length with this token: the stop string comes first, as in vLLM
                         seq.finish_reason = reason
                     return
@@ -114,7 +115,7 @@ class OutputProcessor:
             request.metrics.finished_time = now
             request.metrics.num_output_tokens = max(s.num_output_tokens for s in group.seqs + group.finished_seqs)
             self.finished_metrics.append(request.metrics)
-            self.scheduler.finish_group(group, FinishReason.STOP)
+            self.end(group, None, FinishReason.STOP)
             del self.requests[group.request_id]
         if not done and group.params.output_kind == "final_only":
             return None
@@ -177,7 +178,7 @@ class OutputProcessor:
         if request is None:
             return RequestOutput(request_id, None, [], [], True, None, error=message)
         group = request.group
-        self.scheduler.finish_group(group, FinishReason.ERROR)
+        self.end(group, None, FinishReason.ERROR)
         completions = [CompletionOutput(i, "", [], finish_reason=FinishReason.ERROR.value)
                        for i in range(group.params.n)]
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions, True,
