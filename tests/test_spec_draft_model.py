@@ -195,8 +195,9 @@ def test_proposals_are_the_drafts_own_continuation_after_rollbacks(llms, models)
     propose = drafter.propose
 
     def recording(scheduled):
-        propose(scheduled)
+        scheduled = propose(scheduled)
         seen.extend((list(s.seq.token_ids), list(s.spec_token_ids)) for s in scheduled if s.spec_token_ids)
+        return scheduled
 
     drafter.propose = recording
     try:

@@ -15,6 +15,7 @@ from jaxpage.core.prompt_logprobs import lacks_prompt_logprobs, take_prompt_logp
 from jaxpage.core.scheduler_output import (
     ScheduledSeq,
     SchedulerOutput,
+    TokensTaken,
 )
 from jaxpage.core.stop import check_stop
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -327,7 +328,7 @@ class Scheduler:
             self.running.append(group)
 
     def update_from_output(self, scheduled: list[ScheduledSeq], sampled,
-                           failed: dict[str, Exception]) -> list[ScheduledSeq]:
+                           failed: dict[str, Exception]) -> list[TokensTaken]:
         """Takes a step's output (vLLM's update_from_output): each row's sequence advances by the tokens the step
         computed and gets its sampled token, finishing on a stop token or at its length; beams advance once every
         beam of their group has its candidates. Returns the rows whose sequence got a token. A failure in one
@@ -344,8 +345,9 @@ class Scheduler:
                 if s.spec_token_ids:  # its drafts' rows follow the scheduled rows, in order
                     verify, spec_at = spec_at, spec_at + len(s.spec_token_ids)
                     if group.status is not finished:
-                        self._take_verified(s, list(range(verify, spec_at)) + [row], tokens, logprobs, sampled)
-                        got.append(s)
+                        appended = self._take_verified(s, list(range(verify, spec_at)) + [row], tokens, logprobs,
+                                                       sampled)
+                        got.append(TokensTaken(s, appended))
                     continue
                 if group.prompt_logprobs is not None:  # before its tokens are counted as computed
                     take_prompt_logprobs(s, sampled.prompt, first_token)
@@ -364,7 +366,7 @@ class Scheduler:
                 else:  # the top log-probabilities are read only when the request asked for them
                     top = (sampled.top_ids[row], sampled.top_logprobs[row]) if p.logprobs is not None else None
                     self._append_token(group, seq, tokens[row], logprobs[row], top)
-                got.append(s)
+                got.append(TokensTaken(s))
             except Exception as e:  # noqa: BLE001 - a failure in one request's host work ends that request alone
                 failed.setdefault(s.group.request_id, e)
         for group in dict.fromkeys(beams):
@@ -376,12 +378,13 @@ class Scheduler:
         return got
 
     def _take_verified(self, s: ScheduledSeq, rows: list[int], tokens: list[int], logprobs: list[float],
-                       sampled) -> None:
+                       sampled) -> tuple[float, ...]:
         """A speculating row's output: the target's samples at its drafts' positions and after the last
         (``rows``) verified (spec_decode/rejection_sampler.py); the accepted drafts and the target's next token
         appended one by one, each checked by the one stop rule, a stop ending the run there. Then the K/V of the
         rejected drafts is rolled back: the computed tokens are the accepted ones, a block holding no accepted
-        token goes back to the pool, and the prefix cache registers the blocks full of accepted tokens."""
+        token goes back to the pool, and the prefix cache registers the blocks full of accepted tokens. Returns
+        the log-probabilities of the tokens appended."""
         seq, group, draft = s.seq, s.group, list(s.spec_token_ids)
         new = emitted_tokens(draft, [tokens[r] for r in rows])
         self.spec_stats.observe(len(draft), len(new) - 1)
@@ -393,12 +396,12 @@ class Scheduler:
             self._append_token(group, seq, token, logprobs[r], top)
             if seq.is_finished:  # its blocks are freed
                 break
-        s.new_logprobs = tuple(appended)
         if not seq.is_finished:
             seq.num_computed_tokens = seq.num_tokens - 1  # the K/V of every token but the newest
             self.kv.trim(seq)
             if len(seq.block_hashes) < seq.num_computed_tokens // self.config.block_size:
                 self.kv.cache_full_blocks(seq)
+        return tuple(appended)
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float, top) -> None:
         p = group.params

@@ -12,8 +12,11 @@ from jaxpage.sequence import Sequence, SequenceGroup
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledSeq:
+    """One row of a step as the scheduler made it: plain data, never changed after (a row with other drafts is a
+    new row, ``dataclasses.replace``)."""
+
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, starting at seq.num_computed_tokens
     group: SequenceGroup
@@ -23,7 +26,14 @@ class ScheduledSeq:
     # then the drafts); each draft's position is sampled in a row of its own after the scheduled rows
     spec_token_ids: tuple[int, ...] = ()
     draft_probs: object = None  # a draft model's: [len(spec_token_ids), vocab] the distribution of each draft token
-    new_logprobs: tuple[float, ...] = ()  # speculative rows: the log-probabilities of the tokens the step appended
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokensTaken:
+    """A row whose sequence got tokens from a step (Scheduler.update_from_output), for the output processor."""
+
+    row: ScheduledSeq
+    new_logprobs: tuple[float, ...] = ()  # a speculative row's: the log-probabilities of the tokens appended
 
 
 @dataclasses.dataclass(slots=True)

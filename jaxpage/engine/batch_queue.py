@@ -51,14 +51,15 @@ class BatchQueue:
         if not out.scheduled:
             return outputs
         failed: dict[str, Exception] = {}
-        launched = engine.runner.launch(out.scheduled, engine.prepare(out.scheduled, failed))
+        scheduled, bitmask = engine.prepare(out.scheduled, failed)
+        launched = engine.runner.launch(scheduled, bitmask)
         if not failed and engine.scheduler.runs_ahead(out.scheduled):
             self._hold(launched)
             return outputs
         if outputs and not failed:
             self.unread = launched
             return outputs
-        return outputs + engine.update(out.scheduled, engine.runner.fetch(launched), failed)
+        return outputs + engine.update(scheduled, engine.runner.fetch(launched), failed)
 
     def _run_ahead(self, ahead) -> list[RequestOutput]:
         """The step scheduled while the one in flight runs: launched on that step's tokens, then that step read."""

@@ -255,9 +255,9 @@ class LLMEngine:
         if not out.scheduled:
             return outputs
         failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
-        bitmask = self.prepare(out.scheduled, failed)
-        sampled = self.runner.execute(out.scheduled) if bitmask is None else self.runner.execute(out.scheduled, bitmask)
-        return outputs + self.update(out.scheduled, sampled, failed)
+        scheduled, bitmask = self.prepare(out.scheduled, failed)
+        sampled = self.runner.execute(scheduled) if bitmask is None else self.runner.execute(scheduled, bitmask)
+        return outputs + self.update(scheduled, sampled, failed)
 
     def schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
         """The scheduler's next step, its block moves applied (the draft model's pool too), and the outputs of
@@ -269,11 +269,12 @@ class LLMEngine:
         return out, [self._fail(group) for group in self.scheduler.take_failed()]
 
     def prepare(self, scheduled: list[ScheduledSeq], failed: dict[str, Exception]):
-        """The per-request work before a step runs: the draft model's drafts, the structured outputs' bitmask
-        (None: no row constrained); a request whose work fails goes into ``failed``."""
+        """The per-request work before a step runs: (the rows, with the draft model's drafts where it makes them;
+        the structured outputs' bitmask, None where no row is constrained); a request whose work fails goes into
+        ``failed``."""
         if self.drafter is not None:  # speculative decoding's draft model fills in the pending drafts
-            self.drafter.propose(scheduled)
-        return self.structured.bitmask(scheduled, failed) if self.structured is not None else None
+            scheduled = self.drafter.propose(scheduled)
+        return scheduled, self.structured.bitmask(scheduled, failed) if self.structured is not None else None
 
     def update(self, scheduled, sampled, failed: dict[str, Exception]) -> list[RequestOutput]:
         """A step's sampled tokens taken by the scheduler, then the outputs of the requests that got one."""

@@ -7,7 +7,7 @@ import logging
 from typing import Callable
 
 from jaxpage.core.beam_search import final_beams
-from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.core.scheduler_output import TokensTaken
 from jaxpage.core.stop import check_stop, reached_min_tokens
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -42,7 +42,7 @@ class OutputProcessor:
                     metrics: RequestMetrics) -> None:
         self.requests[group.request_id] = RequestState(group, prompt, metrics, prompt_token_ids)
 
-    def process_outputs(self, sampled: list[ScheduledSeq], failed: dict[str, Exception],
+    def process_outputs(self, sampled: list[TokensTaken], failed: dict[str, Exception],
                         now: float) -> list[RequestOutput]:
         """The outputs of the requests whose sequences got a token (the rows ``sampled``), in the order of their
         first rows; then an error output for each request in ``failed``."""
@@ -50,8 +50,8 @@ class OutputProcessor:
         several: dict[str, int] = {}  # requests of several rows: their place in outputs, made once all are in
         states: dict[str, RequestState] = {}  # of requests failed here (they may be forgotten already)
         requests = self.requests
-        for s in sampled:
-            seq, group = s.seq, s.group
+        for taken in sampled:
+            seq, group = taken.row.seq, taken.row.group
             request_id, p = group.request_id, group.params
             request = None
             try:
@@ -59,7 +59,7 @@ class OutputProcessor:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if not p.use_beam_search:  # beams decode their whole text once output
-                    self._detokenize(request, seq, s.new_logprobs)
+                    self._detokenize(request, seq, taken.new_logprobs)
                 if group.width == 1 and not p.use_beam_search:  # its only row: its output is made now
                     output = self._request_output(request, now)
                     if output is not None:

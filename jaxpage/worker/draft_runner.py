@@ -12,6 +12,8 @@ each comes with the draft's distribution q it was drawn from, which the target's
 (``sampler.rejection_sample``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import weakref
 
 import numpy as np
@@ -37,8 +39,9 @@ class DraftRunner:
         """The target's block moves, applied to the draft's pool too."""
         self.runner.apply(ops)
 
-    def propose(self, scheduled: list[ScheduledSeq]) -> None:
-        """Fills in each speculating row's draft tokens (``spec_token_ids``, pending until now): a first draft
+    def propose(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The rows with each speculating row's draft tokens filled in (``spec_token_ids``, pending until now, and
+        ``draft_probs``: new rows, the scheduler's unchanged): a first draft
         step computes every row's tokens the draft lacks up to what the target computes this step (a speculating
         row: up to its last token, whose next token is its first draft), then one step per further draft."""
         first, spec = [], []
@@ -52,7 +55,7 @@ class DraftRunner:
             if s.spec_token_ids:
                 spec.append((len(first) - 1, s))
         if not first:
-            return
+            return scheduled
         groups = [s.group for s in scheduled if s.num_new_tokens]
         tokens, probs = self._step(first, groups)
         drafts = {id(s): [tokens[row]] for row, s in spec}
@@ -68,8 +71,9 @@ class DraftRunner:
         for seq, _, end, _ in first:
             self._computed[seq] = end
         for _, s in spec:
-            s.spec_token_ids, s.draft_probs = tuple(drafts[id(s)]), np.stack(q[id(s)])
-            self._computed[s.seq] = s.seq.num_tokens + len(s.spec_token_ids) - 1
+            self._computed[s.seq] = s.seq.num_tokens + len(drafts[id(s)]) - 1
+        return [dataclasses.replace(s, spec_token_ids=tuple(drafts[id(s)]), draft_probs=np.stack(q[id(s)]))
+                if id(s) in drafts else s for s in scheduled]
 
     def _step(self, rows: list[tuple[Sequence, int, int, list[int]]],
               groups: list[SequenceGroup]) -> tuple[list[int], np.ndarray]:
