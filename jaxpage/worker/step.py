@@ -40,9 +40,9 @@ from jaxpage.worker.step_tail import sample_tokens
 #              the stack in place: one launch and, if it covers the layer's matmuls, no weight copies. Not measured.
 #   unrolled   one program over unrolled weights (scan_layers=False on any platform): one launch, no copies.
 LAYER_LOOPS = ("host_loop", "scan", "scan_dsf", "unrolled")
-# one device, by platform. TPU: Mosaic reads the stacked weights in place and one launch a step matters most, so the
-# scan (the compile lane's and the step model's program); GPU: host_loop until the device check's layouts
-# section (benchmarks/gpu_step_profile.py --layouts) measures the one-launch programs against it.
+# one device, by platform. TPU: not measured on a chip, so the scan (the program the compile lane and the step model
+# check); GPU: host_loop until the device check's layouts section (benchmarks/gpu_step_profile.py --layouts)
+# measures the one-launch programs against it.
 LAYER_LOOP = {"cpu": "host_loop", "gpu": "host_loop", "tpu": "scan"}
 # A tensor-parallel mesh: a layer call from the host is a launch on every device of the mesh (30 of them made a
 # step 4x the fused step's on 3 forced CPU devices, SmolLM2, 8 streams), so the step is one program.

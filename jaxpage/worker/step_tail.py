@@ -30,8 +30,9 @@ PROMPT_LOGPROB_CHUNK = 64
 
 def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: TokenBatch,
                   sampling: SamplingBatch) -> SamplerOutput:
-    """The whole tail in one function (the fused step's): ``sample_rows`` at each sequence's last scheduled
-    token of final-normed ``hidden`` [T, D], and ``prompt_logprobs_of`` where the batch has prompt targets."""
+    """The whole tail in one function (the one-program driver's): ``choose_sampler`` at each sequence's last
+    scheduled token of final-normed ``hidden`` [T, D], and ``prompt_logprobs_of`` where the batch has prompt
+    targets."""
     out = choose_sampler(config, params, hidden[batch.logits_indices], sampling)
     if sampling.prompt_targets is None:  # a batch made without targets (the benchmarks' own)
         return out
