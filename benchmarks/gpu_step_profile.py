@@ -34,6 +34,10 @@ from benchmarks import device_check, kernels, throughput
 from benchmarks.profile import traced_steps, union_ms
 from jaxpage.worker import step
 
+MEASURE_ORDER = ("host_loop", "scan_dsf", "unrolled", "scan")
+assert sorted(MEASURE_ORDER) == sorted(step.LAYER_LOOPS)
+
+
 def gpu_event(plane: str, line: str, name: str) -> bool:
     return plane.startswith("/device:GPU")
 
@@ -74,7 +78,7 @@ def layouts(setup: dict, steps: int, out: Path, deadline: float = float("inf"), 
     streams = streams or (1, min(32, max(setup["streams"])))
     here = jax.devices()[0].platform
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layouts": {}, "skipped": []}
-    for loop in step.LAYER_LOOPS:
+    for loop in MEASURE_ORDER:  # the one-launch candidates before the scan the H200 runs of 2026-12-04 measured
         if time.perf_counter() > deadline:
             result["skipped"].append({"layout": loop, "why": "time budget"})
             continue
