@@ -160,12 +160,17 @@ def plain_greedy_on_device(sp: SamplingBatch) -> jax.Array:
 
 
 def _all_plain_greedy(sp: SamplingBatch, xp):
-    """The one rule of ``is_plain_greedy``, in numpy (``xp=np``) or traced (``xp=jnp``)."""
-    checks = (~xp.asarray(sp.want_top), xp.all(xp.asarray(sp.temperature) <= 0),
-              xp.all(xp.asarray(sp.repetition_penalty) == 1), ~xp.any(xp.asarray(sp.presence_penalty) != 0),
-              ~xp.any(xp.asarray(sp.frequency_penalty) != 0), xp.all(xp.asarray(sp.logit_bias_ids) < 0),
-              xp.all(xp.asarray(sp.banned) < 0), xp.all(xp.asarray(sp.allowed) == -1))
-    return functools.reduce(xp.logical_and, checks)
+    """The one rule of ``is_plain_greedy``, in numpy (``xp=np``: the first failed check ends it, so a sampled
+    batch pays no pass over its bitmask) or traced (``xp=jnp``)."""
+    checks = (lambda: ~xp.asarray(sp.want_top), lambda: xp.all(xp.asarray(sp.temperature) <= 0),
+              lambda: xp.all(xp.asarray(sp.repetition_penalty) == 1),
+              lambda: ~xp.any(xp.asarray(sp.presence_penalty) != 0),
+              lambda: ~xp.any(xp.asarray(sp.frequency_penalty) != 0),
+              lambda: xp.all(xp.asarray(sp.logit_bias_ids) < 0), lambda: xp.all(xp.asarray(sp.banned) < 0),
+              lambda: xp.all(xp.asarray(sp.allowed) == -1))
+    if xp is np:
+        return all(bool(check()) for check in checks)
+    return functools.reduce(xp.logical_and, (check() for check in checks))
 
 
 def plain_greedy(raw_logits: jax.Array, cap: float | None = None) -> SamplerOutput:
