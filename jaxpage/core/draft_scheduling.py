@@ -4,6 +4,7 @@ the scheduler verifies them when the step's output comes back (Scheduler.update_
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
@@ -19,16 +20,16 @@ class DraftScheduling:
         self.kv = kv
         self.proposer = proposer
 
-    def with_drafts(self, scheduled: list[ScheduledSeq], num_running: int) -> list[ScheduledSeq]:
+    def with_drafts(self, scheduled: list[ScheduledSeq], num_running: Callable[[], int]) -> list[ScheduledSeq]:
         """Each decode row that may speculate (``speculates``) gets the proposer's draft
         tokens, as many as what is left of the step's token budget, of its rows (a draft token's position is a
         sampled row: at most max_sampled_rows a step) and of the free blocks allow; the row then computes its
         last token and the drafts (a copy of the row: ``scheduled`` stays as it was, for the decode fast path).
         ``scheduled`` itself when no row got a draft, or when the running sequences number
-        disable_by_batch_size or more (``num_running``). No draft runs past the sequence's max_len, and none
-        preempts anything."""
+        disable_by_batch_size or more (``num_running()``, asked only then). No draft runs past the sequence's
+        max_len, and none preempts anything."""
         spec = self.config.speculative_config
-        if spec.disable_by_batch_size and num_running >= spec.disable_by_batch_size:
+        if spec.disable_by_batch_size and num_running() >= spec.disable_by_batch_size:
             return scheduled
         budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         rows = self.config.max_sampled_rows - len(scheduled)

@@ -109,7 +109,7 @@ class Scheduler:
         scheduled.extend(self._forks(scheduled))
         plain = scheduled
         if self.drafts is not None:
-            scheduled = self.drafts.with_drafts(scheduled, self.num_running_seqs())
+            scheduled = self.drafts.with_drafts(scheduled, self.num_running_seqs)
         if not scheduled and not self.running and (self.waiting or self.swapped):
             self._fail_head()
         elif not self.waiting and not self.swapped and not self._failed:
@@ -241,7 +241,7 @@ class Scheduler:
             return None  # the full pass preempts
         for seq in grow:
             self.kv.reserve(seq, 1)
-        scheduled = self.drafts.with_drafts(rows, self.num_running_seqs()) if self.drafts is not None else rows
+        scheduled = self.drafts.with_drafts(rows, self.num_running_seqs) if self.drafts is not None else rows
         return SchedulerOutput(scheduled, self.kv.take_ops())
 
     def _fail_head(self) -> None:
