@@ -40,10 +40,13 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     pending_top: tuple | None = None  # beam search: this step's top (ids, logprobs), until all beams have theirs
     lora_int_id: int = 0  # the LoRA adapter its K/V are computed with (0: the base model); keys its cached blocks
+    # async scheduling (vLLM's num_output_placeholders): tokens a launched step samples for it that the host has
+    # not read yet; they count as its tokens (num_tokens) but are not in token_ids (core/async_scheduler.py)
+    num_placeholders: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -51,7 +54,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

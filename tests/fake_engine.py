@@ -23,7 +23,6 @@ from jaxpage.config import pick_bucket
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
 from jaxpage.core.kv_disk_tier import DiskKVTier
 from jaxpage.core.kv_offload import DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
-from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.engine.llm_engine import LLMEngine
@@ -76,6 +75,7 @@ class FakeRunner:
         self.window = config.model.sliding_window if config.model.every_layer_windowed else 0
         self.moves: list[tuple[str, int, int]] = []
         self.max_rows = 0
+        self._device_tokens: dict[int, int] = {}  # id(seq) -> the token in place of its placeholder (launch)
 
     def warm_up(self, progress: bool = False) -> None:
         pass
@@ -116,26 +116,30 @@ class FakeRunner:
                 raise AssertionError(f"unknown move {kind}")
 
     def launch(self, scheduled, bitmask=None, previous=None):
-        """Async scheduling as the device does it: a placeholder token (a row's last, of a step built before the
-        step ``previous`` was read) becomes the token ``previous`` sampled for that sequence; then the step runs
-        at once (in launch order, as on a device) and its output waits in the handle for ``fetch``."""
+        """Async scheduling as the device does it: a placeholder (a row's last token, counted in its sequence's
+        num_placeholders by a step built before the step ``previous`` was read) is the token ``previous``
+        sampled for that sequence; then the step runs at once (in launch order, as on a device) and its output
+        waits in the handle for ``fetch``."""
         assert bitmask is None
         prev_rows = {id(s.seq): row for row, s in enumerate(previous.scheduled)} if previous is not None else {}
-        filled = []
+        self._device_tokens = {}
         for s in scheduled:
-            ids = s.seq.token_ids
-            at = [i for i, t in enumerate(ids) if t == PLACEHOLDER_TOKEN_ID]
-            if at:
+            if s.seq.num_placeholders:
                 one = s.num_new_tokens == 1 + len(s.spec_token_ids)  # its last token, then any drafts
-                assert previous is not None and at == [len(ids) - 1] and one, (
-                    f"seq {s.seq.seq_id} has placeholders at {at} of {len(ids)} in a step without the one before")
-                ids[-1] = int(previous.out.tokens[prev_rows[id(s.seq)]])
-                filled.append(ids)
+                assert previous is not None and s.seq.num_placeholders == 1 and one, (
+                    f"seq {s.seq.seq_id} has {s.seq.num_placeholders} placeholders in a step without the one before")
+                self._device_tokens[id(s.seq)] = int(previous.out.tokens[prev_rows[id(s.seq)]])
         try:
             return LaunchedStep(scheduled, self.execute(scheduled))
         finally:
-            for ids in filled:  # the host still holds the placeholder until it reads the step before
-                ids[-1] = PLACEHOLDER_TOKEN_ID
+            self._device_tokens = {}
+
+    def _tokens(self, seq) -> list[int]:
+        """A sequence's tokens as the device has them: with the token of the step before in place of its
+        placeholder (launch)."""
+        if not seq.num_placeholders:
+            return seq.token_ids
+        return seq.token_ids + [self._device_tokens[id(seq)]]
 
     def fetch(self, launched: LaunchedStep) -> SamplerOutput:
         return launched.out
@@ -162,7 +166,7 @@ class FakeRunner:
                 assert s.num_new_tokens == 0 and s.logits_of.seq_id != seq.seq_id
                 continue
             first, count = seq.num_computed_tokens, s.num_new_tokens
-            ids = seq.token_ids + list(s.spec_token_ids)  # speculative decoding: the drafts follow its last token
+            ids = self._tokens(seq) + list(s.spec_token_ids)  # speculative decoding: the drafts follow its last token
             assert not s.spec_token_ids or first == seq.num_tokens - 1, "drafts after a prompt chunk"
             assert 0 < count <= len(ids) - first, (first, count, len(ids))
             assert s.samples == (first + count == len(ids))
@@ -193,8 +197,8 @@ class FakeRunner:
         top_ids = np.zeros((rows, MAX_LOGPROBS), np.int64)
         top_lps = np.zeros((rows, MAX_LOGPROBS), np.float64)
         # each row samples after its tokens (a speculating row: after its drafts; a draft row: after drafts[:j])
-        contexts = [((s.logits_of or s.seq).token_ids + list(s.spec_token_ids), s) for s in scheduled]
-        contexts += [(s.seq.token_ids + list(s.spec_token_ids[:j]), s) for s, j in drafts]
+        contexts = [(self._tokens(s.logits_of or s.seq) + list(s.spec_token_ids), s) for s in scheduled]
+        contexts += [(self._tokens(s.seq) + list(s.spec_token_ids[:j]), s) for s, j in drafts]
         for row, (context, s) in enumerate(contexts):
             ids, lps, pick = fake_draw(context, s.seq.seed, s.group.params.temperature)
             top_ids[row], top_lps[row] = ids, lps

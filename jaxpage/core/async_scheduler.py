@@ -1,6 +1,6 @@
 """Async scheduling's scheduler (vLLM's AsyncScheduler): the step after a launched one, scheduled while it runs.
 
-After a step is launched its rows' sequences hold a placeholder token for what it samples (``add_placeholders``);
+After a step is launched its rows' sequences count a placeholder for the token it samples (``add_placeholders``);
 ``schedule_ahead`` then schedules the next step from that view (the decode fast path, or the full pass where
 nothing in it depends on the tokens still on the device), and ``remove_placeholders`` undoes the view before the
 step's real output is taken. The synchronous scheduling is the base class's, unchanged.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from jaxpage.core.scheduler import Scheduler
-from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
+from jaxpage.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from jaxpage.sequence import SequenceGroup
 
 
@@ -63,22 +63,21 @@ class AsyncScheduler(Scheduler):
 
     def add_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """After a step is launched: each row's sequence as the step leaves it, the token a sampling row
-        sampled a placeholder (PLACEHOLDER_TOKEN_ID), so that the next step can be scheduled and built
+        sampled counted as a placeholder (Sequence.num_placeholders), so that the next step can be scheduled and built
         meanwhile. The blocks the step fills are cached now, as in vLLM: a prompt admitted ahead finds a prefix
         being computed (its tokens are known; the device writes them before any later step reads them)."""
         for s in rows:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+            seq.num_placeholders += s.samples
             if len(seq.block_hashes) < seq.num_computed_tokens // self.config.block_size:
                 self.kv.cache_full_blocks(seq)
 
     def remove_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """Undoes add_placeholders before the step's real output goes through update_from_output."""
         for s in rows:
-            if s.samples:
-                assert s.seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
+            s.seq.num_placeholders -= s.samples
+            assert s.seq.num_placeholders >= 0
             s.seq.num_computed_tokens -= s.num_new_tokens
 
 

@@ -8,14 +8,17 @@ from typing import Callable
 
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
+from jaxpage.core.scheduler_output import ScheduledSeq
 from jaxpage.core.stop import reached_min_tokens
 from jaxpage.sequence import Sequence
 from jaxpage.spec_decode.proposer import Proposer
 
 
 class DraftScheduling:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer):
+    """proposer: None for the draft_model method, whose rows get draft positions reserved
+    (ScheduledSeq.num_pending_drafts) that the engine's draft runner fills in before the step."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None):
         self.config = config
         self.kv = kv
         self.proposer = proposer
@@ -42,12 +45,14 @@ class DraftScheduling:
             k = min(spec.num_speculative_tokens, budget, rows, seq.max_len - seq.num_tokens - 1)
             if k <= 0 or not self.speculates(s) or id(seq) in parents:
                 continue
-            draft = self.draft(seq, k)
-            if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
+            draft = self.draft(seq, k) if self.proposer is not None else ()
+            n = len(draft) if self.proposer is not None else k
+            if n and self.kv.allocate_slots(seq, 1 + n):
                 out = list(scheduled) if out is scheduled else out
-                out[i] = dataclasses.replace(s, num_new_tokens=1 + len(draft), spec_token_ids=tuple(draft))
-                budget -= len(draft)
-                rows -= len(draft)
+                out[i] = dataclasses.replace(s, num_new_tokens=1 + n, spec_token_ids=tuple(draft),
+                                             num_pending_drafts=n - len(draft))
+                budget -= n
+                rows -= n
         return out
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
@@ -55,13 +60,9 @@ class DraftScheduling:
         step is scheduled while the one before runs), one step late: the proposal after the tokens before it,
         its first token taken as the guess of the one in flight and the rest as the drafts (verified against
         the real token all the same: a wrong guess only costs acceptance)."""
-        if seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+        if not seq.num_placeholders:
             return self.proposer.propose(seq, k)[:k]
-        placeholder = seq.token_ids.pop()  # the proposer sees the sequence as the host knows it
-        try:
-            return self.proposer.propose(seq, k + 1)[1:k + 1]
-        finally:
-            seq.token_ids.append(placeholder)
+        return self.proposer.propose(seq, k + 1)[1:k + 1]  # the proposer reads the tokens the host knows
 
     @staticmethod
     def speculates(s: ScheduledSeq) -> bool:

@@ -85,7 +85,7 @@ class Scheduler:
                         continue  # a recomputing sibling waits until the first has cached the shared prompt
                     self._match_prefix(seq, group)  # a sequence recomputing after preemption
                 self.kv.free_dead_blocks(seq)  # sliding window: blocks no query can see again
-                computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
+                computed, num_tokens = seq.num_computed_tokens, seq.num_tokens
                 num_new = limits.tokens_for(num_tokens - computed, budget)
                 if num_new == 0:
                     continue  # waiting for its beam siblings, or out of budget or prefill slots
@@ -231,7 +231,7 @@ class Scheduler:
         for s in rows:
             seq = s.seq
             self.kv.free_dead_blocks(seq)
-            if len(seq.token_ids) != seq.num_computed_tokens + 1:
+            if seq.num_tokens != seq.num_computed_tokens + 1:
                 return None  # not exactly one new token (an engine step did not run; or it finished)
             if self.kv.writes_shared_block(seq):
                 return None  # copy-on-write (a fork's first token): the full pass

@@ -7,8 +7,8 @@ import dataclasses
 from jaxpage.core.kv_cache_manager import DeviceOps
 from jaxpage.sequence import Sequence, SequenceGroup
 
-# Async scheduling: the token a step still on the device samples for a sequence, in its token ids until the host
-# reads it; the next step's batch carries it and the device puts the sampled token in its place
+# Async scheduling: in a step's batch, the token a step still on the device samples for a sequence (counted in its
+# num_placeholders until the host reads it); the device puts the sampled token in its place
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -26,6 +26,9 @@ class ScheduledSeq:
     # then the drafts); each draft's position is sampled in a row of its own after the scheduled rows
     spec_token_ids: tuple[int, ...] = ()
     draft_probs: object = None  # a draft model's: [len(spec_token_ids), vocab] the distribution of each draft token
+    # the draft_model method: draft positions reserved (num_new_tokens counts them) that the engine's draft runner
+    # fills in before the step (a new row with those spec_token_ids and this 0)
+    num_pending_drafts: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

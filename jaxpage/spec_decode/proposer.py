@@ -14,7 +14,8 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    """The proposer of ``config.method``; None without speculative decoding."""
+    """The proposer of ``config.method``; None without speculative decoding, or where a draft model proposes
+    (its tokens come from a step of its own on the device, not from the scheduler's host pass)."""
     if config is None:
         return None
     if config.method == "ngram":
@@ -22,9 +23,7 @@ def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft_model":
-        from jaxpage.spec_decode.draft_model import DraftModelProposer
-
-        return DraftModelProposer()
+        return None  # the engine's draft runner (jaxpage/worker/draft_runner.py) fills the reserved positions
     if config.method == "suffix":
         from jaxpage.spec_decode.suffix_proposer import SuffixProposer
 

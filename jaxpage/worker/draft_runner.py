@@ -31,6 +31,7 @@ class DraftRunner:
         self.runner = ModelRunner(config, params, eos_token_ids)
         # tokens whose draft K/V are in the draft's pool, per sequence (valid below the target's computed tokens)
         self._computed: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        self._views: weakref.WeakKeyDictionary[Sequence, Sequence] = weakref.WeakKeyDictionary()
 
     def warm_up(self, progress: bool = True) -> None:
         self.runner.warm_up(progress)
@@ -40,8 +41,8 @@ class DraftRunner:
         self.runner.apply(ops)
 
     def propose(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """The rows with each speculating row's draft tokens filled in (``spec_token_ids``, pending until now, and
-        ``draft_probs``: new rows, the scheduler's unchanged): a first draft
+        """The rows with each speculating row's reserved draft positions (``num_pending_drafts``) filled in
+        (``spec_token_ids`` and ``draft_probs``: new rows, the scheduler's unchanged): a first draft
         step computes every row's tokens the draft lacks up to what the target computes this step (a speculating
         row: up to its last token, whose next token is its first draft), then one step per further draft."""
         first, spec = [], []
@@ -50,9 +51,9 @@ class DraftRunner:
                 continue  # a fork: its parent's row computes its tokens
             seq = s.seq
             start = min(self._computed.get(seq, seq.num_computed_tokens), seq.num_computed_tokens)
-            end = seq.num_tokens if s.spec_token_ids else seq.num_computed_tokens + s.num_new_tokens
+            end = seq.num_tokens if s.num_pending_drafts else seq.num_computed_tokens + s.num_new_tokens
             first.append((seq, start, end, []))
-            if s.spec_token_ids:
+            if s.num_pending_drafts:
                 spec.append((len(first) - 1, s))
         if not first:
             return scheduled
@@ -60,8 +61,8 @@ class DraftRunner:
         tokens, probs = self._step(first, groups)
         drafts = {id(s): [tokens[row]] for row, s in spec}
         q = {id(s): [probs[row]] for row, s in spec}
-        for j in range(1, max((len(s.spec_token_ids) for _, s in spec), default=0)):
-            rows = [s for _, s in spec if len(s.spec_token_ids) > j]
+        for j in range(1, max((s.num_pending_drafts for _, s in spec), default=0)):
+            rows = [s for _, s in spec if s.num_pending_drafts > j]
             n = [s.seq.num_tokens + j - 1 for s in rows]  # the position of the draft this step computes
             tokens, probs = self._step([(s.seq, at, at + 1, drafts[id(s)]) for s, at in zip(rows, n)],
                                        [s.group for s in rows])
@@ -72,7 +73,8 @@ class DraftRunner:
             self._computed[seq] = end
         for _, s in spec:
             self._computed[s.seq] = s.seq.num_tokens + len(drafts[id(s)]) - 1
-        return [dataclasses.replace(s, spec_token_ids=tuple(drafts[id(s)]), draft_probs=np.stack(q[id(s)]))
+        return [dataclasses.replace(s, spec_token_ids=tuple(drafts[id(s)]), draft_probs=np.stack(q[id(s)]),
+                                    num_pending_drafts=0)
                 if id(s) in drafts else s for s in scheduled]
 
     def _step(self, rows: list[tuple[Sequence, int, int, list[int]]],
@@ -80,19 +82,25 @@ class DraftRunner:
         """One draft step: each (seq, start, end, extra) computes positions [start, end) of ``seq.token_ids +
         extra`` (the sequence seen as if extended by its drafts so far) and samples after ``end`` with its
         request's parameters (``groups``); returns each row's token and the distribution it was drawn from. The
-        sequences are as before afterwards."""
-        saved = [(seq, seq.num_computed_tokens, seq.num_tokens) for seq, *_ in rows]
+        target's sequences are only read: the step runs on this runner's views of them (``_view``)."""
         scheduled = []
-        try:
-            for (seq, start, end, extra), group in zip(rows, groups):
-                seq.token_ids.extend(extra)
-                seq.num_computed_tokens = start
-                group = SequenceGroup(group.request_id, [seq], group.params, arrival=0)  # no prompt logprobs
-                scheduled.append(ScheduledSeq(seq, end - start, group, end == seq.num_tokens))
-            out = self.runner.execute(scheduled)
-            return np.asarray(out.tokens).tolist(), np.asarray(out.probs)
-        finally:
-            for seq, computed, num_tokens in saved:
-                del seq.token_ids[num_tokens:]
-                seq.num_computed_tokens = computed
-            self.runner.input_batch.penalty_history.forget([seq for seq, _, _, extra in rows if extra])
+        for (seq, start, end, extra), group in zip(rows, groups):
+            view = self._view(seq, start, extra)
+            group = SequenceGroup(group.request_id, [view], group.params, arrival=0)  # no prompt logprobs
+            scheduled.append(ScheduledSeq(view, end - start, group, end == view.num_tokens))
+        out = self.runner.execute(scheduled)
+        # a view's tokens changed other than by appending: its penalty history is synced afresh next time
+        self.runner.input_batch.penalty_history.forget([s.seq for s, (*_, extra) in zip(scheduled, rows) if extra])
+        return np.asarray(out.tokens).tolist(), np.asarray(out.probs)
+
+    def _view(self, seq: Sequence, start: int, extra: list[int]) -> Sequence:
+        """The draft's own Sequence for a target sequence (one per sequence, so that the draft runner's per-sequence
+        rows last): its tokens followed by ``extra``, ``start`` of them computed, the target's block table."""
+        view = self._views.get(seq)
+        if view is None:
+            view = self._views[seq] = Sequence(seq.seq_id, [], seq.num_prompt_tokens, seq.max_len, seed=seq.seed,
+                                               lora_int_id=seq.lora_int_id)
+        view.token_ids = seq.token_ids + extra if extra else seq.token_ids
+        view.block_table = seq.block_table
+        view.num_computed_tokens = start
+        return view

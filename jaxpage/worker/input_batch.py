@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxpage.config import EngineConfig, pick_bucket
 from jaxpage.core.prompt_logprobs import no_targets, prompt_targets
-from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
 from jaxpage.core.stop import reached_min_tokens
 from jaxpage.distributed.parallel import put
 from jaxpage.models import TokenBatch
@@ -160,8 +160,16 @@ def _decode_tokens(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int]]
             return None
         first = s.seq.num_computed_tokens
         positions.append(first)
-        token_ids.append(s.seq.token_ids[first])
+        ids = s.seq.token_ids
+        token_ids.append(ids[first] if first < len(ids) else PLACEHOLDER_TOKEN_ID)  # see _tokens
     return token_ids, positions
+
+
+def _tokens(seq: Sequence, first: int, n: int) -> list[int]:
+    """The sequence's tokens [first, first + n): where a launched step's token is still on the device (a
+    placeholder, Sequence.num_placeholders), PLACEHOLDER_TOKEN_ID, which the step replaces with that token."""
+    known = seq.token_ids[first:first + n]
+    return known if len(known) == n else known + [PLACEHOLDER_TOKEN_ID] * (n - len(known))
 
 
 def _flat_tokens(scheduled: list[ScheduledSeq]):
@@ -177,12 +185,12 @@ def _flat_tokens(scheduled: list[ScheduledSeq]):
         if n:
             first = seq.num_computed_tokens
             if n == 1:
-                token_ids.append(seq.token_ids[first])
+                token_ids.extend(_tokens(seq, first, 1))
                 positions.append(first)
                 token_seq.append(row)
             else:
-                token_ids.extend(seq.token_ids[first:first + n] if not s.spec_token_ids
-                                 else (seq.token_ids[first], *s.spec_token_ids))
+                token_ids.extend(_tokens(seq, first, n) if not s.spec_token_ids
+                                 else (*_tokens(seq, first, 1), *s.spec_token_ids))
                 positions.extend(range(first, first + n))
                 token_seq.extend([row] * n)
                 if s.spec_token_ids:
@@ -228,7 +236,7 @@ def _slots(tables: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, bl
 
 def _steps(scheduled: list[ScheduledSeq], state: InputBatch, index: np.ndarray, positions: np.ndarray,
            decode: bool) -> np.ndarray:
-    """Each row's tokens generated so far (len(token_ids) - num_prompt_tokens), padded: the output index of the
+    """Each row's tokens generated so far (num_output_tokens, placeholders counted), padded: the output index of the
     token it samples (its seed's key). A speculating row samples after its drafts; the draft positions' rows
     follow the scheduled rows."""
     num_rows = len(scheduled)
@@ -236,9 +244,9 @@ def _steps(scheduled: list[ScheduledSeq], state: InputBatch, index: np.ndarray, 
     if decode:  # the token computed is the sequence's last
         steps[:num_rows] = positions[:num_rows].astype(np.int64) + 1 - state.num_prompt[index[:num_rows]]
     elif state.config.speculative_config is None:
-        steps[:num_rows] = [len(s.seq.token_ids) - s.seq.num_prompt_tokens for s in scheduled]
+        steps[:num_rows] = [s.seq.num_output_tokens for s in scheduled]
     else:
-        outputs = [len(s.seq.token_ids) - s.seq.num_prompt_tokens for s in scheduled]
+        outputs = [s.seq.num_output_tokens for s in scheduled]
         steps[:num_rows] = [n + len(s.spec_token_ids) for n, s in zip(outputs, scheduled)]
         drafts = [n + j for n, s in zip(outputs, scheduled) for j in range(len(s.spec_token_ids))]
         steps[num_rows:num_rows + len(drafts)] = drafts
