@@ -35,13 +35,13 @@ def measure(seqs: int, steps: int, async_scheduling: bool) -> float:
     from jaxpage.worker.sampler import SamplerOutput
 
     class NullRunner:  # jaxpage.worker.runner.Runner, with fixed tokens and no device
-        tiers = disk_tier = None
+        tiers = disk_store = None
 
         def __init__(self, config):
             self.config, self.supports_async_scheduling = config, config.async_scheduling
 
         def warm_up(self, progress=True): ...
-        def apply(self, ops): ...
+        def apply(self, ops): return []
         def load_lora(self, request): ...
         def remove_lora(self, lora_int_id): ...
 

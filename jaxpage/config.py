@@ -200,7 +200,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (core.block_pool)
     preemption_mode: str = "recompute"  # a preempted request's blocks: recomputed later, or swapped to the host
     num_host_blocks: int = 0  # the host's swap space in KV blocks (swap_space's bytes with preemption_mode swap)
-    # The prefix cache's host and disk tiers (core/kv_offload.py, core/kv_disk_tier.py): the host tier's blocks
+    # The prefix cache's host and disk tiers (core/kv_offload.py, core/kv_disk_index.py): the host tier's blocks
     # (kv_offloading_size's bytes; 0: off), the disk tier's directory (None: off) and its cap in bytes
     num_offload_blocks: int = 0
     kv_offloading_dir: str | None = None

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from jaxpage.config import pick_bucket
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
-from jaxpage.core.kv_disk_tier import DiskKVTier
-from jaxpage.core.kv_offload import DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
+from jaxpage.worker.kv_disk_store import DiskKVStore
+from jaxpage.core.kv_offload import DISK_DELETE, DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.engine.llm_engine import LLMEngine
@@ -69,8 +69,8 @@ class FakeRunner:
         self.num_host_blocks = num_host_blocks
         # the prefix cache's host tier (its arena) and disk tier (real files of the simulated blocks)
         self.offload = np.zeros((max(config.num_offload_blocks, 1), config.block_size), np.int64)
-        self.disk_tier = (DiskKVTier(config.kv_offloading_dir, config.kv_offloading_disk_bytes, {"model": "fake"},
-                                     [(np.int64, (config.block_size,))]) if config.kv_offloading_dir else None)
+        self.disk_store = (DiskKVStore(config.kv_offloading_dir, {"model": "fake"}, [(np.int64, (config.block_size,))])
+                           if config.kv_offloading_dir else None)
         self.block_pool = None  # set by make_engine, to check that written blocks are held
         self.window = config.model.sliding_window if config.model.every_layer_windowed else 0
         self.moves: list[tuple[str, int, int]] = []
@@ -86,8 +86,8 @@ class FakeRunner:
     def remove_lora(self, lora_int_id: int) -> None:
         """Nothing is held per adapter."""
 
-    def apply(self, ops) -> None:
-        nb = self.config.num_kv_blocks
+    def apply(self, ops) -> list[int]:
+        nb, failed_loads = self.config.num_kv_blocks, []
         for kind, src, dst in ops.batches():  # one batched gather/scatter per run of one kind, as the real runner
             self.moves.extend((kind, s, d) for s, d in zip(src, dst))
             if kind == COPY:
@@ -107,13 +107,22 @@ class FakeRunner:
                 self.pool[dst] = self.offload[src].copy()
             elif kind == DISK_WRITE:
                 for slot, block_hash in zip(src, dst):
-                    self.disk_tier.write(block_hash, [self.offload[slot]])
+                    self.disk_store.write(block_hash, [self.offload[slot]])
             elif kind == DISK_RESTORE:
                 assert all(0 < b < nb for b in dst)
-                for arrays, b in zip(src, dst):
-                    self.pool[b] = arrays[0]
+                for block_hash, b in zip(src, dst):
+                    arrays = self.disk_store.read(block_hash)
+                    if arrays is None:
+                        failed_loads.append(b)
+                        self.pool[b] = -1  # what a failed load leaves: nothing a read may trust
+                    else:
+                        self.pool[b] = arrays[0]
+            elif kind == DISK_DELETE:
+                for block_hash in src:
+                    self.disk_store.delete(block_hash)
             else:
                 raise AssertionError(f"unknown move {kind}")
+        return failed_loads
 
     def launch(self, scheduled, bitmask=None, previous=None):
         """Async scheduling as the device does it: a placeholder (a row's last token, counted in its sequence's
@@ -414,11 +423,14 @@ def check_accounting(engine: LLMEngine) -> None:
     if kv.host_tier is not None:  # the prefix cache's host tier: every slot free or holding one block
         kv.host_tier.check()
         assert len(kv.host_tier) <= kv.host_tier.num_blocks
-    if kv.disk_tier is not None:  # its disk tier: the bytes counted are the files', within the cap
-        kv.disk_tier.flush()
-        files = list(kv.disk_tier.directory.glob("*.kvblock"))
-        assert kv.disk_tier.num_bytes == sum(f.stat().st_size for f in files)
-        assert kv.disk_tier.num_bytes <= max(kv.disk_tier.max_bytes, kv.disk_tier.file_bytes)
+    store = engine.runner.disk_store
+    if store is not None:  # its disk tier: the files are the index's blocks, within the cap, their bytes counted
+        store.flush()
+        files = list(store.directory.glob("*.kvblock"))
+        # files damaged by a scenario ("damage") stay in the index until a read finds them bad
+        assert {bytes.fromhex(f.name[:-len(".kvblock")]) for f in files} <= set(kv.disk_index)
+        assert len(kv.disk_index) <= kv.disk_index.capacity
+        assert store.num_bytes == sum(f.stat().st_size for f in files)
 
 
 def record_prompt_rows_ahead(engine: LLMEngine) -> list[int]:
@@ -500,7 +512,7 @@ def scenarios(draw, tiers: bool = False):
                              min_size=1, max_size=3))
     actions = []
     for _ in range(draw(st.integers(3, 30))):
-        what = draw(st.sampled_from(["add", "add", "step", "step", "step", "abort", "preempt"]))
+        what = draw(st.sampled_from(["add", "add", "step", "step", "step", "abort", "preempt"] + ["damage"] * tiers))
         if what == "add":
             base = draw(st.sampled_from(prefixes if tiers else [[]] + prefixes))
             suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24))
@@ -549,6 +561,8 @@ def play(engine: LLMEngine, actions: list[tuple]) -> dict:
             ids = sorted(engine.requests)
             if ids:
                 engine.abort_request(ids[action[1] % len(ids)])
+        elif kind == "damage":  # a disk-tier file corrupted or deleted behind the engine's back
+            damage_a_disk_file(engine.runner.disk_store, action[1])
         elif kind == "preempt":  # as the scheduler preempts: with no step in flight
             engine.wait_for_step()
             running = engine.scheduler.running
@@ -565,6 +579,24 @@ def play(engine: LLMEngine, actions: list[tuple]) -> dict:
     engine.step()  # applies any moves still queued; schedules nothing
     check_all_free(engine)
     return finished
+
+
+def damage_a_disk_file(store, pick: int) -> None:
+    """Corrupts (``pick`` even) or deletes one of the store's files, if it has any; the engine must never serve it."""
+    if store is None:
+        return
+    store.flush()
+    files = sorted(store.directory.glob("*.kvblock"))
+    if not files:
+        return
+    path = files[pick % len(files)]
+    if pick % 2:
+        store.num_bytes -= path.stat().st_size  # the store counts its files' bytes
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
 
 
 def run_checked(engine: LLMEngine, max_steps: int = 500) -> dict:

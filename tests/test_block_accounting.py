@@ -58,12 +58,14 @@ def test_block_accounting_stays_exact(scenario):
 def test_block_accounting_stays_exact_with_the_prefix_cache_tiers(scenario):
     """The scenarios with the host tier (2-24 blocks) and the disk tier: the fake runner moves its simulated K/V
     through both (real files), so a block restored with the wrong K/V fails the reads of its first step; every
-    host slot is free or holds one block, the directory's bytes are its files', after every action."""
+    host slot is free or holds one block, the directory's files are the index's, their bytes counted, after every
+    action. Files corrupted or deleted behind the engine ("damage") are never served: their loads fail and the
+    requests holding their blocks compute them."""
     setup, actions = scenario
     engine = make_engine(**setup)
     play(engine, actions)
     event(f"host-tier-hit={engine.kv.offload.host_hits > 0} disk-tier-hit={engine.kv.offload.disk_hits > 0} "
-          f"stored={engine.kv.offload.stores > 0}")
+          f"stored={engine.kv.offload.stores > 0} disk-load-failed={engine.kv.offload.disk_failed > 0}")
 
 
 def _ends(finished: dict) -> dict:

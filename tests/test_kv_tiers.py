@@ -162,17 +162,17 @@ def test_a_restarted_engine_finds_the_disk_tier_and_serves_no_bad_file(runs, tin
     at = foreign.index(b'"weights": "') + len(b'"weights": "')
     paths[2].write_bytes(foreign[:at] + (b"0" if foreign[at:at + 1] != b"0" else b"1") + foreign[at + 1:])
     restarted = _llm(tiny, kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, kv_offloading_dir=str(directory))
-    with caplog.at_level(logging.WARNING, logger="jaxpage.core.kv_disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="jaxpage.worker.kv_disk_store"):
         for c in range(CONVERSATIONS):
             (out,) = restarted.generate([{"prompt_token_ids": last_prompts[c]}], _params(c, TURNS - 1),
                                         use_tqdm=False)
             assert list(out.outputs[0].token_ids) == expected[c][-1], c
     stats = restarted.stats()
-    assert stats["kv_offload_disk_rejected"] == 3
+    assert stats["kv_offload_disk_rejected"] == 3 and stats["kv_offload_disk_failed"] == 3
     reasons = [r.getMessage() for r in caplog.records]
     assert any("checksum" in m for m in reasons) and any("truncated" in m for m in reasons)
     assert any("another model" in m for m in reasons), reasons
-    disk = restarted.engine.kv.disk_tier  # a bad file was deleted; one there now was written afresh, and is good
+    disk = restarted.engine.runner.disk_store  # a bad file was deleted; one there now was written afresh, and is good
     hashes = [hash_block(None, p[:BLOCK_SIZE]) for p in last_prompts[:3]]
     assert all(not p.exists() or disk.read(h) is not None for p, h in zip(paths, hashes))
     assert disk.rejected == 3
@@ -202,41 +202,83 @@ def test_offloading_options_take_vllm_flags_and_refuse_bad_values():
             build_engine_config(model, **options, **bad)
 
 
-def test_disk_tier_keeps_its_cap_dropping_the_least_recently_used(tmp_path):
-    """Over its cap the directory loses its least recently used files (by mtime; a read touches its file)."""
+def test_disk_index_keeps_its_capacity_dropping_the_least_recently_used(tmp_path):
+    """The scheduler's index holds at most its capacity, pushing out the least recently used (a read touches);
+    the store deletes what it is told; a restarted index over the files keeps the most recently used ones (a read
+    touches its file too), and a store written for another model serves no file of the directory."""
     import os
 
-    from jaxpage.core.kv_disk_tier import DiskKVTier
+    from jaxpage.core.kv_disk_index import DiskKVIndex
+    from jaxpage.worker.kv_disk_store import DiskKVStore
 
     leaves = [(np.float32, (4, 8))]
-    probe = DiskKVTier(tmp_path / "probe", 1 << 20, {"model": "m"}, leaves)
-    tier = DiskKVTier(tmp_path / "d", int(3.5 * probe.file_bytes), {"model": "m"}, leaves)
+    store, index = DiskKVStore(tmp_path / "d", {"model": "m"}, leaves), DiskKVIndex(3)
     blocks = [np.full((4, 8), i, np.float32) for i in range(4)]
     hashes = [bytes([i]) * 16 for i in range(4)]
     for i in range(3):
-        tier.write(hashes[i], [blocks[i]])
-        tier.flush()
-        os.utime(tier.path(hashes[i]), (1000.0 * (i + 1), 1000.0 * (i + 1)))
-    assert np.array_equal(tier.read(hashes[0])[0], blocks[0])  # now the most recently used
-    tier.write(hashes[3], [blocks[3]])
-    tier.flush()
-    assert [tier.contains(h) for h in hashes] == [True, False, True, True]
-    assert tier.num_bytes == 3 * tier.file_bytes == sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
-    other = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "another"}, leaves)  # same directory, other model
-    assert other.read(hashes[0]) is None and not other.contains(hashes[0]) and other.rejected == 1
+        assert index.add(hashes[i]) == []
+        store.write(hashes[i], [blocks[i]])
+        store.flush()
+        os.utime(store.path(hashes[i]), (1000.0 * (i + 1), 1000.0 * (i + 1)))
+    index.touch(hashes[0])
+    assert np.array_equal(store.read(hashes[0])[0], blocks[0])  # its file now the most recently used
+    assert index.add(hashes[3]) == [hashes[1]] and list(index) == [hashes[2], hashes[0], hashes[3]]
+    store.write(hashes[3], [blocks[3]])
+    store.delete(hashes[1])
+    store.flush()
+    assert sorted(store.stored()) == sorted([hashes[0], hashes[2], hashes[3]])
+    assert store.num_bytes == 3 * store.file_bytes == sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
+    restarted = DiskKVIndex(2, store.stored())
+    assert restarted.evicted == [hashes[2]] and set(restarted) == {hashes[0], hashes[3]}
+    with pytest.raises(ValueError, match="capacity"):
+        DiskKVIndex(0)
+    other = DiskKVStore(tmp_path / "d", {"model": "another"}, leaves)  # same directory, other model
+    assert other.read(hashes[0]) is None and other.rejected == 1 and not other.path(hashes[0]).exists()
+
+
+def test_no_file_is_read_while_scheduling(tmp_path, monkeypatch):
+    """Over the fake runner with a disk tier: prompts whose prefixes come back from disk; the store's reads all
+    happen in the runner's moves, none inside the scheduler's pass (the index answers there)."""
+    from jaxpage.worker.kv_disk_store import DiskKVStore
+    from tests.fake_engine import check_all_free, make_engine, run_checked
+
+    engine = make_engine(num_kv_blocks=9, max_num_seqs=2, num_offload_blocks=2, offload_disk=str(tmp_path),
+                         async_scheduling=False)
+    scheduling, reads = [False], []
+    schedule = engine.scheduler.schedule
+
+    def marked_schedule():
+        scheduling[0] = True
+        try:
+            return schedule()
+        finally:
+            scheduling[0] = False
+
+    read = DiskKVStore.read
+    monkeypatch.setattr(engine.scheduler, "schedule", marked_schedule)
+    monkeypatch.setattr(DiskKVStore, "read", lambda self, h: reads.append(scheduling[0]) or read(self, h))
+    rng = np.random.default_rng(4)
+    prefixes = [[int(t) for t in rng.integers(1, 24, 24)] for _ in range(3)]
+    for r in range(3):
+        for i, prefix in enumerate(prefixes):
+            engine.add_request(f"r{r}-{i}", {"prompt_token_ids": prefix + [int(t) for t in rng.integers(1, 24, 5)]},
+                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            run_checked(engine)
+    check_all_free(engine)
+    assert engine.kv.offload.disk_hits > 0 and reads and not any(reads), reads
 
 
 def test_a_queued_write_is_served_before_its_file_is_in_place_and_close_flushes(tmp_path, monkeypatch):
     """The writer thread held: written blocks (an int8 block's values and scales) are not on disk yet, but the
-    tier contains them and reads them back from its copies, though the caller has reused its arrays; close lets
-    every file land, and a fresh tier over the directory reads them."""
-    from jaxpage.core.kv_disk_tier import DiskKVTier
+    store reads them back from its copies, though the caller has reused its arrays; close lets every file land,
+    and a fresh store over the directory reads them."""
+    from jaxpage.worker.kv_disk_store import DiskKVStore
 
-    gate, write_file = threading.Event(), DiskKVTier._write_file
-    monkeypatch.setattr(DiskKVTier, "_write_file", lambda self, *args: gate.wait(30) and write_file(self, *args))
+    gate, write_file = threading.Event(), DiskKVStore._write_file
+    monkeypatch.setattr(DiskKVStore, "_write_file", lambda self, *args: gate.wait(30) and write_file(self, *args))
     rng = np.random.default_rng(5)
     leaves = [(np.int8, (2, 4, 8)), (np.float32, (2, 4))]
-    tier = DiskKVTier(tmp_path, 1 << 20, {"model": "m"}, leaves)
+    tier = DiskKVStore(tmp_path, {"model": "m"}, leaves)
     blocks = [[rng.integers(-128, 128, (2, 4, 8)).astype(np.int8), rng.random((2, 4), np.float32)] for _ in range(3)]
     expected = [[a.copy() for a in block] for block in blocks]
     hashes = [bytes([i]) * 16 for i in range(3)]
@@ -246,13 +288,12 @@ def test_a_queued_write_is_served_before_its_file_is_in_place_and_close_flushes(
             a[...] = 0  # the host arena's slot takes another block
     assert not list(tmp_path.iterdir())
     for block_hash, block in zip(hashes, expected):
-        assert tier.contains(block_hash)
         assert all(np.array_equal(got, want) for got, want in zip(tier.read(block_hash), block))
     gate.set()
     tier.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(h.hex() + ".kvblock" for h in hashes)
     assert tier.num_bytes == sum(p.stat().st_size for p in tmp_path.iterdir()) and tier.write_seconds > 0
-    fresh = DiskKVTier(tmp_path, 1 << 20, {"model": "m"}, leaves)
+    fresh = DiskKVStore(tmp_path, {"model": "m"}, leaves)
     for block_hash, block in zip(hashes, expected):
         assert all(np.array_equal(got, want) for got, want in zip(fresh.read(block_hash), block))
     assert fresh.rejected == 0
@@ -263,15 +304,15 @@ def test_a_failed_disk_write_is_logged_and_the_tier_goes_on(tmp_path, caplog):
     caller, whose step must go on), and once the directory is back the next write lands."""
     import shutil
 
-    from jaxpage.core.kv_disk_tier import DiskKVTier
+    from jaxpage.worker.kv_disk_store import DiskKVStore
 
     leaves = [(np.float32, (4, 8))]
-    tier = DiskKVTier(tmp_path / "d", 1 << 20, {"model": "m"}, leaves)
+    tier = DiskKVStore(tmp_path / "d", {"model": "m"}, leaves)
     shutil.rmtree(tmp_path / "d")
     with caplog.at_level("WARNING"):
         tier.write(b"a" * 16, [np.ones((4, 8), np.float32)])
         tier.flush()
-    assert "not written" in caplog.text and not tier.contains(b"a" * 16) and tier.read(b"a" * 16) is None
+    assert "not written" in caplog.text and tier.read(b"a" * 16) is None
     (tmp_path / "d").mkdir()
     tier.write(b"b" * 16, [np.full((4, 8), 2, np.float32)])
     tier.close()
@@ -306,3 +347,34 @@ def test_fake_runner_restores_from_both_tiers_exactly(window, mode):
     assert outputs[1] == outputs[0]
     c = engine.kv.offload
     assert c.host_hits > 0 and c.disk_hits > 0 and c.stores > 0, c
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_disk_load_is_computed_instead(async_scheduling):
+    """Over the fake runner: prefixes sent to the disk tier, then every file corrupted or deleted behind the
+    engine's back. Each restore queued from the index fails in the runner's moves; the requests holding those
+    blocks go back to compute them (no step reads a failed block: the fake checks every read), the outputs are
+    an engine-without-tiers', and every block comes back."""
+    from tests.fake_engine import damage_a_disk_file, check_all_free, make_engine, run_checked
+
+    rng = np.random.default_rng(6)
+    prefixes = [[int(t) for t in rng.integers(1, 24, 24)] for _ in range(3)]
+    rounds = [[p + [int(t) for t in rng.integers(1, 24, 5)] for p in prefixes] for _ in range(3)]
+    outputs = []
+    for tiers in (False, True):
+        engine = make_engine(num_kv_blocks=9, max_num_seqs=2, num_offload_blocks=2 if tiers else 0,
+                             offload_disk=tiers, async_scheduling=async_scheduling)
+        done = {}
+        for r, prompts in enumerate(rounds):
+            if tiers and r:
+                store = engine.runner.disk_store
+                for pick in range(len(list(store.directory.glob("*.kvblock")))):
+                    damage_a_disk_file(store, pick)  # corrupt, delete, corrupt, ...
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{r}-{i}", {"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0.0, seed=1, max_tokens=6, ignore_eos=True))
+                done.update(run_checked(engine))
+        check_all_free(engine)
+        outputs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
+    assert outputs[1] == outputs[0]
+    assert engine.kv.offload.disk_failed > 0 and engine.runner.disk_store.rejected > 0, engine.kv.offload

@@ -27,7 +27,7 @@ def model_runner():
 
 
 def test_the_contract_names_what_the_engine_reads():
-    assert {"config", "supports_async_scheduling", "disk_tier", "tiers", "warm_up", "apply", "execute", "launch",
+    assert {"config", "supports_async_scheduling", "disk_store", "tiers", "warm_up", "apply", "execute", "launch",
             "fetch", "load_lora", "remove_lora"} <= set(MEMBERS)
 
 

@@ -104,6 +104,13 @@ class BlockPool:
             self._cached[block_hash] = block
             self._hash_of[block] = block_hash
 
+    def uncache(self, block: int) -> bytes | None:
+        """Makes a block unfindable by its hash (its K/V turned out not to be the prefix's); returns the hash."""
+        block_hash = self._hash_of.pop(block, None)
+        if block_hash is not None:
+            del self._cached[block_hash]
+        return block_hash
+
     def _evict(self, block: int) -> None:
         block_hash = self._hash_of.pop(block, None)
         if block_hash is not None:

@@ -9,10 +9,12 @@ see it again. Dead blocks go back to the pool (a shared one loses a reference) a
 in the table; they always form a prefix of it. A sequence's hashes still cover every block (they come from its
 tokens), so blocks computed later are cached under the right chained hashes.
 
-The prefix cache's tiers (``host_tier``, ``disk_tier``): a cached block leaving the device cache is copied to the
-host tier (an OFFLOAD move, queued before any move or step that writes the block), the host tier's least
-recently used block to the disk tier (DISK_WRITE); a prefix block missing on the device but found in a tier gets a
-fresh device block and a RESTORE (or DISK_RESTORE) move, queued before the sequence's first step.
+The prefix cache's tiers (``host_tier``, ``disk_index``: bookkeeping of which hashes are where, no file read):
+a cached block leaving the device cache is copied to the host tier (an OFFLOAD move, queued before any move or
+step that writes the block), the host tier's least recently used block to the disk tier (DISK_WRITE, and a
+DISK_DELETE of each block the disk tier's capacity pushes out); a prefix block missing on the device but found in
+a tier gets a fresh device block and a RESTORE (or DISK_RESTORE) move, queued before the sequence's first step. A
+DISK_RESTORE whose file the worker finds bad comes back as a failed load (``forget_failed_loads``).
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from collections.abc import Iterable
 
 from jaxpage.attention.kv_cache import NULL_BLOCK
 from jaxpage.core.block_pool import BlockPool, hash_block, hash_blocks
-from jaxpage.core.kv_disk_tier import DiskKVTier
+from jaxpage.core.kv_disk_index import DiskKVIndex
 from jaxpage.core.kv_offload import (
+    DISK_DELETE,
     DISK_RESTORE,
     DISK_WRITE,
     OFFLOAD,
@@ -61,7 +64,7 @@ class DeviceOps:
 
 class KVCacheManager:
     def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int, window: int = 0,
-                 host_tier: HostKVTier | None = None, disk_tier: DiskKVTier | None = None):
+                 host_tier: HostKVTier | None = None, disk_index: DiskKVIndex | None = None):
         self.pool = block_pool
         self.block_size = block_size
         self.window = window  # 0: every block stays visible
@@ -71,8 +74,11 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found on the device
         self.host_tier = host_tier
-        self.disk_tier = disk_tier if host_tier is not None else None
+        self.disk_index = disk_index if host_tier is not None else None
         self.offload = OffloadCounters()
+        if self.disk_index is not None:  # files found at start past the capacity
+            self.ops.moves += [(DISK_DELETE, block_hash, None) for block_hash in self.disk_index.evicted]
+            self.disk_index.evicted = []
         if host_tier is not None:
             block_pool.on_evict = self._offload
 
@@ -123,11 +129,10 @@ class KVCacheManager:
         self.pool.share(on_device)
         if len(on_device) < len(live):
             enough = len(live) - len(on_device) <= self.pool.num_free
-            restored = self._restore(live, hashes[dead:hit]) if enough else None
-            if restored is None:  # too few free blocks: the device's hits only; a bad disk file (now deleted)
+            if not enough:  # too few free blocks for the tiers' hits: the device's hits only
                 self.pool.free(on_device[::-1])
-                return self.match_prefix(seq, tiers=enough)
-            live = restored
+                return self.match_prefix(seq, tiers=False)
+            live = self._restore(live, hashes[dead:hit])
         seq.block_table = [NULL_BLOCK] * dead + live
         seq.block_hashes = hashes[:hit]
         seq.num_computed_tokens = hit * bs
@@ -141,22 +146,19 @@ class KVCacheManager:
             return block
         if block_hash in self.host_tier:
             return IN_HOST
-        return ON_DISK if self.disk_tier is not None and self.disk_tier.contains(block_hash) else None
+        return ON_DISK if self.disk_index is not None and block_hash in self.disk_index else None
 
-    def _restore(self, live: list, hashes: list[bytes]) -> list[int] | None:
+    def _restore(self, live: list, hashes: list[bytes]) -> list[int]:
         """Fresh device blocks for the entries found in a tier, their restores queued (one batched copy per
-        tier before the step); None, nothing changed, if a disk file is bad (the caller made sure the pool has
-        the blocks)."""
+        tier before the step; the caller made sure the pool has the blocks)."""
         fresh = [i for i, b in enumerate(live) if not isinstance(b, int)]
         source: dict[int, object] = {}
-        for i in fresh:  # disk files first: a bad one (logged and deleted) calls the whole restore off
-            if live[i] == ON_DISK:
-                source[i] = self.disk_tier.read(hashes[i])
-                if source[i] is None:
-                    return None
         for i in fresh:  # the host slots may not be reused by the evictions that allocate() makes
             if live[i] == IN_HOST:
                 source[i] = self.host_tier.pin(hashes[i])
+            else:
+                source[i] = hashes[i]
+                self.disk_index.touch(hashes[i])
         blocks = self.pool.allocate(len(fresh))
         self.host_tier.unpin_all()
         table = list(live)
@@ -170,9 +172,22 @@ class KVCacheManager:
         self.offload.hit_tokens += len(fresh) * self.block_size
         return table
 
+    def forget_failed_loads(self, blocks: Iterable[int]) -> None:
+        """Device blocks whose DISK_RESTORE the worker could not carry out (their file missing or bad): no longer
+        cached (their K/V is not the prefix's) nor on disk, nor counted as hits. Their holders must compute them
+        (Scheduler.recompute_failed_loads)."""
+        for block in blocks:
+            block_hash = self.pool.uncache(block)
+            if block_hash is not None:
+                self.disk_index.discard(block_hash)
+            self.offload.disk_hits -= 1
+            self.offload.disk_failed += 1
+            self.offload.hit_tokens -= self.block_size
+
     def _offload(self, block: int, block_hash: bytes) -> None:
         """A cached block leaving the device cache: copied into the host tier (unless it is there already), the
-        host tier's least recently used block written to the disk tier first if its slot is taken."""
+        host tier's least recently used block written to the disk tier first if its slot is taken (and the disk
+        tier's least recently used blocks deleted past its capacity)."""
         if self.host_tier.lookup(block_hash) is not None:
             return
         taken = self.host_tier.add(block_hash)
@@ -180,8 +195,9 @@ class KVCacheManager:
             self.offload.dropped += 1
             return
         slot, evicted = taken
-        if evicted is not None and self.disk_tier is not None and not self.disk_tier.contains(evicted[0]):
+        if evicted is not None and self.disk_index is not None and evicted[0] not in self.disk_index:
             self.ops.moves.append((DISK_WRITE, slot, evicted[0]))
+            self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(evicted[0])]
             self.offload.disk_writes += 1
         self.ops.moves.append((OFFLOAD, block, slot))
         self.offload.stores += 1

@@ -10,7 +10,8 @@ import dataclasses
 OFFLOAD = "offload"  # (OFFLOAD, device block, host slot): a block evicted from the device, copied to the host
 RESTORE = "restore"  # (RESTORE, host slot, device block): a host-tier hit restored into a fresh device block
 DISK_WRITE = "disk_write"  # (DISK_WRITE, host slot, block hash): a block leaving the host tier, written to disk
-DISK_RESTORE = "disk_restore"  # (DISK_RESTORE, the block's arrays read from disk, device block)
+DISK_RESTORE = "disk_restore"  # (DISK_RESTORE, block hash, device block): a disk-tier hit read into a fresh block
+DISK_DELETE = "disk_delete"  # (DISK_DELETE, block hash, None): a block the disk tier's capacity pushed out
 
 
 @dataclasses.dataclass
@@ -18,9 +19,10 @@ class OffloadCounters:
     """What the tiers did, in blocks (LLM.stats() turns them into bytes with the block's size)."""
 
     host_hits: int = 0  # blocks a prefix lookup found in the host tier (restored, not recomputed)
-    disk_hits: int = 0  # blocks found in the disk tier (read, checked, restored)
+    disk_hits: int = 0  # blocks found in the disk tier and restored (a file the store found bad is not counted)
     stores: int = 0  # blocks copied device -> host tier
     disk_writes: int = 0  # blocks queued host tier -> disk (those not on disk yet)
+    disk_failed: int = 0  # disk-tier hits whose file the store found missing or bad: computed instead
     dropped: int = 0  # cached blocks leaving the device that no tier took (every host slot pinned by restores)
     hit_tokens: int = 0  # prompt tokens the tiers saved (vLLM's external_prefix_cache_hits)
 

@@ -300,12 +300,14 @@ class Scheduler:
         self.kv.reserve(seq, num_new)
         return True
 
-    def preempt(self, group: SequenceGroup) -> None:
+    def preempt(self, group: SequenceGroup, recompute: bool = False) -> None:
+        """Takes a running group off the device: swapped out (preemption_mode 'swap', where the host has room and
+        not ``recompute``), else its blocks freed and the group back at the head of the queue, to compute afresh."""
         self._decode = None
         self.running.remove(group)
         self.num_preemptions += 1
         live = group.live_seqs
-        if self.preemption_mode == "swap" and self.kv.can_swap_out(live):
+        if self.preemption_mode == "swap" and not recompute and self.kv.can_swap_out(live):
             self.kv.swap_out(live)
             group.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
@@ -314,6 +316,15 @@ class Scheduler:
             self.kv.free(seq)
         group.status = SequenceStatus.WAITING
         self.waiting.insert(0, group)
+
+    def recompute_failed_loads(self, blocks: list[int]) -> None:
+        """Device blocks the disk tier failed to restore (the worker found their files missing or bad): forgotten
+        as cached and on disk, and every running group holding one preempted to compute its prompt afresh (vLLM's
+        kv_load_failure_policy 'recompute'). Only groups admitted in the step that queued the restores hold them."""
+        self.kv.forget_failed_loads(blocks)
+        bad = set(blocks)
+        for group in [g for g in self.running if any(bad.intersection(s.block_table) for s in g.live_seqs)]:
+            self.preempt(group, recompute=True)
 
     def _swap_in_what_fits(self) -> None:
         while self.swapped:

@@ -46,14 +46,14 @@ class BatchQueue:
             if ahead is not None:
                 return outputs + self._run_ahead(ahead)
             outputs += self._finish_in_flight()
-        out, failures = engine.schedule()
+        planned, failures = engine.schedule()
         outputs += failures
-        if not out.scheduled:
+        if not planned:
             return outputs
         failed: dict[str, Exception] = {}
-        scheduled, bitmask = engine.prepare(out.scheduled, failed)
+        scheduled, bitmask = engine.prepare(planned, failed)
         launched = engine.runner.launch(scheduled, bitmask)
-        if not failed and engine.scheduler.runs_ahead(out.scheduled):
+        if not failed and engine.scheduler.runs_ahead(planned):
             self._hold(launched)
             return outputs
         if outputs and not failed:
@@ -64,11 +64,13 @@ class BatchQueue:
     def _run_ahead(self, ahead) -> list[RequestOutput]:
         """The step scheduled while the one in flight runs: launched on that step's tokens, then that step read."""
         engine = self.engine
-        engine.runner.apply(ahead.ops)
-        launched = engine.runner.launch(ahead.scheduled, previous=self.in_flight.launched)
+        scheduled = engine.apply(ahead)
+        if not scheduled:  # every row's request must compute a prefix the disk tier failed to load
+            return self._finish_in_flight()
+        launched = engine.runner.launch(scheduled, previous=self.in_flight.launched)
         # asked before the read: a request ending there must not make this step synchronous (read at once, two
         # steps' tokens in one call, the device idle while the next step is scheduled)
-        holds = engine.scheduler.runs_ahead(ahead.scheduled)
+        holds = engine.scheduler.runs_ahead(scheduled)
         outputs = self._finish_in_flight()
         if holds:
             self._hold(launched)

@@ -11,6 +11,7 @@ from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.config import EngineConfig, ModelConfig
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.kv_disk_index import DiskKVIndex
 from jaxpage.core.kv_offload import HostKVTier
 from jaxpage.core.async_scheduler import AsyncScheduler
 from jaxpage.core.scheduler import Scheduler
@@ -23,11 +24,12 @@ from jaxpage.models import config_from_hf
 from jaxpage.models.loader import default_cache_dir, load_model
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
+from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from jaxpage.structured.manager import StructuredOutputManager
 from jaxpage.utils import cdiv
 from jaxpage.worker.compile_cache import enable_compilation_cache
 from jaxpage.worker.draft_runner import DraftRunner
+from jaxpage.worker.kv_disk_store import DiskKVStore
 from jaxpage.worker.multihost import runner_class
 from jaxpage.worker.runner import Runner
 
@@ -52,6 +54,17 @@ def _load_draft(args: EngineArgs, cache_dir: Path, target):
     if None not in tokenizers and tokenizers[0].get_vocab() != tokenizers[1].get_vocab():
         raise ValueError(f"speculative_config.model={spec.model!r}: its tokenizer is not the target's")
     return loaded
+
+
+def _disk_index(config: EngineConfig, store: DiskKVStore | None) -> DiskKVIndex | None:
+    """The scheduler's index of the disk tier's blocks, from the store's directory (file names only)."""
+    if store is None:
+        return None
+    capacity = config.kv_offloading_disk_bytes // store.file_bytes
+    if capacity < 1:
+        raise ValueError(f"kv_offloading_disk_size: {config.kv_offloading_disk_bytes} bytes hold no block "
+                         f"(a block's file is {store.file_bytes} bytes)")
+    return DiskKVIndex(capacity, store.stored())
 
 
 def _draft_runner(config: EngineConfig, draft_model: ModelConfig, draft) -> DraftRunner:
@@ -83,7 +96,7 @@ class LLMEngine:
         window = config.model.sliding_window if config.model.every_layer_windowed else 0
         host_tier = HostKVTier(config.num_offload_blocks) if config.num_offload_blocks else None
         self.kv = KVCacheManager(self.block_pool, config.block_size, config.num_host_blocks, window, host_tier,
-                                 runner.disk_tier)
+                                 _disk_index(config, runner.disk_store))
         self._seq_ids = itertools.count()
         # Async scheduling, where the runner can leave a step running (launch/fetch; not across several hosts)
         self.async_scheduling = config.async_scheduling and runner.supports_async_scheduling
@@ -251,22 +264,31 @@ class LLMEngine:
         scheduling, jaxpage.engine.batch_queue's step (the device runs a step while the next is scheduled)."""
         if self.async_scheduling:
             return self.batch_queue.step()
-        out, outputs = self.schedule()
-        if not out.scheduled:
+        scheduled, outputs = self.schedule()
+        if not scheduled:
             return outputs
         failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
-        scheduled, bitmask = self.prepare(out.scheduled, failed)
+        scheduled, bitmask = self.prepare(scheduled, failed)
         sampled = self.runner.execute(scheduled) if bitmask is None else self.runner.execute(scheduled, bitmask)
         return outputs + self.update(scheduled, sampled, failed)
 
-    def schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
-        """The scheduler's next step, its block moves applied (the draft model's pool too), and the outputs of
-        the requests that can never fit (ended with finish_reason 'abort')."""
-        out = self.scheduler.schedule()
-        self.runner.apply(out.ops)
+    def schedule(self) -> tuple[list[ScheduledSeq], list[RequestOutput]]:
+        """The scheduler's next step, its block moves applied (``apply``), and the outputs of the requests that
+        can never fit (ended with finish_reason 'abort')."""
+        scheduled = self.apply(self.scheduler.schedule())
+        return scheduled, [self._fail(group) for group in self.scheduler.take_failed()]
+
+    def apply(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """A scheduled step's block moves carried out (the draft model's pool too); returns its rows, less those
+        of requests sent back to compute a prefix the disk tier failed to load (Scheduler.recompute_failed_loads;
+        the rows themselves when every load succeeded)."""
+        failed_loads = self.runner.apply(out.ops)
         if self.drafter is not None:
             self.drafter.apply(out.ops)
-        return out, [self._fail(group) for group in self.scheduler.take_failed()]
+        if not failed_loads:
+            return out.scheduled
+        self.scheduler.recompute_failed_loads(failed_loads)
+        return [s for s in out.scheduled if s.group.status == SequenceStatus.RUNNING]
 
     def prepare(self, scheduled: list[ScheduledSeq], failed: dict[str, Exception]):
         """The per-request work before a step runs: (the rows, with the draft model's drafts where it makes them;
@@ -292,8 +314,8 @@ class LLMEngine:
     def close(self) -> None:
         """Puts the disk tier's queued blocks on disk and stops its writer thread; the engine takes no more steps.
         (Without it, the writer's queue is still flushed when the interpreter exits.)"""
-        if self.kv.disk_tier is not None:
-            self.kv.disk_tier.close()
+        if self.runner.disk_store is not None:
+            self.runner.disk_store.close()
 
     def _end(self, group: SequenceGroup, seq: Sequence | None, reason: FinishReason) -> None:
         """Ends a sequence (``seq``) or a whole request (None) outside the scheduler's own update (its stop
@@ -367,7 +389,7 @@ class LLMEngine:
         kv, tiers = self.kv, self.runner.tiers
         if kv.host_tier is None:
             return {}
-        c, disk = kv.offload, kv.disk_tier
+        c, disk = kv.offload, self.runner.disk_store
         per_block = bytes_per_block(self.config.model, self.config.block_size, self.config.kv_dtype)
         return {
             "external_prefix_cache_queries": kv.prefix_cache_queries,
@@ -383,6 +405,7 @@ class LLMEngine:
             "kv_offload_restores": c.host_hits + c.disk_hits,
             "kv_offload_disk_writes": c.disk_writes,
             "kv_offload_dropped": c.dropped,
+            "kv_offload_disk_failed": c.disk_failed,
             "kv_offload_disk_rejected": disk.rejected if disk is not None else 0,
             "kv_offload_disk_bytes": disk.num_bytes if disk is not None else 0,
             "kv_offload_store_seconds": tiers.store_seconds if tiers is not None else 0.0,

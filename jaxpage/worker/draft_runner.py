@@ -37,7 +37,7 @@ class DraftRunner:
         self.runner.warm_up(progress)
 
     def apply(self, ops: DeviceOps) -> None:
-        """The target's block moves, applied to the draft's pool too."""
+        """The target's block moves, applied to the draft's pool too (no prefix tiers with a draft model)."""
         self.runner.apply(ops)
 
     def propose(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:

@@ -1,13 +1,14 @@
 """The runner's side of the prefix cache's host and disk tiers: the host arena (the device pool's format, an
-int8 pool's scales included), the disk tier's files, and the four tier moves the KV manager queues
-(core/kv_offload.py).
+int8 pool's scales included), the disk tier's files (worker/kv_disk_store.py), and the tier moves the KV manager
+queues (core/kv_offload.py).
 
 An OFFLOAD gathers the evicted blocks on the device in one batched call, queued in device order before any
 later write into them (the step that reuses a block runs after the gather), and starts their copy to the host;
 the host-side store into the arena (and any DISK_WRITE after it: a copy handed to the disk tier's writer thread)
 is left pending and done once the step is launched, so it overlaps the step. A RESTORE first finishes what is
 pending (it may read a slot just stored), then loads the slots into fresh blocks in one batched host-to-device
-scatter. Under tensor parallelism the gathered blocks and the loads are sharded as the pool is
+scatter; a DISK_RESTORE too, after reading the files (a block just written is read from the store's queued copy).
+A file the store finds missing or bad leaves its block unrestored and is reported (``take_failed_loads``). Under tensor parallelism the gathered blocks and the loads are sharded as the pool is
 (``block_moves.store_blocks``/``load_blocks``)."""
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import numpy as np
 from jaxpage.attention.block_moves import BlockMoves, padded_ids, store_blocks
 from jaxpage.attention.kv_cache import host_kv_pool, kv_pool_shape, packs_kv
 from jaxpage.config import EngineConfig
-from jaxpage.core.kv_disk_tier import DiskKVTier
-from jaxpage.core.kv_offload import DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
+from jaxpage.core.kv_offload import DISK_DELETE, DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
+from jaxpage.worker.kv_disk_store import DiskKVStore
 
-TIER_MOVES = (OFFLOAD, RESTORE, DISK_WRITE, DISK_RESTORE)
+TIER_MOVES = (OFFLOAD, RESTORE, DISK_WRITE, DISK_RESTORE, DISK_DELETE)
 
 
 def kv_identity(config: EngineConfig, params, model_name: str = "") -> dict:
@@ -47,11 +48,11 @@ class KVTierMoves:
         self.arena = host_kv_pool(config.model, config.num_offload_blocks, config.block_size, kv_dtype,
                                   packs_kv(config.model, config.attention_backend))
         leaves = [(a.dtype, a.shape[:1] + a.shape[2:]) for a in jax.tree.leaves(self.arena)]
-        self.disk_tier = (DiskKVTier(config.kv_offloading_dir, config.kv_offloading_disk_bytes, identity, leaves)
-                          if config.kv_offloading_dir else None)
+        self.disk_store = DiskKVStore(config.kv_offloading_dir, identity, leaves) if config.kv_offloading_dir else None
         self.block_moves = block_moves
         self.move_size = move_size
         self._pending: list = []  # host-side work in queue order: stores into the arena, disk writes
+        self._failed_loads: list[int] = []  # device blocks whose DISK_RESTORE found no good file
         self.store_seconds = self.restore_seconds = 0.0
 
     def apply(self, pool, kind: str, src: list, dst: list):
@@ -72,9 +73,17 @@ class KVTierMoves:
                 pool = self.block_moves.swap_in(pool, self.arena, padded_ids(s, size), padded_ids(d, size))
                 self.restore_seconds += time.perf_counter() - started
             elif kind == DISK_RESTORE:
+                self.finish()
                 started = time.perf_counter()
-                pool = self.block_moves.swap_in(pool, self._stacked(s), np.arange(size), padded_ids(d, size))
+                read = [self.disk_store.read(block_hash) for block_hash in s]
+                self._failed_loads += [block for block, arrays in zip(d, read) if arrays is None]
+                good = [(arrays, block) for arrays, block in zip(read, d) if arrays is not None]
+                if good:
+                    pool = self.block_moves.swap_in(pool, self._stacked([a for a, _ in good]), np.arange(size),
+                                                    padded_ids([b for _, b in good], size))
                 self.restore_seconds += time.perf_counter() - started
+            elif kind == DISK_DELETE:
+                self._pending.append(functools.partial(self._delete, s))
             else:
                 raise ValueError(kind)
         return pool
@@ -90,9 +99,18 @@ class KVTierMoves:
         jax.tree.map(functools.partial(store_blocks, blocks=slots), self.arena, gathered)
         self.store_seconds += time.perf_counter() - started
 
+    def take_failed_loads(self) -> list[int]:
+        """The device blocks whose DISK_RESTORE failed since the last call (vLLM's invalid_block_ids)."""
+        failed, self._failed_loads = self._failed_loads, []
+        return failed
+
     def _write(self, slots: list[int], hashes: list[bytes]) -> None:
         for slot, block_hash in zip(slots, hashes):
-            self.disk_tier.write(block_hash, [a[:, slot] for a in jax.tree.leaves(self.arena)])
+            self.disk_store.write(block_hash, [a[:, slot] for a in jax.tree.leaves(self.arena)])
+
+    def _delete(self, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            self.disk_store.delete(block_hash)
 
     def _stacked(self, blocks: list[list[np.ndarray]]):
         """Blocks read from disk as an arena-like pytree of ``move_size`` blocks (the rest zeros)."""

@@ -116,10 +116,10 @@ class ModelRunner:
         self._compiled: dict[WarmupProgram, object] = {}  # the warm-up's executables
         self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
         self.block_moves = BlockMoves.jit(where, kv_dtype, packed)
-        # the prefix cache's host and disk tiers (the engine hands the disk tier to its KV manager)
+        # the prefix cache's host and disk tiers (the engine indexes the disk store's blocks for its KV manager)
         self.tiers = (KVTierMoves(config, kv_dtype, self.block_moves, self._move_size, identity)
                       if config.num_offload_blocks else None)
-        self.disk_tier = self.tiers.disk_tier if self.tiers is not None else None
+        self.disk_store = self.tiers.disk_store if self.tiers is not None else None
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_token_ids))  # min_tokens bans them
         # build_batch's persistent block tables and sampling settings; the host loop samples a step's rows only
         self.input_batch = InputBatch(config, sampled_rows_apart=host_loop and jax.process_count() == 1)
@@ -167,8 +167,9 @@ class ModelRunner:
         out, self.kv_pool = compiled(self.params, self.kv_pool, *zeros)
         jax.block_until_ready(out)
 
-    def apply(self, ops: DeviceOps) -> None:
-        """Carries out the queued block copies and swaps, in order, in padded fixed-size calls."""
+    def apply(self, ops: DeviceOps) -> list[int]:
+        """Carries out the queued block copies and swaps, in order, in padded fixed-size calls; returns the device
+        blocks whose disk-tier restore failed (their files missing or bad)."""
         size = self._move_size
         for kind, src, dst in ops.batches():
             if kind in TIER_MOVES:
@@ -177,6 +178,7 @@ class ModelRunner:
             for i in range(0, len(src), size):
                 n = len(src[i:i + size])
                 self.move(kind, padded_ids(src[i:i + size], size), padded_ids(dst[i:i + size], size), n)
+        return self.tiers.take_failed_loads() if self.tiers is not None else []
 
     def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
         """One padded call: the first ``n`` of ``src`` -> ``dst`` (block ids, ``self._move_size`` of each)."""

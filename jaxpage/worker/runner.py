@@ -10,8 +10,8 @@ import numpy as np
 
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import DeviceOps
-from jaxpage.core.kv_disk_tier import DiskKVTier
 from jaxpage.core.scheduler_output import ScheduledSeq
+from jaxpage.worker.kv_disk_store import DiskKVStore
 from jaxpage.worker.sampler import SamplerOutput
 
 
@@ -19,15 +19,16 @@ class Runner(Protocol):
     config: EngineConfig
     # launch leaves a step running and fetch reads it (async scheduling); False: the engine's steps stay in order
     supports_async_scheduling: bool
-    disk_tier: DiskKVTier | None  # the prefix cache's disk tier the KV manager indexes (None: off)
+    disk_store: DiskKVStore | None  # the prefix cache's disk tier's files, which the engine indexes (None: off)
     # the prefix cache's tier moves (worker.kv_tiers.KVTierMoves): their store/restore seconds, for the stats
     tiers: object | None
 
     def warm_up(self, progress: bool = True) -> None:
         """Compiles (or prepares) every program a step may run: serving compiles nothing."""
 
-    def apply(self, ops: DeviceOps) -> None:
-        """The scheduler's block copies, swaps and tier moves, in order, before the step that needs them."""
+    def apply(self, ops: DeviceOps) -> list[int]:
+        """The scheduler's block copies, swaps and tier moves, in order, before the step that needs them;
+        returns the device blocks whose disk-tier restore failed (vLLM's invalid_block_ids)."""
 
     def execute(self, scheduled: list[ScheduledSeq], bitmask: np.ndarray | None = None) -> SamplerOutput:
         """One step, waited for: the sampler's output (numpy) for each scheduled row, in order."""

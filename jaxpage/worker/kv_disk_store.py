@@ -1,13 +1,14 @@
-"""The prefix cache's disk tier: one file per block, named by its chained prefix hash, so a restarted engine with
-the same directory finds the blocks again. Each file is a header (magic, the identity of the model and the KV
-format it was written for, the payload's length and CRC-32) and the block's arrays. A file that is truncated,
-corrupt or written for another model or format is never served: it is logged and deleted. The directory keeps
-under its cap by deleting the least recently used files (mtime: a read touches it) on write.
+"""The worker's side of the prefix cache's disk tier (vLLM's connector roles: the scheduler's side is
+core/kv_disk_index.py, which decides what is written, read and deleted): one file per block, named by its
+chained prefix hash, so a restarted engine with the same directory finds the blocks again. Each file is a header
+(magic, the identity of the model and the KV format it was written for, the payload's length and CRC-32) and the
+block's arrays. A file that is truncated, corrupt or written for another model or format is never served: ``read``
+logs it, deletes it and answers None, and the runner reports the block whose restore failed.
 
-Writes run on one writer thread, so a step never waits for a file: ``write`` copies the block and queues it
-(at most ``max_queued`` blocks; past that it waits for the oldest), and until its file is in place (renamed:
-a reader never sees half a file) ``contains`` and ``read`` answer from the queued copy. ``close`` (or ``flush``)
-waits for the queue."""
+Writes and deletes run in order on one writer thread, so a step never waits for a file: ``write`` copies the block
+and queues it (at most ``max_queued`` blocks; past that it waits for the oldest), and until its file is in place
+(renamed: a reader never sees half a file) ``read`` answers from the queued copy. ``close`` (or ``flush``) waits
+for the queue."""
 from __future__ import annotations
 
 import collections
@@ -29,24 +30,21 @@ MAGIC = b"JAXPAGEKV1\n"
 SUFFIX = ".kvblock"
 
 
-def _touch(path: Path) -> bool:
-    """Marks a file most recently used; False if it is not there (the writer thread may have trimmed it)."""
+def _touch(path: Path) -> None:
     try:
         os.utime(path)
-        return True
     except OSError:
-        return False
+        pass
 
 
-class DiskKVTier:
+class DiskKVStore:
     """identity: what the K/V depend on (model, weights' fingerprint, dtype, block size, layout), stored in every
     header and required equal on read; leaves: each array of a block, (dtype, shape), as the pool holds them."""
 
-    def __init__(self, directory: str | os.PathLike, max_bytes: int, identity: dict,
-                 leaves: list[tuple[np.dtype, tuple[int, ...]]], max_queued: int = 64):
+    def __init__(self, directory: str | os.PathLike, identity: dict, leaves: list[tuple[np.dtype, tuple[int, ...]]],
+                 max_queued: int = 64):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
         self.leaves = [(np.dtype(d), tuple(s)) for d, s in leaves]
         self.identity = {**identity, "leaves": [[d.str, list(s)] for d, s in self.leaves]}
         self._header = json.dumps(self.identity, sort_keys=True).encode()
@@ -65,11 +63,16 @@ class DiskKVTier:
     def path(self, block_hash: bytes) -> Path:
         return self.directory / (block_hash.hex() + SUFFIX)
 
-    def contains(self, block_hash: bytes) -> bool:
-        with self._lock:
-            if block_hash in self._queued:
-                return True
-        return self.path(block_hash).is_file()
+    def stored(self) -> list[bytes]:
+        """The hashes of the blocks in the directory, least recently written first (their files' names and
+        mtimes only: a file is checked when it is read)."""
+        found = []
+        for p in self.directory.glob("*" + SUFFIX):
+            try:
+                found.append((p.stat().st_mtime, bytes.fromhex(p.name[:-len(SUFFIX)])))
+            except (OSError, ValueError):  # gone meanwhile, or not a name this store writes
+                continue
+        return [block_hash for _, block_hash in sorted(found)]
 
     def read(self, block_hash: bytes) -> list[np.ndarray] | None:
         """The block's arrays, checked (or its queued copy); None (logged, the file deleted) if it is missing or
@@ -82,6 +85,7 @@ class DiskKVTier:
         try:
             data = path.read_bytes()
         except OSError:
+            log.warning("KV disk tier: block %s is not on disk", block_hash.hex()[:16])
             return None
         arrays, why = self._parse(data)
         if why:
@@ -89,7 +93,7 @@ class DiskKVTier:
             self.rejected += 1
             self._remove(path)
         else:
-            _touch(path)  # most recently used
+            _touch(path)  # most recently used, for the index a restarted engine builds (stored)
         self.read_seconds += time.perf_counter() - started
         return arrays
 
@@ -118,20 +122,17 @@ class DiskKVTier:
 
     def write(self, block_hash: bytes, arrays: list[np.ndarray]) -> None:
         """Queues a block's write on the writer thread (a copy: the caller may reuse its arrays)."""
-        path = self.path(block_hash)
-        with self._lock:
-            if block_hash in self._queued:
-                return
-        if _touch(path):
-            return
         copies = [np.array(a, d) for a, (d, _) in zip(arrays, self.leaves)]
         with self._lock:
             self._queued[block_hash] = copies
-        self._reap(self.max_queued - 1)
-        self._writes.append(self._writer.submit(self._write_file, block_hash, copies))
+        self._submit(self._write_file, block_hash, copies)
+
+    def delete(self, block_hash: bytes) -> None:
+        """Queues a block's file for deletion, after the writes queued before it."""
+        self._submit(lambda: self._remove(self.path(block_hash)))
 
     def flush(self) -> None:
-        """Waits until every queued block is on disk (a failed write's error is raised here)."""
+        """Waits until every queued write and delete is done (a failed write's error is raised here)."""
         self._reap(0)
 
     def close(self) -> None:
@@ -139,52 +140,40 @@ class DiskKVTier:
         self.flush()
         self._writer.shutdown()
 
+    def _submit(self, work, *args) -> None:
+        self._reap(self.max_queued - 1)
+        self._writes.append(self._writer.submit(work, *args))
+
     def _reap(self, keep: int) -> None:
-        """Drops the finished writes, waiting for the oldest while more than ``keep`` are left."""
+        """Drops the finished work, waiting for the oldest while more than ``keep`` are left."""
         while self._writes and (self._writes[0].done() or len(self._writes) > keep):
             self._writes.popleft().result()
 
     def _write_file(self, block_hash: bytes, arrays: list[np.ndarray]) -> None:
-        """The writer thread: the file written atomically (a temporary file renamed), then the cap kept. A file
-        system error (a full disk, the directory gone) is logged and the block not kept: the tier is a cache,
-        and a failed write must not stop the engine."""
+        """The writer thread: the file written atomically (a temporary file renamed). A file system error (a full
+        disk, the directory gone) is logged and the block not kept: the tier is a cache, and a failed write must
+        not stop the engine (a later read of it fails, and its blocks are computed)."""
         started, path = time.perf_counter(), self.path(block_hash)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
             payload = b"".join(a.tobytes() for a in arrays)
             assert len(payload) == self.payload_bytes
+            existed = path.exists()
             tmp.write_bytes(MAGIC + struct.pack("<I", len(self._header)) + self._header
                             + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload)
             os.replace(tmp, path)
-            with self._lock:
-                self.num_bytes += self.file_bytes
+            if not existed:
+                with self._lock:
+                    self.num_bytes += self.file_bytes
             self.writes += 1
-            if self.num_bytes > self.max_bytes:
-                self._trim()
         except OSError as e:
             log.warning("KV disk tier: block %s not written (%s)", block_hash.hex()[:16], e)
             tmp.unlink(missing_ok=True)
         finally:
             with self._lock:
-                del self._queued[block_hash]
+                if self._queued.get(block_hash) is arrays:
+                    del self._queued[block_hash]
             self.write_seconds += time.perf_counter() - started
-
-    def _trim(self) -> None:
-        """Deletes the least recently used files until the directory holds at most 90 % of its cap."""
-        files = []
-        for p in self.directory.glob("*" + SUFFIX):
-            try:
-                stat = p.stat()
-            except OSError:  # deleted meanwhile (a bad file the engine thread found)
-                continue
-            files.append((stat.st_mtime, stat.st_size, p))
-        files.sort()
-        with self._lock:
-            self.num_bytes = sum(size for _, size, _ in files)
-        for _, _, p in files:
-            if self.num_bytes <= 0.9 * self.max_bytes:
-                break
-            self._remove(p)
 
     def _remove(self, path: Path) -> None:
         try:
