@@ -31,8 +31,6 @@ class Sequence:
     num_prompt_tokens: int
     max_len: int  # prompt + output tokens may not exceed this (max_model_len and max_tokens)
     seed: int = 0
-    block_table: list[int] = dataclasses.field(default_factory=list)  # device blocks (host slots when swapped)
-    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of its full blocks
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
@@ -61,9 +59,8 @@ class Sequence:
         return self.finish_reason is not None
 
     def fork(self, seq_id: int, seed: int) -> "Sequence":
-        """A copy sharing this sequence's history; the caller shares the blocks by reference count."""
+        """A copy sharing this sequence's history; its blocks are the KV manager's (KVCacheManager.fork)."""
         return dataclasses.replace(self, seq_id=seq_id, seed=seed, token_ids=list(self.token_ids),
-                                   block_table=list(self.block_table), block_hashes=list(self.block_hashes),
                                    output_logprobs=list(self.output_logprobs))
 
 

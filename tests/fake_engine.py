@@ -179,11 +179,12 @@ class FakeRunner:
             assert not s.spec_token_ids or first == seq.num_tokens - 1, "drafts after a prompt chunk"
             assert 0 < count <= len(ids) - first, (first, count, len(ids))
             assert s.samples == (first + count == len(ids))
-            assert len(seq.block_table) * bs >= first + count, "block table too short for the chunk"
+            table = s.block_ids  # the runner reads the KV manager's table through the row
+            assert len(table) * bs >= first + count, "block table too short for the chunk"
             assert seq.lora_int_id == s.group.lora_int_id, "a sequence computed with another adapter"
             h = hashes[seq.seq_id] = prefix_hashes(ids, row_adapters[id(s)])
             for p in range(first, first + count):
-                block = seq.block_table[p // bs]
+                block = table[p // bs]
                 assert 0 < block < cfg.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
                 self.pool[block, p % bs] = h[p]
         for s in scheduled:  # then every sequence reads its whole context (with a window: what its chunk sees)
@@ -192,10 +193,11 @@ class FakeRunner:
             seq, end = s.seq, s.seq.num_computed_tokens + s.num_new_tokens
             h = hashes[seq.seq_id]
             seen = range(max(0, seq.num_computed_tokens - self.window + 1) if self.window else 0, end)
-            got = {p: int(self.pool[seq.block_table[p // bs], p % bs]) for p in seen}
+            table = s.block_ids
+            got = {p: int(self.pool[table[p // bs], p % bs]) for p in seen}
             bad = [p for p in seen if got[p] != h[p]]
             assert not bad, (f"seq {seq.seq_id} reads wrong K/V at positions {bad[:10]} (blocks "
-                             f"{[seq.block_table[p // bs] for p in bad[:10]]}, table {seq.block_table})")
+                             f"{[table[p // bs] for p in bad[:10]]}, table {table})")
         if self.step_seconds:
             time.sleep(self.step_seconds)
         rows = n + len(drafts)
@@ -406,14 +408,16 @@ def check_accounting(engine: LLMEngine) -> None:
             assert g.status == status, f"{g.request_id} is {g.status} in the {status.value} queue"
             for s in g.seqs + g.finished_seqs:
                 if s.is_finished:
-                    assert s.block_table == [], f"finished seq {s.seq_id} of {g.request_id} still holds blocks"
+                    assert s not in kv.seq_blocks, f"finished seq {s.seq_id} of {g.request_id} still holds blocks"
             if status == SequenceStatus.WAITING:
-                assert all(s.block_table == [] for s in g.live_seqs), f"waiting {g.request_id} holds blocks"
-    tables = [s.block_table for g in sched.running for s in g.live_seqs]
+                assert not any(s in kv.seq_blocks for s in g.live_seqs), f"waiting {g.request_id} holds blocks"
+    holders = {s for g in sched.running + sched.swapped for s in g.live_seqs}
+    assert set(kv.seq_blocks) <= holders, "the KV manager keeps blocks of sequences that ended or wait"
+    tables = [kv.block_ids(s) for g in sched.running for s in g.live_seqs]
     pool.check(tables)
     assert pool.num_free + pool.num_used == pool.num_blocks - 1
     assert 0 <= pool.num_cached_free <= pool.num_free
-    held = {b for g in sched.swapped for s in g.live_seqs for b in s.block_table} - {NULL_HOST}
+    held = {b for g in sched.swapped for s in g.live_seqs for b in kv.block_ids(s)} - {NULL_HOST}
     free_slots = list(kv.host_free)
     assert len(set(free_slots)) == len(free_slots), f"a host slot free twice: {sorted(free_slots)}"
     assert not held & set(free_slots), f"host slots both free and held: {sorted(held & set(free_slots))}"

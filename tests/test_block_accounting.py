@@ -311,7 +311,7 @@ def test_fake_runner_detects_a_wrong_block():
                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     engine.step()
     seq = engine.scheduler.running[0].seqs[0]
-    engine.runner.pool[seq.block_table[1], 3] += 1
+    engine.runner.pool[engine.kv.block_ids(seq)[1], 3] += 1
     with pytest.raises(AssertionError, match="reads wrong K/V"):
         engine.step()
 

@@ -138,8 +138,9 @@ def test_min_tokens_bans_eos_and_every_stop_id_however_many():
     engine = make_engine()
     stops = list(range(100, 100 + MAX_STOP_TOKEN_IDS))
     params = SamplingParams(min_tokens=5, max_tokens=10, stop_token_ids=stops, temperature=0)
-    seq = Sequence(0, [1, 2, 3], 3, 13, block_table=[1])
-    batch, sampling = build_batch(engine.config, [ScheduledSeq(seq, 3, SequenceGroup("r", [seq], params, 0), True)],
+    seq = Sequence(0, [1, 2, 3], 3, 13)
+    batch, sampling = build_batch(engine.config, [ScheduledSeq(seq, 3, SequenceGroup("r", [seq], params, 0), True,
+                                                               block_ids=[1])],
                                   eos_token_ids=(0,))
     assert {0, *stops} <= set(np.asarray(sampling.banned[0]).tolist())
     vocab = engine.config.model.vocab_size
@@ -220,8 +221,9 @@ def test_a_step_samples_only_its_rows_and_the_same_tokens(tiny_llm):
     assert state.sampled_rows_apart  # a CPU engine runs the host layer loop
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, logprobs=3, prompt_logprobs=2)
     prompts = [{"prompt_token_ids": list(range(3 + i, 23 + i))} for i in range(2)]
-    seq = Sequence(0, prompts[0]["prompt_token_ids"], 20, 26, block_table=[1, 2])
-    batch, sampling = build_batch(config, [ScheduledSeq(seq, 20, SequenceGroup("r", [seq], params, 0), True)],
+    seq = Sequence(0, prompts[0]["prompt_token_ids"], 20, 26)
+    batch, sampling = build_batch(config, [ScheduledSeq(seq, 20, SequenceGroup("r", [seq], params, 0), True,
+                                                        block_ids=[1, 2])],
                                   state=InputBatch(config, sampled_rows_apart=True))
     assert (batch.block_tables.shape[0], sampling.temperature.shape[0]) == (8, 1)
 

@@ -53,7 +53,7 @@ def test_penalties_over_steps_match_the_reference_as_slots_are_reused():
     seqs, groups = [], []
     for i, p in enumerate(PARAMS):
         prompt = rng.integers(0, vocab, int(rng.integers(3, 12))).tolist()
-        seqs.append(Sequence(i, prompt, len(prompt), 64, block_table=[4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4]))
+        seqs.append(Sequence(i, prompt, len(prompt), 64))
         groups.append(SequenceGroup(str(i), [seqs[-1]], p, i))
     subsets = [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 0], [4, 5, 0], [1, 2, 3, 4], [5, 3], [0, 1, 2, 3],
                [5, 4, 3, 2], [1, 0]]
@@ -65,7 +65,8 @@ def test_penalties_over_steps_match_the_reference_as_slots_are_reused():
             seq.token_ids.append(int(rng.integers(0, vocab)))  # a token sampled since the last time it ran
             new = 1 if seq.num_computed_tokens else seq.num_tokens
             seq.num_computed_tokens = seq.num_tokens - new
-            scheduled.append(ScheduledSeq(seq, new, groups[i], True))
+            table = [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4]
+            scheduled.append(ScheduledSeq(seq, new, groups[i], True, block_ids=table))
         batch, sampling = build_batch(config, scheduled, (), state)
         logits = rng.normal(size=(len(sampling.temperature), vocab)).astype(np.float32) * 3
         ours = np.asarray(_apply_penalties(jnp.asarray(logits), sampling, VocabShard(vocab, vocab)))
@@ -91,9 +92,10 @@ def test_logit_bias_matches_logits_plus_bias_as_rows_are_reused():
             ids = rng.choice(vocab, 5, replace=False).tolist()
             bias = {0: dict(zip(ids, (-100, 8, -3, 5, 100))), 2: dict(zip(ids, (-100, 8, -3, 5)))}.get(i % 4, {})
             prompt = rng.integers(0, vocab, 5).tolist()
-            seq = Sequence(i, prompt, len(prompt), 64, block_table=[i + 1])
+            seq = Sequence(i, prompt, len(prompt), 64)
             params = SamplingParams(temperature=0, logit_bias=bias)
-            scheduled.append(ScheduledSeq(seq, len(prompt), SequenceGroup(str(i), [seq], params, i), True))
+            scheduled.append(ScheduledSeq(seq, len(prompt), SequenceGroup(str(i), [seq], params, i), True,
+                                          block_ids=[i + 1]))
             biases.append(bias)
         batch, sampling = build_batch(config, scheduled, (), state)
         logits = rng.normal(size=(len(sampling.temperature), vocab)).astype(np.float32) * 3
@@ -148,8 +150,8 @@ def test_plain_greedy_rows_take_the_short_sampler_with_sample_s_tokens_and_logpr
     def batch_of(params: list[SamplingParams], bitmask=None):
         scheduled = []
         for i, p in enumerate(params):
-            seq = Sequence(i, rng.integers(0, vocab, 5).tolist(), 5, 64, block_table=[i + 1])
-            scheduled.append(ScheduledSeq(seq, 5, SequenceGroup(str(i), [seq], p, i), True))
+            seq = Sequence(i, rng.integers(0, vocab, 5).tolist(), 5, 64)
+            scheduled.append(ScheduledSeq(seq, 5, SequenceGroup(str(i), [seq], p, i), True, block_ids=[i + 1]))
         return build_batch(config, scheduled, (2,), InputBatch(config), bitmask)[1]
 
     greedy = SamplingParams(temperature=0)

@@ -33,7 +33,8 @@ def test_the_routers_chain_is_the_one_the_engine_caches_blocks_under(lora_int_id
     kv.allocate_slots(seq, len(prompt))
     seq.num_computed_tokens = len(prompt)
     kv.cache_full_blocks(seq)  # the engine's incremental path, block by block from the parent's hash
-    assert list(hash_blocks(prompt, BS, lora_int_id)) == seq.block_hashes and len(seq.block_hashes) == 5
+    hashes = kv.blocks(seq).block_hashes
+    assert list(hash_blocks(prompt, BS, lora_int_id)) == hashes and len(hashes) == 5
     again = Sequence(1, prompt + [1], len(prompt) + 1, 200, lora_int_id=lora_int_id)
     kv.match_prefix(again)
     assert again.num_computed_tokens == 5 * BS  # the engine's lookup walks the same chain

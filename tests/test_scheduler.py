@@ -170,7 +170,7 @@ def test_preemption_under_memory_pressure_keeps_greedy_outputs(tiny, mode):
     seen = {"swapped": 0, "host_slots_used": 0, "running": 0}
 
     def on_step(e: LLMEngine, _outs) -> None:
-        e.block_pool.check([s.block_table for g in e.scheduler.running for s in g.live_seqs])
+        e.block_pool.check([e.kv.block_ids(s) for g in e.scheduler.running for s in g.live_seqs])
         seen["swapped"] = max(seen["swapped"], len(e.scheduler.swapped))
         seen["host_slots_used"] = max(seen["host_slots_used"], e.kv.num_host_blocks - len(e.kv.host_free))
         seen["running"] = max(seen["running"], len(e.scheduler.running))

@@ -49,7 +49,7 @@ def watch_windows(engine, window: int) -> list[int]:
                 continue
             seq, p = s.seq, s.seq.num_computed_tokens
             dead = dead_prefix(p, window)
-            table = seq.block_table
+            table = list(s.block_ids)
             assert table[:dead] == [NULL_BLOCK] * dead, f"a dead block still held at p={p}: {table}"
             assert NULL_BLOCK not in table[dead:], f"a visible block freed at p={p}: {table}"
             live = len(table) - dead
@@ -140,21 +140,21 @@ def test_prefix_match_needs_only_the_visible_blocks():
     kv.reserve(first, len(tokens))
     first.num_computed_tokens = len(tokens)
     kv.cache_full_blocks(first)
-    blocks = list(first.block_table)
+    blocks = list(kv.block_ids(first))
     kv.free_dead_blocks(first)  # blocks 0-3: positions <= 48 - 13
-    assert first.block_table == [NULL_BLOCK] * 4 + blocks[4:]
+    assert kv.block_ids(first) == [NULL_BLOCK] * 4 + blocks[4:]
     taken = pool.allocate(2)  # the least recently freed: blocks 3 and 2 of the prompt, evicted
     assert sorted(taken) == sorted(blocks[2:4])
     second = Sequence(1, tokens + [1], len(tokens) + 1, 100)
     kv.match_prefix(second)
     assert second.num_computed_tokens == len(tokens)
-    assert second.block_table == [NULL_BLOCK] * 4 + blocks[4:]
-    assert len(second.block_hashes) == 6  # the whole chain, from the tokens
-    pool.check([first.block_table, second.block_table, taken])
+    assert kv.block_ids(second) == [NULL_BLOCK] * 4 + blocks[4:]
+    assert len(kv.blocks(second).block_hashes) == 6  # the whole chain, from the tokens
+    pool.check([kv.block_ids(first), kv.block_ids(second), taken])
     without_window = KVCacheManager(pool, BLOCK_SIZE, 0)
     third = Sequence(2, tokens + [1], len(tokens) + 1, 100)
     without_window.match_prefix(third)
-    assert third.block_table == blocks[:2], "full attention needs every block: the match stops at the eviction"
+    assert without_window.block_ids(third) == blocks[:2], "full attention needs every block: the match stops at the eviction"
 
 
 def test_stats_count_visible_tokens():

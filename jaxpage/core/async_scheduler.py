@@ -56,7 +56,7 @@ class AsyncScheduler(Scheduler):
         needed = 0
         for group in self.running:
             for seq in group.live_seqs:
-                if not seq.block_table or self.kv.writes_shared_block(seq):
+                if seq not in self.kv.seq_blocks or self.kv.writes_shared_block(seq):
                     return False  # recomputing after a preemption, or a copy on write
                 needed += self.kv.blocks_needed(seq, seq.num_tokens - seq.num_computed_tokens)
         return needed <= self.kv.num_free_blocks()
@@ -70,8 +70,7 @@ class AsyncScheduler(Scheduler):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
             seq.num_placeholders += s.samples
-            if len(seq.block_hashes) < seq.num_computed_tokens // self.config.block_size:
-                self.kv.cache_full_blocks(seq)
+            self.kv.cache_full_blocks(seq)
 
     def remove_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """Undoes add_placeholders before the step's real output goes through update_from_output."""

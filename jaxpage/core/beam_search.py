@@ -54,8 +54,7 @@ def beam_search_step(group: SequenceGroup, eos_token_ids, scheduler, next_seq_id
 
 
 def _hypothesis(parent: Sequence, token: int, logprob: float, seq_id: int) -> Sequence:
-    hyp = parent.fork(seq_id, parent.seed)
-    hyp.block_table, hyp.block_hashes = [], []
+    hyp = parent.fork(seq_id, parent.seed)  # finished at once: it never holds blocks
     hyp.token_ids.append(token)
     hyp.cumulative_logprob += logprob
     hyp.finish_reason = FinishReason.STOP

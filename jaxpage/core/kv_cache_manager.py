@@ -62,6 +62,20 @@ class DeviceOps:
         return out
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class KVCacheBlocks:
+    """A sequence's blocks (vLLM's KVCacheBlocks), written by the KV manager alone: its block table (device
+    blocks; NULL_BLOCK where a sliding window let one go; host slots while swapped out, NULL_HOST for dead ones)
+    and the prefix-cache hashes of its full blocks. Others read them (``KVCacheManager.blocks``); the lists are
+    changed in place, so a step's row may hold its sequence's table (ScheduledSeq.block_ids)."""
+
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+
+
+NO_BLOCKS = KVCacheBlocks((), ())  # what a sequence holding no blocks reads (tuples: never written)
+
+
 class KVCacheManager:
     def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int, window: int = 0,
                  host_tier: HostKVTier | None = None, disk_index: DiskKVIndex | None = None):
@@ -76,11 +90,25 @@ class KVCacheManager:
         self.host_tier = host_tier
         self.disk_index = disk_index if host_tier is not None else None
         self.offload = OffloadCounters()
+        self.seq_blocks: dict[Sequence, KVCacheBlocks] = {}  # the sequences holding blocks (running or swapped)
         if self.disk_index is not None:  # files found at start past the capacity
             self.ops.moves += [(DISK_DELETE, block_hash, None) for block_hash in self.disk_index.evicted]
             self.disk_index.evicted = []
         if host_tier is not None:
             block_pool.on_evict = self._offload
+
+    def blocks(self, seq: Sequence) -> KVCacheBlocks:
+        """The sequence's blocks (NO_BLOCKS if it holds none), to read."""
+        return self.seq_blocks.get(seq, NO_BLOCKS)
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return self.seq_blocks.get(seq, NO_BLOCKS).block_ids
+
+    def _own(self, seq: Sequence) -> KVCacheBlocks:
+        blocks = self.seq_blocks.get(seq)
+        if blocks is None:
+            blocks = self.seq_blocks[seq] = KVCacheBlocks()
+        return blocks
 
     def take_ops(self) -> DeviceOps:
         ops, self.ops = self.ops, DeviceOps()
@@ -98,7 +126,7 @@ class KVCacheManager:
     def has_room(self, seq: Sequence, num_new: int) -> bool:
         """Whether the sequence's blocks hold num_new more tokens with no block to allocate or copy (the common
         decode step)."""
-        return (seq.num_computed_tokens + num_new <= len(seq.block_table) * self.block_size
+        return (seq.num_computed_tokens + num_new <= len(self.block_ids(seq)) * self.block_size
                 and not self.writes_shared_block(seq))
 
     def blocks_to_recompute(self, seqs: list[Sequence]) -> int:
@@ -114,7 +142,7 @@ class KVCacheManager:
         window, only the blocks the next step can see must be cached: the dead ones before them become null.
         Blocks found in the host or disk tier are restored into fresh blocks (tiers=False: the device's only,
         the retry when the pool has too few free blocks for them)."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert seq not in self.seq_blocks and seq.num_computed_tokens == 0
         bs, tokens = self.block_size, seq.token_ids
         hashes, cached = [], []
         for block_hash in hash_blocks(tokens[:(seq.num_tokens - 1) // bs * bs], bs, seq.lora_int_id):
@@ -133,8 +161,7 @@ class KVCacheManager:
                 self.pool.free(on_device[::-1])
                 return self.match_prefix(seq, tiers=False)
             live = self._restore(live, hashes[dead:hit])
-        seq.block_table = [NULL_BLOCK] * dead + live
-        seq.block_hashes = hashes[:hit]
+        self.seq_blocks[seq] = KVCacheBlocks([NULL_BLOCK] * dead + live, hashes[:hit])
         seq.num_computed_tokens = hit * bs
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += seq.num_computed_tokens - (len(live) - len(on_device)) * bs  # the device's
@@ -215,8 +242,8 @@ class KVCacheManager:
 
     def free_dead_blocks(self, seq: Sequence) -> None:
         """Frees the blocks the next step (from num_computed_tokens) cannot see; cheap when there are none."""
-        dead, table = self.dead_blocks(seq.num_computed_tokens), seq.block_table
-        if dead == 0 or table[dead - 1] == NULL_BLOCK:
+        dead, table = self.dead_blocks(seq.num_computed_tokens), self.block_ids(seq)
+        if dead == 0 or len(table) < dead or table[dead - 1] == NULL_BLOCK:
             return
         first = dead - 1
         while first and table[first - 1] != NULL_BLOCK:
@@ -232,7 +259,7 @@ class KVCacheManager:
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """New blocks to write num_new more tokens: growth plus a copy of a shared block written into."""
         end = seq.num_computed_tokens + num_new
-        growth = max(0, cdiv(end, self.block_size) - len(seq.block_table))
+        growth = max(0, cdiv(end, self.block_size) - len(self.block_ids(seq)))
         return growth + self.writes_shared_block(seq)
 
     def allocate_slots(self, seq: Sequence, num_new: int) -> bool:
@@ -251,90 +278,96 @@ class KVCacheManager:
             (dst,) = self.pool.allocate(1)
             self.ops.moves.append((COPY, src, dst))
             self.pool.free([src])
-            seq.block_table[index] = dst
+            self.seq_blocks[seq].block_ids[index] = dst
         total = cdiv(seq.num_computed_tokens + num_new, self.block_size)
-        seq.block_table.extend(self.pool.allocate(max(0, total - len(seq.block_table))))
+        table = self._own(seq).block_ids
+        table.extend(self.pool.allocate(max(0, total - len(table))))
 
     def _shared_write_block(self, seq: Sequence) -> tuple[int, int] | None:
-        index = seq.num_computed_tokens // self.block_size
-        if seq.num_computed_tokens % self.block_size == 0 or index >= len(seq.block_table):
+        index, table = seq.num_computed_tokens // self.block_size, self.block_ids(seq)
+        if seq.num_computed_tokens % self.block_size == 0 or index >= len(table):
             return None  # writing starts a fresh block
-        block = seq.block_table[index]
+        block = table[index]
         return (index, block) if self.pool.ref_counts[block] > 1 else None
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Registers the blocks this sequence has completely computed under their chained hashes."""
-        bs = self.block_size
-        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.lora_int_id)
-            seq.block_hashes.append(block_hash)
-            if seq.block_table[i] != NULL_BLOCK:
-                self.pool.cache(seq.block_table[i], block_hash)
+        bs, blocks = self.block_size, self.seq_blocks.get(seq, NO_BLOCKS)
+        hashes, table = blocks.block_hashes, blocks.block_ids
+        while len(hashes) < seq.num_computed_tokens // bs:
+            i = len(hashes)
+            block_hash = hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs],
+                                    seq.lora_int_id)
+            hashes.append(block_hash)
+            if table[i] != NULL_BLOCK:
+                self.pool.cache(table[i], block_hash)
 
     def trim(self, seq: Sequence) -> None:
         """Speculative decoding's rollback: the blocks past the sequence's computed tokens (they held only
         rejected drafts' K/V) go back to the pool; the K/V left past num_computed_tokens in its last block is
         never read (keys are masked by position) and is overwritten by the next step."""
-        keep = cdiv(seq.num_computed_tokens, self.block_size)
-        if len(seq.block_table) > keep:
-            self.pool.free(_live(seq.block_table[keep:])[::-1])
-            del seq.block_table[keep:]
+        keep, table = cdiv(seq.num_computed_tokens, self.block_size), self.block_ids(seq)
+        if len(table) > keep:
+            self.pool.free(_live(table[keep:])[::-1])
+            del table[keep:]
 
     # --- sharing and release --------------------------------------------------------------------------
-    def fork(self, seq: Sequence) -> None:
-        """Counts a new holder of every block in ``seq``'s table (the table was copied by Sequence.fork)."""
-        self.pool.share(_live(seq.block_table))
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (Sequence.fork of ``parent``) holds the parent's blocks too."""
+        blocks = self.blocks(parent)
+        self.seq_blocks[child] = KVCacheBlocks(list(blocks.block_ids), list(blocks.block_hashes))
+        self.pool.share(_live(blocks.block_ids))
 
     def free(self, seq: Sequence) -> None:
-        self.pool.free(_live(seq.block_table)[::-1])
-        seq.block_table = []
-        seq.block_hashes = []
+        blocks = self.seq_blocks.pop(seq, None)
+        if blocks is not None:
+            self.pool.free(_live(blocks.block_ids)[::-1])
         seq.num_computed_tokens = 0
 
     # --- swapping -------------------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return len({b for s in seqs for b in _live(s.block_table)}) <= len(self.host_free)
+        return len({b for s in seqs for b in _live(self.block_ids(s))}) <= len(self.host_free)
 
     def swap_out(self, seqs: list[Sequence]) -> None:
         """Moves the sequences' blocks to host slots (shared blocks once) and frees them on the device; dead
         (null) entries stay dead, as NULL_HOST."""
         slot_of: dict[int, int] = {NULL_BLOCK: NULL_HOST}
         for seq in seqs:
-            for b in seq.block_table:
+            for b in self.block_ids(seq):
                 if b not in slot_of:
                     slot_of[b] = self.host_free.popleft()
                     self.ops.moves.append((SWAP_OUT, b, slot_of[b]))
         for seq in seqs:
-            self.pool.free(_live(seq.block_table)[::-1])
-            seq.block_table = [slot_of[b] for b in seq.block_table]
+            table = self._own(seq).block_ids
+            self.pool.free(_live(table)[::-1])
+            table[:] = [slot_of[b] for b in table]
 
     def free_swapped(self, seqs: list[Sequence], still_swapped: Iterable[Sequence]) -> None:
         """Gives back the host slots of swapped-out sequences that end, but those the ``still_swapped`` ones (their
         siblings) hold too."""
-        slots = {b for s in seqs for b in s.block_table} - {NULL_HOST}
-        still_used = {b for s in still_swapped for b in s.block_table}
+        slots = {b for s in seqs for b in self.block_ids(s)} - {NULL_HOST}
+        still_used = {b for s in still_swapped for b in self.block_ids(s)}
         self.host_free.extend(slots - still_used)
         for s in seqs:
-            s.block_table = []
+            self.seq_blocks.pop(s, None)
 
     def blocks_to_swap_in(self, seqs: list[Sequence]) -> int:
-        return len({b for s in seqs for b in s.block_table if b != NULL_HOST})
+        return len({b for s in seqs for b in self.block_ids(s) if b != NULL_HOST})
 
     def swap_in(self, seqs: list[Sequence]) -> None:
-        slots = list(dict.fromkeys(b for s in seqs for b in s.block_table if b != NULL_HOST))
+        slots = list(dict.fromkeys(b for s in seqs for b in self.block_ids(s) if b != NULL_HOST))
         blocks = self.pool.allocate(len(slots))
         block_of = dict(zip(slots, blocks))
-        refs = collections.Counter(b for s in seqs for b in s.block_table)
+        refs = collections.Counter(b for s in seqs for b in self.block_ids(s))
         for slot, block in block_of.items():
             self.pool.share([block] * (refs[slot] - 1))
             self.ops.moves.append((SWAP_IN, slot, block))
             self.host_free.append(slot)
         block_of[NULL_HOST] = NULL_BLOCK
         for seq in seqs:
-            seq.block_table = [block_of[s] for s in seq.block_table]
-            seq.block_hashes = []  # re-registered by cache_full_blocks after the next step
+            blocks = self.seq_blocks[seq]
+            blocks.block_ids[:] = [block_of[s] for s in blocks.block_ids]
+            blocks.block_hashes.clear()  # re-registered by cache_full_blocks after the next step
 
 
 def _live(table: list[int]) -> list[int]:

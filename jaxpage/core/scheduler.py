@@ -80,7 +80,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             live = group.live_seqs
             for seq in live:
-                if not seq.block_table and seq.num_computed_tokens == 0:
+                if seq.num_computed_tokens == 0 and seq not in self.kv.seq_blocks:
                     if seq is not live[0] and live[0].num_computed_tokens < live[0].num_prompt_tokens:
                         continue  # a recomputing sibling waits until the first has cached the shared prompt
                     self._match_prefix(seq, group)  # a sequence recomputing after preemption
@@ -95,7 +95,8 @@ class Scheduler:
                         preempted = True
                         break
                     preempted |= group.status != SequenceStatus.RUNNING
-                scheduled.append(ScheduledSeq(seq, num_new, group, computed + num_new == num_tokens))
+                scheduled.append(ScheduledSeq(seq, num_new, group, computed + num_new == num_tokens,
+                                              block_ids=self.kv.block_ids(seq)))
                 budget -= num_new
         if self.num_preemptions != preemptions:  # drop what was scheduled of groups preempted later on
             scheduled = [s for s in scheduled if s.group.status == SequenceStatus.RUNNING]
@@ -169,7 +170,7 @@ class Scheduler:
                         break
                     i += 1
                     continue
-                if seq.num_computed_tokens == 0 and not seq.block_table:
+                if seq.num_computed_tokens == 0 and seq not in self.kv.seq_blocks:
                     self._match_prefix(seq, group)
                 num_new = limits.tokens_for(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not num_new or not self.kv.allocate_slots(seq, num_new):
@@ -265,7 +266,7 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int, group: SequenceGroup) -> ScheduledSeq:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
-        return ScheduledSeq(seq, num_new, group, samples)
+        return ScheduledSeq(seq, num_new, group, samples, block_ids=self.kv.block_ids(seq))
 
     def _forks(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Parallel samples: when a prompt's last chunk runs, its siblings fork it and sample the same logits."""
@@ -278,13 +279,14 @@ class Scheduler:
             for i in range(1, group.width):
                 child = self.fork_seq(s.seq, _child_seed(s.seq.seed, i))
                 group.seqs.append(child)
-                forks.append(ScheduledSeq(child, 0, group, True, logits_of=s.seq))
+                forks.append(ScheduledSeq(child, 0, group, True, logits_of=s.seq,
+                                          block_ids=self.kv.block_ids(child)))
         return forks
 
     def fork_seq(self, parent: Sequence, seed: int) -> Sequence:
         """A new sequence sharing ``parent``'s history and blocks (a parallel sample or a beam)."""
         child = parent.fork(self._next_seq_id(), seed)
-        self.kv.fork(child)
+        self.kv.fork(parent, child)
         return child
 
     def _make_room(self, seq: Sequence, num_new: int, group: SequenceGroup) -> bool:
@@ -323,7 +325,7 @@ class Scheduler:
         kv_load_failure_policy 'recompute'). Only groups admitted in the step that queued the restores hold them."""
         self.kv.forget_failed_loads(blocks)
         bad = set(blocks)
-        for group in [g for g in self.running if any(bad.intersection(s.block_table) for s in g.live_seqs)]:
+        for group in [g for g in self.running if any(bad.intersection(self.kv.block_ids(s)) for s in g.live_seqs)]:
             self.preempt(group, recompute=True)
 
     def _swap_in_what_fits(self) -> None:
@@ -345,7 +347,7 @@ class Scheduler:
         beam of their group has its candidates. Returns the rows whose sequence got a token. A failure in one
         request's rows is recorded in ``failed`` and ends that request alone."""
         tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
-        bs, finished = self.config.block_size, SequenceStatus.FINISHED
+        finished = SequenceStatus.FINISHED
         got, beams = [], []
         at = 0  # the row's first token in the step's flat batch
         spec_at = len(scheduled)  # the next draft position's row (speculative decoding)
@@ -366,8 +368,7 @@ class Scheduler:
                     seq.num_computed_tokens += s.num_new_tokens
                 else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
                     seq.num_computed_tokens = seq.num_tokens
-                if len(seq.block_hashes) < seq.num_computed_tokens // bs:  # a block was filled: cache it
-                    self.kv.cache_full_blocks(seq)
+                self.kv.cache_full_blocks(seq)  # the blocks it filled
                 if not s.samples or group.status is finished:
                     continue
                 p = group.params
@@ -410,8 +411,7 @@ class Scheduler:
         if not seq.is_finished:
             seq.num_computed_tokens = seq.num_tokens - 1  # the K/V of every token but the newest
             self.kv.trim(seq)
-            if len(seq.block_hashes) < seq.num_computed_tokens // self.config.block_size:
-                self.kv.cache_full_blocks(seq)
+            self.kv.cache_full_blocks(seq)
         return tuple(appended)
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float, top) -> None:

@@ -22,6 +22,8 @@ class ScheduledSeq:
     group: SequenceGroup
     samples: bool  # this chunk reaches the sequence's last token, so the step's sample is its next token
     logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
+    # its sequence's block table as the KV manager keeps it (KVCacheBlocks.block_ids: read, never written here)
+    block_ids: list[int] = ()
     # speculative decoding: the draft tokens this decode row verifies (num_new_tokens counts them: its last token,
     # then the drafts); each draft's position is sampled in a row of its own after the scheduled rows
     spec_token_ids: tuple[int, ...] = ()

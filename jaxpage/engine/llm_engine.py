@@ -343,7 +343,7 @@ class LLMEngine:
         for group in self.scheduler.running:
             for seq in group.live_seqs:
                 lo, hi = visible(seq)
-                for i, block in enumerate(seq.block_table):
+                for i, block in enumerate(self.kv.block_ids(seq)):
                     n = max(0, min(hi, (i + 1) * bs) - max(lo, i * bs))
                     filled[block] = max(filled.get(block, 0), n)
         filled.pop(NULL_BLOCK, None)

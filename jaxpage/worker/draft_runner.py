@@ -52,42 +52,39 @@ class DraftRunner:
             seq = s.seq
             start = min(self._computed.get(seq, seq.num_computed_tokens), seq.num_computed_tokens)
             end = seq.num_tokens if s.num_pending_drafts else seq.num_computed_tokens + s.num_new_tokens
-            first.append((seq, start, end, []))
+            first.append((s, start, end, []))
             if s.num_pending_drafts:
                 spec.append((len(first) - 1, s))
         if not first:
             return scheduled
-        groups = [s.group for s in scheduled if s.num_new_tokens]
-        tokens, probs = self._step(first, groups)
+        tokens, probs = self._step(first)
         drafts = {id(s): [tokens[row]] for row, s in spec}
         q = {id(s): [probs[row]] for row, s in spec}
         for j in range(1, max((s.num_pending_drafts for _, s in spec), default=0)):
             rows = [s for _, s in spec if s.num_pending_drafts > j]
             n = [s.seq.num_tokens + j - 1 for s in rows]  # the position of the draft this step computes
-            tokens, probs = self._step([(s.seq, at, at + 1, drafts[id(s)]) for s, at in zip(rows, n)],
-                                       [s.group for s in rows])
+            tokens, probs = self._step([(s, at, at + 1, drafts[id(s)]) for s, at in zip(rows, n)])
             for row, s in enumerate(rows):
                 drafts[id(s)].append(tokens[row])
                 q[id(s)].append(probs[row])
-        for seq, _, end, _ in first:
-            self._computed[seq] = end
+        for s, _, end, _ in first:
+            self._computed[s.seq] = end
         for _, s in spec:
             self._computed[s.seq] = s.seq.num_tokens + len(drafts[id(s)]) - 1
         return [dataclasses.replace(s, spec_token_ids=tuple(drafts[id(s)]), draft_probs=np.stack(q[id(s)]),
                                     num_pending_drafts=0)
                 if id(s) in drafts else s for s in scheduled]
 
-    def _step(self, rows: list[tuple[Sequence, int, int, list[int]]],
-              groups: list[SequenceGroup]) -> tuple[list[int], np.ndarray]:
-        """One draft step: each (seq, start, end, extra) computes positions [start, end) of ``seq.token_ids +
-        extra`` (the sequence seen as if extended by its drafts so far) and samples after ``end`` with its
-        request's parameters (``groups``); returns each row's token and the distribution it was drawn from. The
-        target's sequences are only read: the step runs on this runner's views of them (``_view``)."""
+    def _step(self, rows: list[tuple[ScheduledSeq, int, int, list[int]]]) -> tuple[list[int], np.ndarray]:
+        """One draft step: each (target row, start, end, extra) computes positions [start, end) of its sequence's
+        tokens + extra (the sequence seen as if extended by its drafts so far) and samples after ``end`` with its
+        request's parameters; returns each row's token and the distribution it was drawn from. The target's
+        sequences are only read: the step runs on this runner's views of them (``_view``), in their blocks."""
         scheduled = []
-        for (seq, start, end, extra), group in zip(rows, groups):
-            view = self._view(seq, start, extra)
-            group = SequenceGroup(group.request_id, [view], group.params, arrival=0)  # no prompt logprobs
-            scheduled.append(ScheduledSeq(view, end - start, group, end == view.num_tokens))
+        for s, start, end, extra in rows:
+            view = self._view(s.seq, start, extra)
+            group = SequenceGroup(s.group.request_id, [view], s.group.params, arrival=0)  # no prompt logprobs
+            scheduled.append(ScheduledSeq(view, end - start, group, end == view.num_tokens, block_ids=s.block_ids))
         out = self.runner.execute(scheduled)
         # a view's tokens changed other than by appending: its penalty history is synced afresh next time
         self.runner.input_batch.penalty_history.forget([s.seq for s, (*_, extra) in zip(scheduled, rows) if extra])
@@ -95,12 +92,11 @@ class DraftRunner:
 
     def _view(self, seq: Sequence, start: int, extra: list[int]) -> Sequence:
         """The draft's own Sequence for a target sequence (one per sequence, so that the draft runner's per-sequence
-        rows last): its tokens followed by ``extra``, ``start`` of them computed, the target's block table."""
+        rows last): its tokens followed by ``extra``, ``start`` of them computed."""
         view = self._views.get(seq)
         if view is None:
             view = self._views[seq] = Sequence(seq.seq_id, [], seq.num_prompt_tokens, seq.max_len, seed=seq.seed,
                                                lora_int_id=seq.lora_int_id)
         view.token_ids = seq.token_ids + extra if extra else seq.token_ids
-        view.block_table = seq.block_table
         view.num_computed_tokens = start
         return view

@@ -71,13 +71,12 @@ class InputBatch:
         for s in scheduled:
             seq = s.seq
             entry = entries.get(seq)
-            if entry is None or entry[0] != seq.block_table:
-                entry = write(seq, s.group.params, entry, scheduled)
+            if entry is None or entry[0] != s.block_ids:
+                entry = write(seq, s.block_ids, s.group.params, entry, scheduled)
             rows.append(entry[1])
         return rows
 
-    def _write(self, seq, p, entry, scheduled: list[ScheduledSeq]) -> list:
-        table = seq.block_table
+    def _write(self, seq, table, p, entry, scheduled: list[ScheduledSeq]) -> list:
         if entry is None:
             if not self._free_rows:  # drop the rows of sequences that are not in this step (finished, or idle)
                 keep = {s.seq for s in scheduled}
