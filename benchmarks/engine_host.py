@@ -1,13 +1,14 @@
 """The engine's host time per step: LLMEngine.step over a runner that does no device work, at N decoding sequences.
 
-    python -m benchmarks.engine_host [--seqs 256] [--steps 300] [--json F]
+    python -m benchmarks.engine_host [--seqs 256] [--steps 300] [--build-batch] [--json F]
     python -m benchmarks.engine_host --compare /path/to/tree_a /path/to/tree_b --rounds 12 [--json F]
     jaxpage bench engine-host [...]                                   # the same, from the CLI
 
 What the engine core costs the host each step (scheduling, the async loop's bookkeeping, taking the tokens, the
 outputs), without a model: ``--seqs`` requests of 16 prompt tokens and 600 output tokens (greedy, ignoring EOS)
 are admitted, 20 steps run, then the median wall time of ``--steps`` steps, with async scheduling and without.
-The runner returns fixed tokens (no batch is built: jaxpage/worker/input_batch.py's cost is not in it). With
+The runner returns fixed tokens; with ``--build-batch`` it first builds each step's batch on the host
+(jaxpage/worker/input_batch.py's build_batch over its persistent InputBatch, as ModelRunner.launch does). With
 ``--compare`` each tree runs in a process of its own (its checkout first on sys.path), the order flipped every
 round; the table gives each tree's median and the median of the paired ratios (B / A).
 """
@@ -22,8 +23,9 @@ import sys
 import time
 
 
-def measure(seqs: int, steps: int, async_scheduling: bool) -> float:
-    """Median seconds of LLMEngine.step at ``seqs`` decoding sequences over a runner doing nothing."""
+def measure(seqs: int, steps: int, async_scheduling: bool, build_batch: bool = False) -> float:
+    """Median seconds of LLMEngine.step at ``seqs`` decoding sequences over a runner doing nothing (but build
+    each step's batch, with ``build_batch``)."""
     import numpy as np
     import transformers
 
@@ -32,13 +34,16 @@ def measure(seqs: int, steps: int, async_scheduling: bool) -> float:
     from jaxpage.models import config_from_hf
     from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
     from jaxpage.worker.model_runner import LaunchedStep
+    from jaxpage.worker.input_batch import InputBatch
+    from jaxpage.worker.input_batch import build_batch as build
     from jaxpage.worker.sampler import SamplerOutput
 
     class NullRunner:  # jaxpage.worker.runner.Runner, with fixed tokens and no device
-        tiers = disk_store = None
+        tiers = disk_store = disk_tier = None  # disk_tier: the name before 2026-12-07, for --compare with older trees
 
         def __init__(self, config):
             self.config, self.supports_async_scheduling = config, config.async_scheduling
+            self.input_batch = InputBatch(config) if build_batch else None
 
         def warm_up(self, progress=True): ...
         def apply(self, ops): return []
@@ -46,6 +51,8 @@ def measure(seqs: int, steps: int, async_scheduling: bool) -> float:
         def remove_lora(self, lora_int_id): ...
 
         def execute(self, scheduled, bitmask=None):
+            if self.input_batch is not None:
+                build(self.config, scheduled, (0,), self.input_batch, bitmask)
             rows = len(scheduled)
             top = np.zeros((rows, MAX_LOGPROBS), np.int64)
             return SamplerOutput(np.full(rows, 7), np.full(rows, -1.0), top, top.astype(np.float64))
@@ -76,12 +83,12 @@ def measure(seqs: int, steps: int, async_scheduling: bool) -> float:
     return statistics.median(times)
 
 
-def run_tree(tree: str, seqs: int, steps: int, async_scheduling: bool) -> float:
+def run_tree(tree: str, seqs: int, steps: int, async_scheduling: bool, build_batch: bool = False) -> float:
     """``measure`` in a process of its own with ``tree`` first on sys.path."""
     code = (f"import sys, importlib.util; sys.path.insert(0, {os.path.abspath(tree)!r}); "
             f"spec = importlib.util.spec_from_file_location('engine_host', {os.path.abspath(__file__)!r}); "
             "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-            f"print(module.measure({seqs}, {steps}, {async_scheduling}))")  # this file, the tree's jaxpage
+            f"print(module.measure({seqs}, {steps}, {async_scheduling}, {build_batch}))")  # this file, the tree's jaxpage
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -94,17 +101,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=300, help="timed steps (after 20 untimed)")
     parser.add_argument("--compare", nargs=2, metavar=("TREE_A", "TREE_B"), help="two checkouts, paired")
     parser.add_argument("--rounds", type=int, default=6, help="--compare: rounds per mode")
+    parser.add_argument("--build-batch", action="store_true", help="the runner builds each step's host batch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    result = {"seqs": args.seqs, "steps": args.steps, "load_average": os.getloadavg()[0], "modes": {}}
+    result = {"seqs": args.seqs, "steps": args.steps, "build_batch": args.build_batch,
+              "load_average": os.getloadavg()[0], "modes": {}}
     for mode, on in (("async", True), ("sync", False)):
         if not args.compare:
-            result["modes"][mode] = {"median_us": measure(args.seqs, args.steps, on) * 1e6}
+            result["modes"][mode] = {"median_us": measure(args.seqs, args.steps, on, args.build_batch) * 1e6}
             continue
         a, b = [], []
         for r in range(args.rounds):
             trees = args.compare if r % 2 == 0 else args.compare[::-1]
-            got = {t: run_tree(t, args.seqs, args.steps, on) for t in trees}
+            got = {t: run_tree(t, args.seqs, args.steps, on, args.build_batch) for t in trees}
             a.append(got[args.compare[0]])
             b.append(got[args.compare[1]])
         result["modes"][mode] = {"a_us": [x * 1e6 for x in a], "b_us": [x * 1e6 for x in b],

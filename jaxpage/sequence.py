@@ -52,7 +52,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.token_ids) + self.num_placeholders - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -2,6 +2,7 @@
 reference's greedy runs."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -12,6 +13,24 @@ os.environ.setdefault("JAXPAGE_CACHE_DIR", str(Path.home() / ".cache" / "jaxpage
 # the tests themselves run on the CPU, and several processes (servers the tests start) may load libtpu at once.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def _write_once(cls) -> None:
+    """Makes a slots dataclass's fields write-once under the tests: the engine treats its instances as plain data
+    never changed after they are made (ScheduledSeq's docstring says why the class is not frozen itself)."""
+    def __setattr__(self, name, value):
+        try:
+            getattr(self, name)
+        except AttributeError:  # not set yet: its __init__
+            object.__setattr__(self, name, value)
+            return
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r} of a {cls.__name__} once made")
+    cls.__setattr__ = __setattr__
+
+
+from jaxpage.core.scheduler_output import ScheduledSeq  # noqa: E402 - after the platform is set
+
+_write_once(ScheduledSeq)
 
 # The longest files first (a few minutes each: child processes, servers, engines of their own), so that with
 # pytest-xdist's --dist loadfile no worker starts one of them while the other has nothing left to run.

@@ -42,3 +42,18 @@ def test_every_runner_has_every_member(model_runner):
 
 def test_eos_ids_come_through_the_constructor(model_runner):
     assert model_runner.eos_token_ids == (2, 9)
+
+
+def test_a_steps_rows_are_never_changed_once_made():
+    """Under the tests a row's fields are write-once (tests/conftest.py): any code changing a row after the
+    scheduler made it fails here, in every test; a row with other values is a new one (dataclasses.replace)."""
+    import dataclasses
+
+    from jaxpage.core.scheduler_output import ScheduledSeq
+    from jaxpage.sequence import Sequence
+
+    row = ScheduledSeq(Sequence(0, [1, 2], 2, 8), 2, None, True, block_ids=[1])
+    with pytest.raises(dataclasses.FrozenInstanceError, match="num_new_tokens"):
+        row.num_new_tokens = 1
+    again = dataclasses.replace(row, spec_token_ids=(3,), num_new_tokens=2)
+    assert again.spec_token_ids == (3,) and row.spec_token_ids == () and again.block_ids is row.block_ids

@@ -47,7 +47,7 @@ def watch_windows(engine, window: int) -> list[int]:
         for s in scheduled:
             if s.logits_of is not None:
                 continue
-            seq, p = s.seq, s.seq.num_computed_tokens
+            p = s.seq.num_computed_tokens
             dead = dead_prefix(p, window)
             table = list(s.block_ids)
             assert table[:dead] == [NULL_BLOCK] * dead, f"a dead block still held at p={p}: {table}"

@@ -70,7 +70,8 @@ class AsyncScheduler(Scheduler):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
             seq.num_placeholders += s.samples
-            self.kv.cache_full_blocks(seq)
+            if len(self.kv.seq_blocks[seq].block_hashes) < seq.num_computed_tokens // self.config.block_size:
+                self.kv.cache_full_blocks(seq)
 
     def remove_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """Undoes add_placeholders before the step's real output goes through update_from_output."""

@@ -126,7 +126,8 @@ class KVCacheManager:
     def has_room(self, seq: Sequence, num_new: int) -> bool:
         """Whether the sequence's blocks hold num_new more tokens with no block to allocate or copy (the common
         decode step)."""
-        return (seq.num_computed_tokens + num_new <= len(self.block_ids(seq)) * self.block_size
+        table = self.seq_blocks.get(seq, NO_BLOCKS).block_ids
+        return (seq.num_computed_tokens + num_new <= len(table) * self.block_size
                 and not self.writes_shared_block(seq))
 
     def blocks_to_recompute(self, seqs: list[Sequence]) -> int:
@@ -242,8 +243,11 @@ class KVCacheManager:
 
     def free_dead_blocks(self, seq: Sequence) -> None:
         """Frees the blocks the next step (from num_computed_tokens) cannot see; cheap when there are none."""
-        dead, table = self.dead_blocks(seq.num_computed_tokens), self.block_ids(seq)
-        if dead == 0 or len(table) < dead or table[dead - 1] == NULL_BLOCK:
+        dead = self.dead_blocks(seq.num_computed_tokens)
+        if dead == 0:
+            return
+        table = self.block_ids(seq)
+        if len(table) < dead or table[dead - 1] == NULL_BLOCK:
             return
         first = dead - 1
         while first and table[first - 1] != NULL_BLOCK:

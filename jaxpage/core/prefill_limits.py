@@ -66,7 +66,8 @@ class PrefillLimits:
 
 def decodes_and_prefills(groups) -> tuple[int, int]:
     """The decode rows (exactly one token to compute) and prefill rows (more) of the groups' live sequences."""
-    left = [s.num_tokens - s.num_computed_tokens for g in groups for s in g.live_seqs]
+    left = [len(s.token_ids) + s.num_placeholders - s.num_computed_tokens  # num_tokens, inlined: every step
+            for g in groups for s in g.live_seqs]
     return sum(n == 1 for n in left), sum(n > 1 for n in left)
 
 

@@ -75,17 +75,19 @@ class Scheduler:
         decodes, prefills = decodes_and_prefills(self.running)
         free_rows = self.config.max_num_seqs - self.num_running_seqs()
         limits = PrefillLimits.for_step(self.config, decodes, prefills + min(len(self.waiting), free_rows))
+        windowed, seq_blocks = bool(self.kv.window), self.kv.seq_blocks
         for group in list(self.running):
             if group.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             live = group.live_seqs
             for seq in live:
-                if seq.num_computed_tokens == 0 and seq not in self.kv.seq_blocks:
+                if seq.num_computed_tokens == 0 and seq not in seq_blocks:
                     if seq is not live[0] and live[0].num_computed_tokens < live[0].num_prompt_tokens:
                         continue  # a recomputing sibling waits until the first has cached the shared prompt
                     self._match_prefix(seq, group)  # a sequence recomputing after preemption
-                self.kv.free_dead_blocks(seq)  # sliding window: blocks no query can see again
-                computed, num_tokens = seq.num_computed_tokens, seq.num_tokens
+                if windowed:
+                    self.kv.free_dead_blocks(seq)  # sliding window: blocks no query can see again
+                computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids) + seq.num_placeholders  # num_tokens
                 num_new = limits.tokens_for(num_tokens - computed, budget)
                 if num_new == 0:
                     continue  # waiting for its beam siblings, or out of budget or prefill slots
@@ -96,7 +98,7 @@ class Scheduler:
                         break
                     preempted |= group.status != SequenceStatus.RUNNING
                 scheduled.append(ScheduledSeq(seq, num_new, group, computed + num_new == num_tokens,
-                                              block_ids=self.kv.block_ids(seq)))
+                                              seq_blocks[seq].block_ids))
                 budget -= num_new
         if self.num_preemptions != preemptions:  # drop what was scheduled of groups preempted later on
             scheduled = [s for s in scheduled if s.group.status == SequenceStatus.RUNNING]
@@ -228,11 +230,12 @@ class Scheduler:
             return None  # admission or swap-in: the full pass
         if len(rows) > self.config.max_num_batched_tokens:
             return None
-        grow = []
+        grow, windowed = [], bool(self.kv.window)
         for s in rows:
             seq = s.seq
-            self.kv.free_dead_blocks(seq)
-            if seq.num_tokens != seq.num_computed_tokens + 1:
+            if windowed:
+                self.kv.free_dead_blocks(seq)
+            if len(seq.token_ids) + seq.num_placeholders != seq.num_computed_tokens + 1:  # num_tokens, inlined
                 return None  # not exactly one new token (an engine step did not run; or it finished)
             if self.kv.writes_shared_block(seq):
                 return None  # copy-on-write (a fork's first token): the full pass
@@ -266,7 +269,7 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int, group: SequenceGroup) -> ScheduledSeq:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
-        return ScheduledSeq(seq, num_new, group, samples, block_ids=self.kv.block_ids(seq))
+        return ScheduledSeq(seq, num_new, group, samples, self.kv.block_ids(seq))
 
     def _forks(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Parallel samples: when a prompt's last chunk runs, its siblings fork it and sample the same logits."""
@@ -279,8 +282,7 @@ class Scheduler:
             for i in range(1, group.width):
                 child = self.fork_seq(s.seq, _child_seed(s.seq.seed, i))
                 group.seqs.append(child)
-                forks.append(ScheduledSeq(child, 0, group, True, logits_of=s.seq,
-                                          block_ids=self.kv.block_ids(child)))
+                forks.append(ScheduledSeq(child, 0, group, True, self.kv.block_ids(child), logits_of=s.seq))
         return forks
 
     def fork_seq(self, parent: Sequence, seed: int) -> Sequence:
@@ -347,7 +349,7 @@ class Scheduler:
         beam of their group has its candidates. Returns the rows whose sequence got a token. A failure in one
         request's rows is recorded in ``failed`` and ends that request alone."""
         tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
-        finished = SequenceStatus.FINISHED
+        finished, bs, seq_blocks = SequenceStatus.FINISHED, self.config.block_size, self.kv.seq_blocks
         got, beams = [], []
         at = 0  # the row's first token in the step's flat batch
         spec_at = len(scheduled)  # the next draft position's row (speculative decoding)
@@ -360,7 +362,7 @@ class Scheduler:
                     if group.status is not finished:
                         appended = self._take_verified(s, list(range(verify, spec_at)) + [row], tokens, logprobs,
                                                        sampled)
-                        got.append(TokensTaken(s, appended))
+                        got.append((s, appended))
                     continue
                 if group.prompt_logprobs is not None:  # before its tokens are counted as computed
                     take_prompt_logprobs(s, sampled.prompt, first_token)
@@ -368,7 +370,9 @@ class Scheduler:
                     seq.num_computed_tokens += s.num_new_tokens
                 else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
                     seq.num_computed_tokens = seq.num_tokens
-                self.kv.cache_full_blocks(seq)  # the blocks it filled
+                blocks = seq_blocks.get(seq)
+                if blocks is not None and len(blocks.block_hashes) < seq.num_computed_tokens // bs:
+                    self.kv.cache_full_blocks(seq)  # a block was filled
                 if not s.samples or group.status is finished:
                     continue
                 p = group.params
@@ -378,7 +382,7 @@ class Scheduler:
                 else:  # the top log-probabilities are read only when the request asked for them
                     top = (sampled.top_ids[row], sampled.top_logprobs[row]) if p.logprobs is not None else None
                     self._append_token(group, seq, tokens[row], logprobs[row], top)
-                got.append(TokensTaken(s))
+                got.append((s, ()))
             except Exception as e:  # noqa: BLE001 - a failure in one request's host work ends that request alone
                 failed.setdefault(s.group.request_id, e)
         for group in dict.fromkeys(beams):

@@ -12,18 +12,19 @@ from jaxpage.sequence import Sequence, SequenceGroup
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     """One row of a step as the scheduler made it: plain data, never changed after (a row with other drafts is a
-    new row, ``dataclasses.replace``)."""
+    new row, ``dataclasses.replace``). Not ``frozen``: a frozen dataclass took 1.2 us to make against 0.3, for
+    every running sequence every step; the tests make its fields write-once instead (tests/conftest.py)."""
 
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, starting at seq.num_computed_tokens
     group: SequenceGroup
     samples: bool  # this chunk reaches the sequence's last token, so the step's sample is its next token
-    logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
     # its sequence's block table as the KV manager keeps it (KVCacheBlocks.block_ids: read, never written here)
-    block_ids: list[int] = ()
+    block_ids: list[int]
+    logits_of: Sequence | None = None  # a fork sampling from its parent's last prompt token (no tokens of its own)
     # speculative decoding: the draft tokens this decode row verifies (num_new_tokens counts them: its last token,
     # then the drafts); each draft's position is sampled in a row of its own after the scheduled rows
     spec_token_ids: tuple[int, ...] = ()
@@ -33,12 +34,10 @@ class ScheduledSeq:
     num_pending_drafts: int = 0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokensTaken:
-    """A row whose sequence got tokens from a step (Scheduler.update_from_output), for the output processor."""
-
-    row: ScheduledSeq
-    new_logprobs: tuple[float, ...] = ()  # a speculative row's: the log-probabilities of the tokens appended
+# A row whose sequence got tokens from a step (Scheduler.update_from_output), for the output processor: (the row,
+# a speculative row's log-probabilities of the tokens appended, () for any other). A plain pair: one is made for
+# every row every step.
+TokensTaken = tuple[ScheduledSeq, tuple[float, ...]]
 
 
 @dataclasses.dataclass(slots=True)

@@ -10,7 +10,7 @@ from jaxpage.sequence import FinishReason, Sequence
 def reached_min_tokens(seq: Sequence, params: SamplingParams) -> bool:
     """Whether the sequence may stop: before min_tokens output tokens only its length ends it (and the sampler
     bans its stop tokens)."""
-    return seq.num_output_tokens >= params.min_tokens
+    return not params.min_tokens or seq.num_output_tokens >= params.min_tokens
 
 
 def is_eos(token: int, params: SamplingParams, eos_token_ids: Collection[int]) -> bool:

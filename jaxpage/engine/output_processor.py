@@ -50,8 +50,8 @@ class OutputProcessor:
         several: dict[str, int] = {}  # requests of several rows: their place in outputs, made once all are in
         states: dict[str, RequestState] = {}  # of requests failed here (they may be forgotten already)
         requests = self.requests
-        for taken in sampled:
-            seq, group = taken.row.seq, taken.row.group
+        for row, new_logprobs in sampled:
+            seq, group = row.seq, row.group
             request_id, p = group.request_id, group.params
             request = None
             try:
@@ -59,7 +59,7 @@ class OutputProcessor:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if not p.use_beam_search:  # beams decode their whole text once output
-                    self._detokenize(request, seq, taken.new_logprobs)
+                    self._detokenize(request, seq, new_logprobs)
                 if group.width == 1 and not p.use_beam_search:  # its only row: its output is made now
                     output = self._request_output(request, now)
                     if output is not None:

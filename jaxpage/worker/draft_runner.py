@@ -13,7 +13,6 @@ each comes with the draft's distribution q it was drawn from, which the target's
 from __future__ import annotations
 
 import dataclasses
-
 import weakref
 
 import numpy as np
@@ -84,7 +83,7 @@ class DraftRunner:
         for s, start, end, extra in rows:
             view = self._view(s.seq, start, extra)
             group = SequenceGroup(s.group.request_id, [view], s.group.params, arrival=0)  # no prompt logprobs
-            scheduled.append(ScheduledSeq(view, end - start, group, end == view.num_tokens, block_ids=s.block_ids))
+            scheduled.append(ScheduledSeq(view, end - start, group, end == view.num_tokens, s.block_ids))
         out = self.runner.execute(scheduled)
         # a view's tokens changed other than by appending: its penalty history is synced afresh next time
         self.runner.input_batch.penalty_history.forget([s.seq for s, (*_, extra) in zip(scheduled, rows) if extra])

@@ -184,7 +184,8 @@ def _flat_tokens(scheduled: list[ScheduledSeq]):
         if n:
             first = seq.num_computed_tokens
             if n == 1:
-                token_ids.extend(_tokens(seq, first, 1))
+                ids = seq.token_ids
+                token_ids.append(ids[first] if first < len(ids) else PLACEHOLDER_TOKEN_ID)  # see _tokens
                 positions.append(first)
                 token_seq.append(row)
             else:
@@ -243,7 +244,8 @@ def _steps(scheduled: list[ScheduledSeq], state: InputBatch, index: np.ndarray, 
     if decode:  # the token computed is the sequence's last
         steps[:num_rows] = positions[:num_rows].astype(np.int64) + 1 - state.num_prompt[index[:num_rows]]
     elif state.config.speculative_config is None:
-        steps[:num_rows] = [s.seq.num_output_tokens for s in scheduled]
+        steps[:num_rows] = [len(q.token_ids) + q.num_placeholders - q.num_prompt_tokens  # num_output_tokens
+                            for q in (s.seq for s in scheduled)]
     else:
         outputs = [s.seq.num_output_tokens for s in scheduled]
         steps[:num_rows] = [n + len(s.spec_token_ids) for n, s in zip(outputs, scheduled)]

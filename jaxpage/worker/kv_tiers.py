@@ -8,7 +8,8 @@ the host-side store into the arena (and any DISK_WRITE after it: a copy handed t
 is left pending and done once the step is launched, so it overlaps the step. A RESTORE first finishes what is
 pending (it may read a slot just stored), then loads the slots into fresh blocks in one batched host-to-device
 scatter; a DISK_RESTORE too, after reading the files (a block just written is read from the store's queued copy).
-A file the store finds missing or bad leaves its block unrestored and is reported (``take_failed_loads``). Under tensor parallelism the gathered blocks and the loads are sharded as the pool is
+A file the store finds missing or bad leaves its block unrestored and is reported (``take_failed_loads``).
+Under tensor parallelism the gathered blocks and the loads are sharded as the pool is
 (``block_moves.store_blocks``/``load_blocks``)."""
 from __future__ import annotations
 
