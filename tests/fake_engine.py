@@ -411,6 +411,12 @@ def check_accounting(engine: LLMEngine) -> None:
                     assert s not in kv.seq_blocks, f"finished seq {s.seq_id} of {g.request_id} still holds blocks"
             if status == SequenceStatus.WAITING:
                 assert not any(s in kv.seq_blocks for s in g.live_seqs), f"waiting {g.request_id} holds blocks"
+    flight = engine.batch_queue.in_flight  # async scheduling: the step whose sampled tokens are placeholders
+    rows = [flight.launched.scheduled[i] for i in flight.rows] if flight is not None else []
+    ahead = {id(r.seq) for r in rows if r.samples}
+    for g in groups:
+        for s in g.seqs:
+            assert s.num_placeholders == (id(s) in ahead), f"seq {s.seq_id} counts {s.num_placeholders} placeholders"
     holders = {s for g in sched.running + sched.swapped for s in g.live_seqs}
     assert set(kv.seq_blocks) <= holders, "the KV manager keeps blocks of sequences that ended or wait"
     tables = [kv.block_ids(s) for g in sched.running for s in g.live_seqs]

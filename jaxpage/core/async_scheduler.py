@@ -63,22 +63,25 @@ class AsyncScheduler(Scheduler):
 
     def add_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """After a step is launched: each row's sequence as the step leaves it, the token a sampling row
-        sampled counted as a placeholder (Sequence.num_placeholders), so that the next step can be scheduled and built
-        meanwhile. The blocks the step fills are cached now, as in vLLM: a prompt admitted ahead finds a prefix
+        sampled counted as a placeholder (Sequence.num_placeholders), so that the next step can be scheduled and
+        built meanwhile. The blocks the step fills are cached now, as in vLLM: a prompt admitted ahead finds a prefix
         being computed (its tokens are known; the device writes them before any later step reads them)."""
+        seq_blocks, bs = self.kv.seq_blocks, self.config.block_size
         for s in rows:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            seq.num_placeholders += s.samples
-            if len(self.kv.seq_blocks[seq].block_hashes) < seq.num_computed_tokens // self.config.block_size:
+            if s.samples:
+                seq.num_placeholders += 1
+            if len(seq_blocks[seq].block_hashes) < seq.num_computed_tokens // bs:
                 self.kv.cache_full_blocks(seq)
 
     def remove_placeholders(self, rows: list[ScheduledSeq]) -> None:
         """Undoes add_placeholders before the step's real output goes through update_from_output."""
         for s in rows:
-            s.seq.num_placeholders -= s.samples
-            assert s.seq.num_placeholders >= 0
-            s.seq.num_computed_tokens -= s.num_new_tokens
+            seq = s.seq
+            if s.samples:
+                seq.num_placeholders -= 1
+            seq.num_computed_tokens -= s.num_new_tokens
 
 
 def runs_plain(group: SequenceGroup) -> bool:
