@@ -319,32 +319,44 @@ def test_a_failed_disk_write_is_logged_and_the_tier_goes_on(tmp_path, caplog):
     assert np.array_equal(tier.read(b"b" * 16)[0], np.full((4, 8), 2, np.float32))
 
 
-@pytest.mark.parametrize("window", [0, 20])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_fake_runner_restores_from_both_tiers_exactly(window, mode):
-    """Over the block-accounting fake runner (its simulated K/V checked at every read): prompts on three
-    prefixes of 3 blocks, sent round after round through a pool of 9 blocks, a host tier of 2 and the disk tier,
-    with every layer sliding (window 20) or not, swap preemption beside the tiers or not: both tiers serve,
-    the outputs are those of an engine without the tiers, and every block and host slot comes back."""
-    from tests.fake_engine import check_all_free, make_engine, run_checked
+def _rounds_with_and_without_tiers(seed: int, damage: bool = False, **options):
+    """Prompts on three prefixes of 3 blocks, sent round after round (each request run to its end) through the fake
+    runner's pool of 9 blocks, without the tiers and with a host tier of 2 over the disk tier (``damage``: every
+    disk file corrupted or deleted before each later round); returns both engines' outputs and the tiered engine,
+    every block and host slot checked back."""
+    from tests.fake_engine import check_all_free, damage_a_disk_file, make_engine, run_checked
 
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     prefixes = [[int(t) for t in rng.integers(1, 24, 24)] for _ in range(3)]
     rounds = [[p + [int(t) for t in rng.integers(1, 24, 5)] for p in prefixes] for _ in range(3)]
     outputs = []
     for tiers in (False, True):
-        engine = make_engine(num_kv_blocks=9, max_num_seqs=2, mode=mode, num_host_blocks=4 if mode == "swap" else 0,
-                             window=window, num_offload_blocks=2 if tiers else 0, offload_disk=tiers,
-                             async_scheduling=not tiers)
+        engine = make_engine(num_kv_blocks=9, max_num_seqs=2, num_offload_blocks=2 if tiers else 0,
+                             offload_disk=tiers, **options)
         done = {}
         for r, prompts in enumerate(rounds):
+            if damage and tiers and r:
+                store = engine.runner.disk_store
+                for pick in range(len(list(store.directory.glob("*.kvblock")))):
+                    damage_a_disk_file(store, pick)  # corrupt, delete, corrupt, ...
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"r{r}-{i}", {"prompt_token_ids": prompt},
                                    SamplingParams(temperature=0.0, seed=1, max_tokens=6, ignore_eos=True))
                 done.update(run_checked(engine))
         check_all_free(engine)
         outputs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
-    assert outputs[1] == outputs[0]
+    return outputs, engine
+
+
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fake_runner_restores_from_both_tiers_exactly(window, mode):
+    """Over the block-accounting fake runner (its simulated K/V checked at every read), with every layer sliding
+    (window 20) or not, swap preemption beside the tiers or not: both tiers serve, the outputs are those of an
+    engine without the tiers, and every block and host slot comes back."""
+    (plain, tiered), engine = _rounds_with_and_without_tiers(
+        3, mode=mode, num_host_blocks=4 if mode == "swap" else 0, window=window, async_scheduling=False)
+    assert tiered == plain
     c = engine.kv.offload
     assert c.host_hits > 0 and c.disk_hits > 0 and c.stores > 0, c
 
@@ -355,26 +367,6 @@ def test_a_failed_disk_load_is_computed_instead(async_scheduling):
     engine's back. Each restore queued from the index fails in the runner's moves; the requests holding those
     blocks go back to compute them (no step reads a failed block: the fake checks every read), the outputs are
     an engine-without-tiers', and every block comes back."""
-    from tests.fake_engine import damage_a_disk_file, check_all_free, make_engine, run_checked
-
-    rng = np.random.default_rng(6)
-    prefixes = [[int(t) for t in rng.integers(1, 24, 24)] for _ in range(3)]
-    rounds = [[p + [int(t) for t in rng.integers(1, 24, 5)] for p in prefixes] for _ in range(3)]
-    outputs = []
-    for tiers in (False, True):
-        engine = make_engine(num_kv_blocks=9, max_num_seqs=2, num_offload_blocks=2 if tiers else 0,
-                             offload_disk=tiers, async_scheduling=async_scheduling)
-        done = {}
-        for r, prompts in enumerate(rounds):
-            if tiers and r:
-                store = engine.runner.disk_store
-                for pick in range(len(list(store.directory.glob("*.kvblock")))):
-                    damage_a_disk_file(store, pick)  # corrupt, delete, corrupt, ...
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"r{r}-{i}", {"prompt_token_ids": prompt},
-                                   SamplingParams(temperature=0.0, seed=1, max_tokens=6, ignore_eos=True))
-                done.update(run_checked(engine))
-        check_all_free(engine)
-        outputs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
-    assert outputs[1] == outputs[0]
+    (plain, tiered), engine = _rounds_with_and_without_tiers(6, damage=True, async_scheduling=async_scheduling)
+    assert tiered == plain
     assert engine.kv.offload.disk_failed > 0 and engine.runner.disk_store.rejected > 0, engine.kv.offload
