@@ -13,6 +13,7 @@ from jaxpage.models.layers import dense
 from jaxpage.attention.kv_write import write_kv
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN or a C++ compiler is missing")
+needs_kernels = pytest.mark.skipif(not kv_write.available(), reason="no C++ compiler")
 
 CASES = [  # x shape, kernel shape, contracted axes, transposed
     ((5, 576), (576, 9, 64), 1, False),  # q/k/v-like: several output axes
@@ -107,9 +108,9 @@ def test_timed_choice_takes_the_faster_kernel_and_follows_a_switch():
     after the last instead of an hour, every call after the warming ones is a try."""
     import ctypes
 
-    from jaxpage.cpu_kernels.library import library
+    from jaxpage.cpu_kernels.library import ONEDNN, library
 
-    lib = library()
+    lib = library(ONEDNN)
     lib.jaxpage_timed_choice_new.restype = ctypes.c_void_p
     lib.jaxpage_timed_choice_new.argtypes = [ctypes.c_int64]
     lib.jaxpage_timed_choice_step.argtypes = [ctypes.c_void_p, ctypes.c_double, ctypes.c_int]
@@ -347,7 +348,7 @@ def test_paged_attention_over_shared_prefix_pages_equals_the_dense_reference(hea
     np.testing.assert_allclose(np.asarray(got, np.float32)[:-2], np.asarray(want)[:-2], rtol=2 ** -7, atol=2 ** -7)
 
 
-@needs_onednn
+@needs_kernels
 def test_cpu_step_attends_with_the_kernel_and_other_platforms_keep_xla():
     """The XLA backend's attention on a CPU is the kernel's FFI call; lowered for a GPU it stays XLA's ops."""
     from jaxpage.attention.backends import write_and_attend

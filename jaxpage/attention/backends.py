@@ -74,10 +74,8 @@ def _attend_for_platform(q, pool, layer, token_seq, positions, block_tables, sca
     """The XLA path's attention; on a CPU with the CPU kernels built, their FFI kernel, which reads the pool in
     place (XLA's ops gather every page they read and run on one thread)."""
     xla = functools.partial(paged_attention_xla, scale=scale, pairs=pairs, window=window, soft_cap=soft_cap)
-    if not cpu_attention.supports(q):
-        return xla(q, pool, layer, token_seq, positions, block_tables)
-    cpu = functools.partial(cpu_attention.paged_attention, scale=scale, window=window, soft_cap=soft_cap)
-    return jax.lax.platform_dependent(q, pool, layer, token_seq, positions, block_tables, cpu=cpu, default=xla)
+    return cpu_attention.PAGED_ATTENTION(xla, q, pool, layer, token_seq, positions, block_tables, scale=scale,
+                                         window=window, soft_cap=soft_cap)
 
 
 _MASKED = -1e30
@@ -176,9 +174,7 @@ def take_pages(pages: jax.Array, rows: jax.Array) -> jax.Array:
     def take(pages, rows):
         return jnp.take(pages, rows, axis=0, mode="clip")
 
-    if not (kv_write.needs_kernel(pages.dtype) and kv_write.available()):
-        return take(pages, rows)
-    return jax.lax.platform_dependent(pages, rows, cpu=kv_write.gather_rows, default=take)
+    return kv_write.GATHER_ROWS(take, pages, rows)
 
 
 def paged_attention_xla(q: jax.Array, pool: jax.Array, layer: jax.Array, token_seq: jax.Array,

@@ -21,26 +21,19 @@ def padded_ids(ids: list[int], size: int) -> np.ndarray:
     return out
 
 
-def _kernel(a: jax.Array, one_device: bool) -> bool:
-    """Whether a pool leaf's moves take the CPU's FFI copies: an 8- or 16-bit float pool (XLA:CPU's gather and
-    scatter converted the whole pool to float32, ~0.75 s for SmolLM2's 1 GiB) on one device (a mesh's pool is
-    split; the FFI call would see it whole)."""
-    return one_device and kv_write.needs_kernel(a.dtype) and kv_write.available()
-
-
 def take(a: jax.Array, blocks: jax.Array, one_device: bool = False) -> jax.Array:
-    """Blocks [n] of every layer of one pool leaf [L, NB, ...] -> [L, n, ...]."""
-    if not _kernel(a, one_device):
-        return a[:, blocks]
-    return jax.lax.platform_dependent(a, blocks, cpu=kv_write.take_blocks, default=lambda a, b: a[:, b])
+    """Blocks [n] of every layer of one pool leaf [L, NB, ...] -> [L, n, ...]. With ``one_device`` (a mesh's pool is
+    split: the FFI call would see one device's part as the pool) an 8- or 16-bit pool's blocks move by the CPU's
+    FFI copy (kv_write.TAKE_BLOCKS, PUT_BLOCKS: XLA:CPU's gather and scatter converted the whole pool to float32,
+    ~0.75 s for SmolLM2's 1 GiB)."""
+    portable = lambda a, b: a[:, b]  # noqa: E731
+    return kv_write.TAKE_BLOCKS(portable, a, blocks) if one_device else portable(a, blocks)
 
 
 def put(a: jax.Array, blocks: jax.Array, data: jax.Array, one_device: bool = False) -> jax.Array:
     """One pool leaf with ``data`` [L, n, ...] written into its ``blocks`` (in place when donated)."""
-    if not _kernel(a, one_device):
-        return a.at[:, blocks].set(data)
-    return jax.lax.platform_dependent(a, blocks, data, cpu=kv_write.put_blocks,
-                                      default=lambda a, b, d: a.at[:, b].set(d))
+    portable = lambda a, b, d: a.at[:, b].set(d)  # noqa: E731
+    return kv_write.PUT_BLOCKS(portable, a, blocks, data) if one_device else portable(a, blocks, data)
 
 
 def copy_blocks(pool, src: jax.Array, dst: jax.Array, one_device: bool = False):

@@ -21,7 +21,7 @@ def write_kv(pool: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: j
     """New K/V [T, KVH, D] written into their slots (block * block_size + offset) of ``layer``; returns the pool."""
     branches = {}
     values, scales = pool_parts(pool)
-    if scales is None and cpu_kv_write.needs_kernel(values.dtype) and cpu_kv_write.available():
+    if scales is None and cpu_kv_write.WRITE_KV.enabled(values):
         branches["cpu"] = _write_on_cpu
     if pool.shape[4] % tile_rows(pool.dtype) == 0:  # else not lowerable for a TPU (build_engine_config refuses it)
         branches["tpu"] = write_kv_tpu

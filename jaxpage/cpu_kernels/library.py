@@ -1,14 +1,17 @@
-"""The CPU kernels' shared library: built on first use, loaded and registered with XLA as FFI targets.
+"""The CPU kernels' shared libraries: built on first use, loaded and registered with XLA as FFI targets.
 
-The sources (onednn_matmul.cc, packed_gemv.cc, kv_write.cc, gather_rows.cc, block_moves.cc, paged_attention.cc,
-lora_delta.cc, greedy_pick.cc, silu_and_mul.cc, rms_norm.cc, rotary_embedding.cc) are compiled with the system's
-C++ compiler against the oneDNN wheels (PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``) and cached per source, JAX and oneDNN
-version; without a compiler or oneDNN, or with ``JAXPAGE_ONEDNN=0``, ``available()`` is False and callers keep
-XLA's ops.
+Two libraries, so that oneDNN is needed only where it is used: ``KERNELS`` (kv_write.cc, gather_rows.cc,
+block_moves.cc, paged_attention.cc, lora_delta.cc, greedy_pick.cc, silu_and_mul.cc, rms_norm.cc,
+rotary_embedding.cc, threads.cc: plain C++ with OpenMP) and ``ONEDNN`` (onednn_matmul.cc and packed_gemv.cc,
+linked against the oneDNN wheels, PyPI ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``). Each is compiled with
+the system's C++ compiler and cached per source, JAX (and oneDNN) version and CPU. Where one cannot be built (no
+compiler, no oneDNN for ``ONEDNN``), or with ``JAXPAGE_CPU_KERNELS=0`` (both) or ``JAXPAGE_ONEDNN=0``
+(``ONEDNN``), ``available(lib)`` is False and its ops keep their portable form (custom_op.CustomOp).
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -23,19 +26,29 @@ import jax
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("onednn_matmul.cc", "packed_gemv.cc", "kv_write.cc", "gather_rows.cc", "block_moves.cc",
-                             "paged_attention.cc", "lora_delta.cc", "greedy_pick.cc",
-                             "silu_and_mul.cc", "rms_norm.cc", "rotary_embedding.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("simd16.h", "prefix_tiles.h", "threads.h", "timed_choice.h"))
-TARGETS = {"jaxpage_onednn_matmul": "JaxpageOnednnMatmul", "jaxpage_write_kv": "JaxpageWriteKv",
-           "jaxpage_gather_rows": "JaxpageGatherRows", "jaxpage_take_blocks": "JaxpageTakeBlocks",
-           "jaxpage_put_blocks": "JaxpagePutBlocks", "jaxpage_paged_attention": "JaxpagePagedAttention",
-           "jaxpage_lora_delta": "JaxpageLoraDelta", "jaxpage_greedy_pick": "JaxpageGreedyPick",
-           "jaxpage_silu_and_mul": "JaxpageSiluAndMul", "jaxpage_rms_norm": "JaxpageRmsNorm",
-           "jaxpage_fused_add_rms_norm": "JaxpageFusedAddRmsNorm",
-           "jaxpage_rotary_embedding": "JaxpageRotaryEmbedding"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    name: str
+    sources: tuple[str, ...]
+    targets: tuple[tuple[str, str], ...]  # (XLA FFI target, the library's symbol)
+    onednn: bool  # compiled against oneDNN's headers and linked to its library
+
+
+KERNELS = Library("kernels", ("kv_write.cc", "gather_rows.cc", "block_moves.cc", "paged_attention.cc",
+                              "lora_delta.cc", "greedy_pick.cc", "silu_and_mul.cc", "rms_norm.cc",
+                              "rotary_embedding.cc", "threads.cc"),
+                  (("jaxpage_write_kv", "JaxpageWriteKv"), ("jaxpage_gather_rows", "JaxpageGatherRows"),
+                   ("jaxpage_take_blocks", "JaxpageTakeBlocks"), ("jaxpage_put_blocks", "JaxpagePutBlocks"),
+                   ("jaxpage_paged_attention", "JaxpagePagedAttention"), ("jaxpage_lora_delta", "JaxpageLoraDelta"),
+                   ("jaxpage_greedy_pick", "JaxpageGreedyPick"), ("jaxpage_silu_and_mul", "JaxpageSiluAndMul"),
+                   ("jaxpage_rms_norm", "JaxpageRmsNorm"), ("jaxpage_fused_add_rms_norm", "JaxpageFusedAddRmsNorm"),
+                   ("jaxpage_rotary_embedding", "JaxpageRotaryEmbedding")), onednn=False)
+ONEDNN = Library("onednn", ("onednn_matmul.cc", "packed_gemv.cc"),
+                 (("jaxpage_onednn_matmul", "JaxpageOnednnMatmul"),), onednn=True)
 
 
 def onednn_prefix() -> Path | None:
@@ -63,21 +76,22 @@ def cpu_flags() -> str:
         return ""
 
 
-def build(prefix: Path) -> Path:
-    """Compiles the extension once per source, JAX and oneDNN version and CPU; returns the shared library's path."""
+def build(lib: Library, prefix: Path | None) -> Path:
+    """Compiles a library once per source, JAX (and oneDNN) version and CPU; returns the shared library's path."""
+    sources = tuple(Path(__file__).with_name(name) for name in lib.sources)
     include, flags = jax.ffi.include_dir(), cpu_flags()
-    sources = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + f"{jax.__version__}{prefix}{flags}".encode())
-    key = key.hexdigest()[:16]
-    path = cache_dir() / f"libjaxpage_onednn-{key}.so"
+    text = b"".join(s.read_bytes() for s in sources + HEADERS)
+    key = hashlib.sha256(text + f"{jax.__version__}{prefix}{flags}".encode()).hexdigest()[:16]
+    path = cache_dir() / f"libjaxpage_{lib.name}-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    onednn = [f"-I{prefix / 'include'}", *map(str, sources), f"-L{prefix / 'lib'}", "-ldnnl",
+              f"-Wl,-rpath,{prefix / 'lib'}"] if lib.onednn else list(map(str, sources))
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         command = [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp",
-                   "-fno-math-errno", *(["-march=native"] if flags else []),
-                   f"-I{include}", f"-I{prefix / 'include'}", *map(str, SOURCES), f"-L{prefix / 'lib'}", "-ldnnl",
-                   f"-Wl,-rpath,{prefix / 'lib'}", "-o", tmp.name]
+                   "-fno-math-errno", *(["-march=native"] if flags else []), f"-I{include}", *onednn,
+                   "-o", tmp.name]
         try:
             subprocess.run(command, check=True, capture_output=True, text=True)
             os.replace(tmp.name, path)  # atomic: processes building at once each leave a whole library
@@ -87,26 +101,34 @@ def build(prefix: Path) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def library(lib: Library = KERNELS) -> ctypes.CDLL | None:
     """The library, built, loaded and its targets registered with XLA (once per process); None where it cannot
-    be (then callers keep XLA's ops)."""
-    if os.environ.get("JAXPAGE_ONEDNN", "1") == "0" or jax.default_backend() != "cpu":
+    be (then its ops keep their portable form)."""
+    off = os.environ.get("JAXPAGE_CPU_KERNELS", "1") == "0" or (lib.onednn and os.environ.get("JAXPAGE_ONEDNN") == "0")
+    if off or jax.default_backend() != "cpu":
         return None  # a GPU or TPU host never runs them: no build at its first trace
-    prefix = onednn_prefix()
-    if prefix is None:
-        log.info("oneDNN not installed: the CPU kernels stay XLA's ops")
+    prefix = onednn_prefix() if lib.onednn else None
+    if lib.onednn and prefix is None:
+        log.info("oneDNN not installed (the cpu extra): bfloat16 products stay XLA's dots")
         return None
     try:
-        loaded = ctypes.cdll.LoadLibrary(str(build(prefix)))
+        loaded = ctypes.cdll.LoadLibrary(str(build(lib, prefix)))
     except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("the CPU kernels could not be built (%s): XLA's ops are used instead",
+        log.warning("the CPU kernels (%s) could not be built (%s): their portable forms are used instead", lib.name,
                     getattr(e, "stderr", None) or e)
         return None
-    for target, symbol in TARGETS.items():
+    for target, symbol in lib.targets:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)), platform="cpu")
     return loaded
 
 
-def available() -> bool:
+def available(lib: Library = KERNELS) -> bool:
     """Whether the library's FFI targets are registered with XLA."""
-    return library() is not None
+    return library(lib) is not None
+
+
+def ffi_call(target: str, result_shape_dtypes, lib: Library = KERNELS, **kwargs):
+    """``jax.ffi.ffi_call`` of one of ``lib``'s targets, the library loaded first (a kernel called directly, not
+    through its CustomOp, may be the first use of its library in a process)."""
+    library(lib)
+    return jax.ffi.ffi_call(target, result_shape_dtypes, **kwargs)

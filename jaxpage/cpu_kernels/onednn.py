@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.cpu_kernels.library import available, cpu_flags, library
+from jaxpage.cpu_kernels.custom_op import CustomOp
+from jaxpage.cpu_kernels.library import ONEDNN, cpu_flags, ffi_call, library
 
-__all__ = ["available", "fast_bfloat16", "matmul", "pack", "packs"]
+__all__ = ["DENSE", "available", "dense", "fast_bfloat16", "matmul", "pack", "packs"]
+
+
+def available() -> bool:
+    """Whether oneDNN's library (ONEDNN) is built and its matmul registered with XLA."""
+    return library(ONEDNN) is not None
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool = False,
@@ -29,8 +37,8 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, packed: bool
     n = w.shape[0] if transposed else w.shape[1]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), x.dtype)
     rows, timed = (default_gemv_rows(), default_timed_rows()) if gemv_rows is None else (gemv_rows, 0)
-    return jax.ffi.ffi_call("jaxpage_onednn_matmul", out)(x, w, transposed=int(transposed), packed=int(packed),
-                                                          gemv_rows=int(rows), timed_rows=int(timed))
+    return ffi_call("jaxpage_onednn_matmul", out, ONEDNN)(x, w, transposed=int(transposed), packed=int(packed),
+                                                         gemv_rows=int(rows), timed_rows=int(timed))
 
 
 @functools.cache
@@ -67,7 +75,7 @@ def fast_bfloat16() -> bool:
 def packs(k: int, n: int, dtype) -> bool:
     """Whether [k, n] weights of ``dtype`` are packed: bfloat16, where the library is available and the packed
     layout pads nothing (so a packed kernel keeps its array's shape and dtype)."""
-    lib = library()
+    lib = library(ONEDNN)
     if lib is None or np.dtype(dtype) != jax.numpy.bfloat16:
         return False
     lib.jaxpage_onednn_packed_bytes.restype = ctypes.c_int64
@@ -82,8 +90,22 @@ def pack(w: np.ndarray, *, transposed: bool = False) -> np.ndarray:
     k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
     assert packs(k, n, w.dtype), (w.shape, w.dtype)
     out = np.empty_like(w)
-    status = library().jaxpage_onednn_pack(w.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+    status = library(ONEDNN).jaxpage_onednn_pack(w.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
                                            ctypes.c_int64(k), ctypes.c_int64(n), int(transposed))
     if status:
         raise RuntimeError(f"oneDNN could not pack weights of shape {w.shape}")
     return out
+
+
+def dense(x: jax.Array, kernel: jax.Array, *, num_in: int, transposed: bool = False,
+          packed: bool = False) -> jax.Array:
+    """x [..., *in] . kernel [*in, *out] (kernel [out, in] with ``transposed``, one axis each) as one ``matmul``
+    over the flattened axes."""
+    out_shape = kernel.shape[:1] if transposed else kernel.shape[num_in:]
+    k, n = math.prod(x.shape[x.ndim - num_in:]), math.prod(out_shape)
+    flat = kernel.reshape((n, k) if transposed else (k, n))
+    y = matmul(x.reshape(-1, k), flat, transposed=transposed, packed=packed)
+    return y.reshape(*x.shape[:x.ndim - num_in], *out_shape)
+
+
+DENSE = CustomOp("dense", dense, lambda x, kernel, **params: x.dtype == kernel.dtype == jnp.bfloat16, library=ONEDNN)

@@ -169,9 +169,6 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 
 }  // namespace
 
-// The OpenMP threads a kernel call over `rows` rows takes (threads.h), for the tests.
-extern "C" int jaxpage_kernel_threads(int64_t rows) { return jaxpage::KernelThreads(rows); }
-
 // A TimedChoice of its own for the tests (tries at least every `explore_after_ms`): a call's pick (0 or 1) for one
 // shape after recording `ns` for the previous pick (ns < 0: none).
 extern "C" int jaxpage_timed_choice_step(void* choice, double ns, int previous) {

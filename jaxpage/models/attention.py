@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxpage.cpu_kernels import rotary_embedding as rope_kernel
 from jaxpage.attention.backends import page_pairs_by_window, select_pairs, write_and_attend
 from jaxpage.config import ModelConfig
-from jaxpage.distributed.parallel import MODEL_AXIS, model_axis_size
+from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import Linear, QKVParallelLinear, RMSNorm
 from jaxpage.models.rope import apply_rope, rope_inv_freq, rope_tables
@@ -128,7 +127,6 @@ class Attention(nnx.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-        if not (self.q_norm is None and y.dtype == jnp.bfloat16 and y.ndim == 4 and y.shape[-1] % 32 == 0
-                and rope_kernel.available() and model_axis_size() == 1):
+        if self.q_norm is not None:  # the kernel has no q/k norms
             return xla(y, cos, sin)
-        return jax.lax.platform_dependent(y, cos, sin, cpu=rope_kernel.rotary_embedding, default=xla)
+        return rope_kernel.ROTARY_EMBEDDING(xla, y, cos, sin)

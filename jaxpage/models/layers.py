@@ -16,7 +16,7 @@ from flax import nnx
 from jaxpage.cpu_kernels import onednn
 from jaxpage.cpu_kernels import rms_norm as norm_kernel
 from jaxpage.cpu_kernels import silu_and_mul as silu_kernel
-from jaxpage.distributed.parallel import MODEL_AXIS, model_axis_size
+from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.lora_slots import LoRAMapping, lora_delta, slots_being_built
 from jaxpage.models.quant import int8_dot, quantization_being_built
 from jaxpage.models.weight_packing import linear_packs, packing_being_built
@@ -38,33 +38,19 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.weight[...]
-        if not self._has_kernel(x, weight):
-            return self._xla(x, weight)
-        return jax.lax.platform_dependent(x, weight, cpu=functools.partial(norm_kernel.rms_norm, eps=self.eps),
-                                          default=self._xla)
+        return norm_kernel.RMS_NORM(self._xla, x, self.weight[...], eps=self.eps)
 
     def add_and_norm(self, x: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x + h, self(x + h)): the residual stream and its norm, in one pass where ``__call__`` has a kernel."""
-        weight = self.weight[...]
-
         def xla(x, h, weight):
             residual = x + h
             return residual, self._xla(residual, weight)
-        if not self._has_kernel(x, weight):
-            return xla(x, h, weight)
-        return jax.lax.platform_dependent(
-            x, h, weight, cpu=functools.partial(norm_kernel.fused_add_rms_norm, eps=self.eps), default=xla)
+        return norm_kernel.FUSED_ADD_RMS_NORM(xla, x, h, self.weight[...], eps=self.eps)
 
     def _xla(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * weight.astype(jnp.float32)).astype(x.dtype)
-
-    @staticmethod
-    def _has_kernel(x: jax.Array, weight: jax.Array) -> bool:
-        return (x.dtype == weight.dtype == jnp.bfloat16 and x.shape[-1] % 16 == 0 and norm_kernel.available()
-                and model_axis_size() == 1)
 
 
 def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = False,
@@ -76,20 +62,10 @@ def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = Fa
     in_axes = (1,) if transposed else tuple(range(num_in))
     dims = ((tuple(range(x.ndim - num_in, x.ndim)), in_axes), ((), ()))
     xla = functools.partial(jax.lax.dot_general, dimension_numbers=dims)
-    if not (x.dtype == kernel.dtype == jnp.bfloat16 and onednn.available()):
-        assert not packed, "packed weights need oneDNN's bfloat16 matmul"
-        return xla(x, kernel)
-
-    def cpu(x, kernel):
-        out_shape = kernel.shape[:1] if transposed else kernel.shape[num_in:]
-        k, n = math.prod(x.shape[x.ndim - num_in:]), math.prod(out_shape)
-        flat = kernel.reshape((n, k) if transposed else (k, n))
-        y = onednn.matmul(x.reshape(-1, k), flat, transposed=transposed, packed=packed)
-        return y.reshape(*x.shape[:x.ndim - num_in], *out_shape)
-
-    if packed:
-        return cpu(x, kernel)  # packed only on one CPU device (weight_packing.packs_weights)
-    return jax.lax.platform_dependent(x, kernel, cpu=cpu, default=xla)
+    if packed:  # packed only on one CPU device (weight_packing.packs_weights), whose bytes only oneDNN reads
+        assert onednn.DENSE.enabled(x, kernel), "packed weights need oneDNN's bfloat16 matmul"
+        return onednn.dense(x, kernel, num_in=num_in, transposed=transposed, packed=True)
+    return onednn.DENSE(xla, x, kernel, num_in=num_in, transposed=transposed)
 
 
 class Linear(nnx.Module):
@@ -178,10 +154,9 @@ def fused_gated_activation(name: str, gate_up: jax.Array) -> jax.Array:
     a layer at 32 rows of 1,536 (RESULTS.md, "The attention fold and SiluAndMul")."""
     def xla(y):
         return gated_activation(name, y[..., 0, :], y[..., 1, :])
-    if not (name == "silu" and gate_up.dtype == jnp.bfloat16 and gate_up.shape[-1] % 16 == 0
-            and silu_kernel.available() and model_axis_size() == 1):
+    if name != "silu":
         return xla(gate_up)
-    return jax.lax.platform_dependent(gate_up, cpu=silu_kernel.silu_and_mul, default=xla)
+    return silu_kernel.SILU_AND_MUL(xla, gate_up)
 
 
 class QKVParallelLinear(Linear):

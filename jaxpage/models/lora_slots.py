@@ -81,14 +81,9 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mapping: LoRAMapping, n
     index among them -> [T, *out]. ``grouped``: on a CPU, the grouped kernel (the mapping holds every slot, so a
     token's index is its slot)."""
     assert not grouped or mapping.slots.shape[0] == a.shape[0], "the grouped kernel's mapping holds every slot"
-    if grouped and cpu_lora.supports(x, a):
-        def cpu(x, a, b, slots):
-            out = cpu_lora.lora_delta(x.reshape(x.shape[0], -1), a.reshape(a.shape[0], -1, a.shape[-1]),
-                                      b.reshape(*b.shape[:2], -1), slots)
-            return out.reshape(*x.shape[:1], *b.shape[2:])
-
+    if grouped:
         xla = lambda x, a, b, slots: lora_delta(x, a, b, mapping, num_in)  # noqa: E731
-        return jax.lax.platform_dependent(x, a, b, mapping.token_indices, cpu=cpu, default=xla)
+        return cpu_lora.LORA_DELTA(xla, x, a, b, mapping.token_indices)
     if mapping.slots.shape[0] < a.shape[0]:  # every slot (the largest bucket): no gather
         a, b = a[mapping.slots], b[mapping.slots]  # [N, *in, R], [N, R, *out]
     a, b = a.astype(x.dtype), b.astype(x.dtype)

@@ -181,10 +181,7 @@ def plain_greedy(raw_logits: jax.Array, cap: float | None = None) -> SamplerOutp
     rows = raw_logits.shape[0]
     no_top = (jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
     xla = functools.partial(greedy_pick_xla, cap=cap)
-    if not greedy_kernel.available():
-        return SamplerOutput(*xla(raw_logits), *no_top)
-    cpu = functools.partial(greedy_kernel.greedy_pick, soft_cap=cap or 0.0)
-    return SamplerOutput(*jax.lax.platform_dependent(raw_logits, cpu=cpu, default=xla), *no_top)
+    return SamplerOutput(*greedy_kernel.GREEDY_PICK(xla, raw_logits, soft_cap=cap or 0.0), *no_top)
 
 
 def greedy_pick_xla(raw_logits: jax.Array, cap: float | None = None) -> tuple[jax.Array, jax.Array]:
