@@ -604,3 +604,33 @@ def test_kernels_give_the_same_bits_on_one_thread_and_on_all(tmp_path):
             x = runs["0"][f"x{name[6:].split('_')[0]}"]
             ref = x @ runs["0"]["kernel"]
             np.testing.assert_allclose(y, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max(), err_msg=name)
+
+
+@needs_kernels
+def test_a_custom_op_chooses_its_kernel_in_one_place():
+    """CustomOp: the kernel (here the RMS norm's) only for operands it supports, only in a CPU lowering, and for a
+    kernel reading its operands whole not under a mesh that splits them; the portable form everywhere else, with
+    the same values."""
+    import jax.sharding as shd
+
+    from jaxpage.cpu_kernels.rms_norm import RMS_NORM
+
+    def portable(x, w):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+        return (normed * w.astype(jnp.float32)).astype(x.dtype)
+
+    def op(x, w):
+        return RMS_NORM(portable, x, w, eps=1e-6)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.bfloat16)
+    w = jnp.ones((64,), jnp.bfloat16)
+    assert "jaxpage_rms_norm" in jax.jit(op).lower(x, w).as_text()
+    np.testing.assert_allclose(np.asarray(jax.jit(op)(x, w), np.float32), np.asarray(portable(x, w), np.float32),
+                               rtol=2 ** -7)
+    assert "jaxpage_rms_norm" not in jax.jit(op).lower(x[:, :40], w[:40]).as_text()  # not a multiple of 16
+    assert "jaxpage_rms_norm" not in jax.jit(op).lower(x.astype(jnp.float32), w.astype(jnp.float32)).as_text()
+    assert "jaxpage_" not in jax.jit(op).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    if len(jax.devices()) > 1:
+        mesh = jax.make_mesh((2,), ("model",), axis_types=(shd.AxisType.Explicit,))
+        with jax.sharding.use_mesh(mesh):
+            assert "jaxpage_rms_norm" not in jax.jit(op).lower(x, w).as_text()
