@@ -237,7 +237,11 @@ def test_the_required_schema_compiles_and_takes_what_its_parser_reads(parallel):
                                                  ("get_time", "{}")])
     for chunks in _chunkings(text):
         assert _streamed(parser, chunks) == _message(parser, text)
-    assert _message(parser, text[:-5]) == (None, text[:-5], [])  # cut short (max_tokens): content
+    cut = text[:-5]  # max_tokens ended the output inside its second call: the first comes back as a call
+    assert _message(parser, cut) == (None, "", [("get_weather", '{"city": "Rome", "days": 3}')])
+    for chunks in _chunkings(cut):
+        assert _streamed(parser, chunks) == _message(parser, cut)
+    assert _message(parser, text[:20]) == (None, text[:20], [])  # cut inside the first call: content
 
 
 def test_two_functions_defining_one_name_differently_are_refused():

@@ -564,6 +564,30 @@ def test_forced_tool_calls_are_valid_for_the_schema_on_every_sample(server, tool
     assert streamed == {c.index: _message(c) for c in r.choices}
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_calls_come_back_as_calls_when_max_tokens_cuts_the_array(server, parallel):
+    """tool_choice required at temperature 1 with max_tokens 80, seeds 0-5 (the array of calls may run on past the
+    limit): every response carries at least one call valid for its tool's schema (exactly one without parallel tool
+    calls), none leaves the array as content; the cut ones end with "length", and a stream gives the same calls."""
+    kw = dict(model=NAMES[0], messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+              temperature=1.0, max_tokens=80)
+    client = server.async_client()
+
+    async def run():
+        return await asyncio.gather(*(client.chat.completions.create(**kw, seed=seed) for seed in range(6)),
+                                    _stream_chat(server, {**kw, "seed": 0}))
+    *responses, streamed = asyncio.run(run())
+    for r in responses:
+        (c,) = r.choices
+        calls = c.message.tool_calls or []
+        assert calls and c.message.content is None, c
+        assert len(calls) == 1 or parallel
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert c.finish_reason in ("tool_calls", "length"), c
+    assert streamed == {0: _message(responses[0].choices[0])}
+
+
 FIXED = ('Ok.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
          '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7}}\n</tool_call>')
 

@@ -39,8 +39,10 @@ def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str
 
 
 class RequiredCalls(ToolParser):
-    """The output of ``tool_choice: "required"``: the array of calls (all content if it is not one, e.g. cut
-    short by max_tokens)."""
+    """The output of ``tool_choice: "required"``: the array's complete calls, each once its object closes (so a
+    stream never carries a call that the end of the output could leave incomplete). An array cut short (max_tokens)
+    gives its complete calls, its unfinished last call dropped; all content where there is no complete call (or
+    no array)."""
 
     def parse(self, text: str, final: bool) -> Parsed:
         i = skip_blanks(text, 0)
@@ -49,11 +51,11 @@ class RequiredCalls(ToolParser):
         try:
             if text[i] != "[":
                 raise Malformed("not an array of tool calls")
-            calls, end = scan_call_array(text, i, ("parameters",))
-            if final and end is None:
-                raise Malformed("the output ends inside the array of tool calls")
+            calls, end = scan_call_array(text, i, ("parameters",), complete_only=True)
         except Malformed:
             return Parsed(text if final else "", [])
+        if final and end is None and not calls:
+            return Parsed(text, [])  # cut inside its first call
         return Parsed("", calls)
 
 

@@ -83,16 +83,17 @@ def scan_call(text: str, start: int, argument_keys: tuple[str, ...]) -> tuple[To
     return ToolCall(name, text[value_start:value_stop]), end
 
 
-def scan_call_array(text: str, start: int, argument_keys: tuple[str, ...]) -> tuple[list[ToolCall], int | None]:
-    """The array of call objects at start (text[start] is "["): its calls so far and its end (None while
-    incomplete)."""
+def scan_call_array(text: str, start: int, argument_keys: tuple[str, ...],
+                    complete_only: bool = False) -> tuple[list[ToolCall], int | None]:
+    """The array of call objects at start (text[start] is "["): its calls so far (with ``complete_only``, those whose
+    object is closed) and its end (None while incomplete)."""
     calls: list[ToolCall] = []
     i = skip_blanks(text, start + 1)
     if text.startswith("]", i):
         return calls, i + 1
     while i < len(text):
         call, end = scan_call(text, i, argument_keys)
-        if call is not None:
+        if call is not None and (end is not None or not complete_only):
             calls.append(call)
         if end is None:
             return calls, None
