@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jaxpage.utils
 
-class FieldError(ValueError):
-    """A bad chat request: a 400 naming ``param``."""
 
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+FieldError = jaxpage.utils.FieldError  # a bad chat request: a 400 naming ``param``
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -116,13 +116,15 @@ def bench(argv: list[str], root: Path = ROOT) -> int:
 
 def generate(ns: argparse.Namespace) -> int:
     from jaxpage.engine.llm_engine import LLMEngine
+    from jaxpage.entrypoints.chat_utils import render_chat
     from jaxpage.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed)
     if not ns.prompt:
         raise ValueError("prompt is empty")
     engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns))
-    prompt = engine.apply_chat_template([{"role": "user", "content": ns.prompt}]) if ns.chat else ns.prompt
+    chat = [{"role": "user", "content": ns.prompt}]
+    prompt = render_chat(engine.tokenizer, chat) if ns.chat else ns.prompt
     engine.add_request("cli", prompt, params)
     printed = 0
     while engine.has_unfinished_requests():

@@ -25,10 +25,32 @@ def test_prompt_token_ids_equal_transformers_tokenizer(smollm2, hf_smollm2):
 
 
 def test_chat_template_equals_transformers(smollm2, hf_smollm2):
+    from jaxpage.entrypoints.chat_utils import render_chat
+
     _, hf_tok = hf_smollm2
     messages = [{"role": "user", "content": "Bonjour"}]
-    assert smollm2.engine.apply_chat_template(messages) == hf_tok.apply_chat_template(
+    assert render_chat(smollm2.get_tokenizer(), messages) == hf_tok.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_llm_chat_is_generate_over_the_templated_conversations(smollm2, hf_smollm2):
+    """vLLM's LLM.chat: one conversation or several, each rendered by the chat template as transformers renders it
+    (a system message, an earlier turn, and a template variable it does not read, dropped), then generated: the
+    same outputs as generate over those prompts."""
+    from jaxpage.sampling_params import SamplingParams
+
+    _, hf_tok = hf_smollm2
+    conversations = [[{"role": "user", "content": "Name a colour."}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Count to three."}]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    chats = smollm2.chat(conversations, params, chat_template_kwargs={"not_read": 1})
+    prompts = [hf_tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    plain = smollm2.generate(prompts, params)
+    assert [o.prompt for o in chats] == prompts
+    assert [o.outputs[0].token_ids for o in chats] == [o.outputs[0].token_ids for o in plain]
+    (one,) = smollm2.chat(conversations[0], params)
+    assert one.outputs[0].token_ids == chats[0].outputs[0].token_ids
 
 
 def test_greedy_generation_is_token_identical_to_transformers(smollm2, hf_smollm2, hf_smollm2_greedy):

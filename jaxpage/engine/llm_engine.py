@@ -143,12 +143,6 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer: give prompt_token_ids instead of text")
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0,
                     lora_request=None) -> None:
         """lora_request: a jaxpage.lora.request.LoRARequest (the engine started with enable_lora), its adapter

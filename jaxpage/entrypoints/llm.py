@@ -7,6 +7,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from jaxpage.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpage.entrypoints.chat_utils import render_chat
 from jaxpage.lora.request import LoRARequest
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
@@ -51,6 +52,20 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update()
         return [finished[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages: role, content, and transformers' tool_calls
+        and tool_call_id) or several, each made a prompt by the chat template (``chat_template``, else the
+        tokenizer's; ``tools`` and ``chat_template_kwargs`` where the template reads them), then ``generate``."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [render_chat(self.get_tokenizer(), list(c), chat_template, tools,
+                               template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stats(self) -> dict:
         return self.engine.stats()
