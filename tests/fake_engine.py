@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from jaxpage.config import pick_bucket
 from jaxpage.core.kv_cache_manager import COPY, NULL_HOST, SWAP_IN, SWAP_OUT
 from jaxpage.worker.kv_disk_store import DiskKVStore
-from jaxpage.core.kv_offload import DISK_DELETE, DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
+from jaxpage.core.kv_offload import DISK_DELETE, DISK_RESTORE, DISK_STORE, DISK_WRITE, OFFLOAD, RESTORE
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.config_builder import build_engine_config
 from jaxpage.engine.llm_engine import LLMEngine
@@ -120,6 +120,10 @@ class FakeRunner:
             elif kind == DISK_DELETE:
                 for block_hash in src:
                     self.disk_store.delete(block_hash)
+            elif kind == DISK_STORE:
+                assert all(0 < b < nb for b in src)
+                for b, block_hash in zip(src, dst):
+                    self.disk_store.write(block_hash, [self.pool[b]])
             else:
                 raise AssertionError(f"unknown move {kind}")
         return failed_loads
@@ -437,8 +441,11 @@ def check_accounting(engine: LLMEngine) -> None:
     if store is not None:  # its disk tier: the files are the index's blocks, within the cap, their bytes counted
         store.flush()
         files = list(store.directory.glob("*.kvblock"))
-        # files damaged by a scenario ("damage") stay in the index until a read finds them bad
-        assert {bytes.fromhex(f.name[:-len(".kvblock")]) for f in files} <= set(kv.disk_index)
+        # files damaged by a scenario ("damage") stay in the index until a read finds them bad; a file the index
+        # let go is deleted by the next step's moves
+        on_disk = {bytes.fromhex(f.name[:-len(".kvblock")]) for f in files}
+        deleting = {src for kind, src, _ in kv.ops.moves if kind == DISK_DELETE}
+        assert on_disk - deleting <= set(kv.disk_index), "a file on disk that the index does not know"
         assert len(kv.disk_index) <= kv.disk_index.capacity
         assert store.num_bytes == sum(f.stat().st_size for f in files)
 

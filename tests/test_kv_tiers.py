@@ -370,3 +370,42 @@ def test_a_failed_disk_load_is_computed_instead(async_scheduling):
     (plain, tiered), engine = _rounds_with_and_without_tiers(6, damage=True, async_scheduling=async_scheduling)
     assert tiered == plain
     assert engine.kv.offload.disk_failed > 0 and engine.runner.disk_store.rejected > 0, engine.kv.offload
+
+
+def test_a_closed_engine_leaves_its_prefix_cache_for_a_restart(tiny, tmp_path):
+    """One prompt on the tiny model with the tiers (nothing evicted: before the write-through and the flush at
+    close, the disk held nothing then), LLM used as a context manager; a fresh LLM over the same directory computes
+    only the last, partial block's tokens: the full blocks come from disk, and the reply is the same."""
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, 256, 3 * BLOCK_SIZE + 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=REPLY, ignore_eos=True)
+    options = dict(kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, kv_offloading_dir=str(tmp_path))
+    with _llm(tiny, **options) as first:
+        (out,) = first.generate([{"prompt_token_ids": prompt}], params)
+        assert first.stats()["kv_offload_disk_hits"] == 0
+    assert len(list(tmp_path.glob("*.kvblock"))) >= 3
+    with _llm(tiny, **options) as restarted:
+        (again,) = restarted.generate([{"prompt_token_ids": prompt}], params)
+        stats = restarted.stats()
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert stats["kv_offload_disk_hits"] == 3 and _computed(stats) == 5, stats
+
+
+def test_the_write_through_is_bounded_and_a_flush_writes_the_rest():
+    """Over the fake runner: a 6-block prompt with a write-through of 2 blocks a step queues 2 for disk; close
+    writes every cached block the disk lacks, the host tier's too, and the files are then the index's."""
+    from tests.fake_engine import BLOCK_SIZE as FAKE_BLOCK_SIZE
+    from tests.fake_engine import make_engine, run_checked
+
+    engine = make_engine(num_kv_blocks=12, max_num_seqs=2, num_offload_blocks=2, offload_disk=True,
+                         async_scheduling=False)
+    engine.kv.disk_stores_per_step = 2
+    engine.add_request("a", {"prompt_token_ids": [t % 20 + 1 for t in range(6 * FAKE_BLOCK_SIZE + 1)]},
+                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    run_checked(engine)
+    stores = [m for m in engine.runner.moves if m[0] == "disk_store"]
+    assert 2 <= len(stores) < 6, stores
+    store, index = engine.runner.disk_store, engine.kv.disk_index
+    engine.close()
+    on_disk = {bytes.fromhex(p.name[:-len(".kvblock")]) for p in store.directory.glob("*.kvblock")}
+    cached = {h for h, _ in engine.block_pool.cached_blocks()} | {h for h, _ in engine.kv.host_tier.blocks()}
+    assert cached <= on_disk == set(index) and len(on_disk) >= 6

@@ -104,6 +104,10 @@ class BlockPool:
             self._cached[block_hash] = block
             self._hash_of[block] = block_hash
 
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """(hash, block) of every cached block, held or free."""
+        return list(self._cached.items())
+
     def uncache(self, block: int) -> bytes | None:
         """Makes a block unfindable by its hash (its K/V turned out not to be the prefix's); returns the hash."""
         block_hash = self._hash_of.pop(block, None)

@@ -29,6 +29,7 @@ from jaxpage.core.kv_disk_index import DiskKVIndex
 from jaxpage.core.kv_offload import (
     DISK_DELETE,
     DISK_RESTORE,
+    DISK_STORE,
     DISK_WRITE,
     OFFLOAD,
     RESTORE,
@@ -78,7 +79,8 @@ NO_BLOCKS = KVCacheBlocks((), ())  # what a sequence holding no blocks reads (tu
 
 class KVCacheManager:
     def __init__(self, block_pool: BlockPool, block_size: int, num_host_blocks: int, window: int = 0,
-                 host_tier: HostKVTier | None = None, disk_index: DiskKVIndex | None = None):
+                 host_tier: HostKVTier | None = None, disk_index: DiskKVIndex | None = None,
+                 disk_stores_per_step: int = 8):
         self.pool = block_pool
         self.block_size = block_size
         self.window = window  # 0: every block stays visible
@@ -91,6 +93,8 @@ class KVCacheManager:
         self.disk_index = disk_index if host_tier is not None else None
         self.offload = OffloadCounters()
         self.seq_blocks: dict[Sequence, KVCacheBlocks] = {}  # the sequences holding blocks (running or swapped)
+        # the disk tier's write-through: at most this many newly cached device blocks queued for disk a step
+        self.disk_stores_per_step, self._disk_stores = disk_stores_per_step, 0
         if self.disk_index is not None:  # files found at start past the capacity
             self.ops.moves += [(DISK_DELETE, block_hash, None) for block_hash in self.disk_index.evicted]
             self.disk_index.evicted = []
@@ -112,6 +116,7 @@ class KVCacheManager:
 
     def take_ops(self) -> DeviceOps:
         ops, self.ops = self.ops, DeviceOps()
+        self._disk_stores = 0
         return ops
 
     # --- what the scheduler asks of the pool ---------------------------------------------------------
@@ -305,6 +310,31 @@ class KVCacheManager:
             hashes.append(block_hash)
             if table[i] != NULL_BLOCK:
                 self.pool.cache(table[i], block_hash)
+                if self.disk_index is not None and self._disk_stores < self.disk_stores_per_step:
+                    self._store_on_disk(table[i], block_hash)
+
+    def _store_on_disk(self, block: int, block_hash: bytes) -> None:
+        """A cached device block written through to the disk tier (a DISK_STORE, off the step's path), unless the
+        disk holds its hash or another block is the cache's copy of it."""
+        if block_hash in self.disk_index or self.pool.lookup(block_hash) != block:
+            return
+        self.ops.moves.append((DISK_STORE, block, block_hash))
+        self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(block_hash)]
+        self._disk_stores += 1
+        self.offload.disk_writes += 1
+
+    def flush_to_disk(self) -> DeviceOps:
+        """Before a graceful shutdown: every cached block, on the device or in the host tier, that the disk tier
+        lacks, queued for disk (the most recently used last, so the capacity keeps those); the moves to apply."""
+        if self.disk_index is not None:
+            for block_hash, slot in self.host_tier.blocks():
+                if block_hash not in self.disk_index:
+                    self.ops.moves.append((DISK_WRITE, slot, block_hash))
+                    self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(block_hash)]
+            for block_hash, block in self.pool.cached_blocks():
+                self._disk_stores = 0
+                self._store_on_disk(block, block_hash)
+        return self.take_ops()
 
     def trim(self, seq: Sequence) -> None:
         """Speculative decoding's rollback: the blocks past the sequence's computed tokens (they held only

@@ -12,6 +12,7 @@ RESTORE = "restore"  # (RESTORE, host slot, device block): a host-tier hit resto
 DISK_WRITE = "disk_write"  # (DISK_WRITE, host slot, block hash): a block leaving the host tier, written to disk
 DISK_RESTORE = "disk_restore"  # (DISK_RESTORE, block hash, device block): a disk-tier hit read into a fresh block
 DISK_DELETE = "disk_delete"  # (DISK_DELETE, block hash, None): a block the disk tier's capacity pushed out
+DISK_STORE = "disk_store"  # (DISK_STORE, device block, block hash): a cached device block written through to disk
 
 
 @dataclasses.dataclass
@@ -21,7 +22,7 @@ class OffloadCounters:
     host_hits: int = 0  # blocks a prefix lookup found in the host tier (restored, not recomputed)
     disk_hits: int = 0  # blocks found in the disk tier and restored (a file the store found bad is not counted)
     stores: int = 0  # blocks copied device -> host tier
-    disk_writes: int = 0  # blocks queued host tier -> disk (those not on disk yet)
+    disk_writes: int = 0  # blocks queued for disk: leaving the host tier, or written through from the device
     disk_failed: int = 0  # disk-tier hits whose file the store found missing or bad: computed instead
     dropped: int = 0  # cached blocks leaving the device that no tier took (every host slot pinned by restores)
     hit_tokens: int = 0  # prompt tokens the tiers saved (vLLM's external_prefix_cache_hits)
@@ -63,6 +64,10 @@ class HostKVTier:
             return None
         self._slot_of[block_hash] = slot
         return slot, evicted
+
+    def blocks(self) -> list[tuple[bytes, int]]:
+        """(hash, slot) of every block held, least recently used first."""
+        return list(self._slot_of.items())
 
     def pin(self, block_hash: bytes) -> int:
         """Takes a block out of the LRU (no slot reuse) while its restore is queued; ``unpin`` puts it back."""

@@ -306,10 +306,18 @@ class LLMEngine:
         self.batch_queue.wait()
 
     def close(self) -> None:
-        """Puts the disk tier's queued blocks on disk and stops its writer thread; the engine takes no more steps.
-        (Without it, the writer's queue is still flushed when the interpreter exits.)"""
-        if self.runner.disk_store is not None:
-            self.runner.disk_store.close()
+        """A graceful end: with the disk tier, every cached block it lacks (on the device or in the host tier)
+        written to it, so that a restarted engine finds this one's prefix cache, then its writer flushed and
+        stopped; the engine takes no more steps. (Without it, the writer's queue is still flushed when the
+        interpreter exits.)"""
+        if self.runner.disk_store is None:
+            return
+        self.batch_queue.wait()
+        failed = self.runner.apply(self.kv.flush_to_disk())
+        assert not failed, "a flush to disk restores nothing"
+        if self.runner.tiers is not None:
+            self.runner.tiers.finish()  # the host-side work of the moves: the blocks handed to the disk's writer
+        self.runner.disk_store.close()
 
     def _end(self, group: SequenceGroup, seq: Sequence | None, reason: FinishReason) -> None:
         """Ends a sequence (``seq``) or a whole request (None) outside the scheduler's own update (its stop

@@ -69,3 +69,13 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Ends the engine gracefully (LLMEngine.close: the prefix cache written to the disk tier, if any)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

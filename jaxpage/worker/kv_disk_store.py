@@ -54,6 +54,7 @@ class DiskKVStore:
         self.rejected = 0  # files found bad (truncated, corrupt, foreign) and deleted
         self.read_seconds = self.write_seconds = 0.0  # write_seconds: the writer thread's
         self.writes = 0
+        self.dropped = 0  # write-through blocks not written: the writer was behind
         self.max_queued = max_queued
         self._lock = threading.Lock()  # num_bytes and _queued, shared with the writer thread
         self._queued: dict[bytes, list[np.ndarray]] = {}  # blocks whose file is not in place yet
@@ -120,12 +121,18 @@ class DiskKVStore:
             offset += size
         return arrays, ""
 
-    def write(self, block_hash: bytes, arrays: list[np.ndarray]) -> None:
-        """Queues a block's write on the writer thread (a copy: the caller may reuse its arrays)."""
+    def write(self, block_hash: bytes, arrays: list[np.ndarray], wait: bool = True) -> bool:
+        """Queues a block's write on the writer thread (a copy: the caller may reuse its arrays); with
+        ``wait=False`` drops it, returning False, rather than wait while the queue is full."""
+        self._reap(self.max_queued)
+        if not wait and len(self._writes) >= self.max_queued:
+            self.dropped += 1
+            return False
         copies = [np.array(a, d) for a, (d, _) in zip(arrays, self.leaves)]
         with self._lock:
             self._queued[block_hash] = copies
         self._submit(self._write_file, block_hash, copies)
+        return True
 
     def delete(self, block_hash: bytes) -> None:
         """Queues a block's file for deletion, after the writes queued before it."""

@@ -23,10 +23,10 @@ import numpy as np
 from jaxpage.attention.block_moves import BlockMoves, padded_ids, store_blocks
 from jaxpage.attention.kv_cache import host_kv_pool, kv_pool_shape, packs_kv
 from jaxpage.config import EngineConfig
-from jaxpage.core.kv_offload import DISK_DELETE, DISK_RESTORE, DISK_WRITE, OFFLOAD, RESTORE
+from jaxpage.core.kv_offload import DISK_DELETE, DISK_RESTORE, DISK_STORE, DISK_WRITE, OFFLOAD, RESTORE
 from jaxpage.worker.kv_disk_store import DiskKVStore
 
-TIER_MOVES = (OFFLOAD, RESTORE, DISK_WRITE, DISK_RESTORE, DISK_DELETE)
+TIER_MOVES = (OFFLOAD, RESTORE, DISK_WRITE, DISK_RESTORE, DISK_DELETE, DISK_STORE)
 
 
 def kv_identity(config: EngineConfig, params, model_name: str = "") -> dict:
@@ -85,6 +85,11 @@ class KVTierMoves:
                 self.restore_seconds += time.perf_counter() - started
             elif kind == DISK_DELETE:
                 self._pending.append(functools.partial(self._delete, s))
+            elif kind == DISK_STORE:  # gathered as an OFFLOAD is, handed to the disk's writer after the launch
+                gathered = self.block_moves.gather(pool, padded_ids(s, size))
+                for leaf in jax.tree.leaves(gathered):
+                    leaf.copy_to_host_async()
+                self._pending.append(functools.partial(self._store_on_disk, gathered, d))
             else:
                 raise ValueError(kind)
         return pool
@@ -108,6 +113,13 @@ class KVTierMoves:
     def _write(self, slots: list[int], hashes: list[bytes]) -> None:
         for slot, block_hash in zip(slots, hashes):
             self.disk_store.write(block_hash, [a[:, slot] for a in jax.tree.leaves(self.arena)])
+
+    def _store_on_disk(self, gathered, hashes: list[bytes]) -> None:
+        """Written through: dropped, not waited for, when the disk's writer is behind (its load then fails and
+        its blocks are computed: Scheduler.recompute_failed_loads)."""
+        leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(gathered)]
+        for j, block_hash in enumerate(hashes):
+            self.disk_store.write(block_hash, [leaf[:, j] for leaf in leaves], wait=False)
 
     def _delete(self, hashes: list[bytes]) -> None:
         for block_hash in hashes:
