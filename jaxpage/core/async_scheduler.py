@@ -72,7 +72,8 @@ class AsyncScheduler(Scheduler):
             seq.num_computed_tokens += s.num_new_tokens
             if s.samples:
                 seq.num_placeholders += 1
-            if len(seq_blocks[seq].block_hashes) < seq.num_computed_tokens // bs:
+            blocks = seq_blocks.get(seq)
+            if blocks is not None and len(blocks.block_hashes) < seq.num_computed_tokens // bs:
                 self.kv.cache_full_blocks(seq)
 
     def remove_placeholders(self, rows: list[ScheduledSeq]) -> None:

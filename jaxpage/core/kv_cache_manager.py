@@ -332,8 +332,7 @@ class KVCacheManager:
                     self.ops.moves.append((DISK_WRITE, slot, block_hash))
                     self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(block_hash)]
             for block_hash, block in self.pool.cached_blocks():
-                self._disk_stores = 0
-                self._store_on_disk(block, block_hash)
+                self._store_on_disk(block, block_hash)  # no per-step bound: the engine takes no more steps
         return self.take_ops()
 
     def trim(self, seq: Sequence) -> None:
