@@ -62,10 +62,7 @@ class KVTierMoves:
         for i in range(0, len(src), size):
             s, d = src[i:i + size], dst[i:i + size]
             if kind == OFFLOAD:
-                gathered = self.block_moves.gather(pool, padded_ids(s, size))
-                for leaf in jax.tree.leaves(gathered):
-                    leaf.copy_to_host_async()
-                self._pending.append(functools.partial(self._store, gathered, np.asarray(d)))
+                self._pending.append(functools.partial(self._store, self._gather(pool, s), np.asarray(d)))
             elif kind == DISK_WRITE:
                 self._pending.append(functools.partial(self._write, s, d))
             elif kind == RESTORE:
@@ -86,13 +83,17 @@ class KVTierMoves:
             elif kind == DISK_DELETE:
                 self._pending.append(functools.partial(self._delete, s))
             elif kind == DISK_STORE:  # gathered as an OFFLOAD is, handed to the disk's writer after the launch
-                gathered = self.block_moves.gather(pool, padded_ids(s, size))
-                for leaf in jax.tree.leaves(gathered):
-                    leaf.copy_to_host_async()
-                self._pending.append(functools.partial(self._store_on_disk, gathered, d))
+                self._pending.append(functools.partial(self._store_on_disk, self._gather(pool, s), d))
             else:
                 raise ValueError(kind)
         return pool
+
+    def _gather(self, pool, blocks: list[int]):
+        """The blocks gathered on the device in one padded call, their copy to the host started."""
+        gathered = self.block_moves.gather(pool, padded_ids(blocks, self.move_size))
+        for leaf in jax.tree.leaves(gathered):
+            leaf.copy_to_host_async()
+        return gathered
 
     def finish(self) -> None:
         """Does the pending host-side work (after the step is launched, or before a restore reads the arena)."""
