@@ -229,9 +229,7 @@ class KVCacheManager:
             return
         slot, evicted = taken
         if evicted is not None and self.disk_index is not None and evicted[0] not in self.disk_index:
-            self.ops.moves.append((DISK_WRITE, slot, evicted[0]))
-            self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(evicted[0])]
-            self.offload.disk_writes += 1
+            self._queue_for_disk(DISK_WRITE, slot, evicted[0])
         self.ops.moves.append((OFFLOAD, block, slot))
         self.offload.stores += 1
 
@@ -318,9 +316,14 @@ class KVCacheManager:
         disk holds its hash or another block is the cache's copy of it."""
         if block_hash in self.disk_index or self.pool.lookup(block_hash) != block:
             return
-        self.ops.moves.append((DISK_STORE, block, block_hash))
-        self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(block_hash)]
+        self._queue_for_disk(DISK_STORE, block, block_hash)
         self._disk_stores += 1
+
+    def _queue_for_disk(self, kind: str, source: int, block_hash: bytes) -> None:
+        """A block's write to disk (DISK_WRITE from a host slot, DISK_STORE from a device block), indexed now, and
+        the deletion of each block the disk tier's capacity pushes out for it."""
+        self.ops.moves.append((kind, source, block_hash))
+        self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(block_hash)]
         self.offload.disk_writes += 1
 
     def flush_to_disk(self) -> DeviceOps:
@@ -329,8 +332,7 @@ class KVCacheManager:
         if self.disk_index is not None:
             for block_hash, slot in self.host_tier.blocks():
                 if block_hash not in self.disk_index:
-                    self.ops.moves.append((DISK_WRITE, slot, block_hash))
-                    self.ops.moves += [(DISK_DELETE, gone, None) for gone in self.disk_index.add(block_hash)]
+                    self._queue_for_disk(DISK_WRITE, slot, block_hash)
             for block_hash, block in self.pool.cached_blocks():
                 self._store_on_disk(block, block_hash)  # no per-step bound: the engine takes no more steps
         return self.take_ops()
