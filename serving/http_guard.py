@@ -1,5 +1,6 @@
-"""Issue 17's protections in front of the HTTP API, checked before the app reads anything of the body: the
-bearer token on every path but the open ones (401), then the body's size (413). A Content-Length over the
+"""Issue 17's protections in front of the HTTP API, checked before the app reads anything of the body: the API
+key on every path but the open ones (401; ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``),
+then the body's size (413). A Content-Length over the
 limit is refused unread; a body without one (chunked) is read only up to the limit."""
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.security import authorized
+from serving.security import authorized, is_key
 
-Reject = Callable[[int, str, str], Response]  # (status, message, code): the error response, counted
+Reject = Callable[[int, str, str, str], Response]  # (status, message, code, path): the error response, counted
 
 
 class HttpGuard:
@@ -24,17 +25,18 @@ class HttpGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
-        if self.key is not None and scope["path"] not in self.open_paths and not authorized(
-                headers.get("authorization"), self.key):
-            response = self.reject(401, "missing or wrong API key (header 'Authorization: Bearer <key>')",
-                                   "invalid_api_key")
+        path = scope["path"]
+        if self.key is not None and path not in self.open_paths and not (
+                authorized(headers.get("authorization"), self.key) or is_key(headers.get("x-api-key"), self.key)):
+            response = self.reject(401, "missing or wrong API key (header 'Authorization: Bearer <key>' or "
+                                        "'x-api-key: <key>')", "invalid_api_key", path)
             response.headers["WWW-Authenticate"] = "Bearer"
             return await response(scope, receive, send)
         if self.max_body_bytes is not None:
             first = await self._body(headers, receive)
             if first is None:
                 response = self.reject(413, f"the request body is over {self.max_body_bytes} bytes "
-                                            "(--max-message-bytes)", "request_too_large")
+                                            "(--max-message-bytes)", "request_too_large", path)
                 return await response(scope, receive, send)
             receive = _replay(first, receive)
         await self.app(scope, receive, send)

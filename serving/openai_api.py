@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the server's RequestLifecycle (serving/requests.py).
 
-    POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (streamed as server-sent events with
-    ``stream``), GET /v1/models, /health, /version, /metrics; vLLM's POST /tokenize and /detokenize
+    POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, Anthropic's POST /v1/messages (streamed
+    as server-sent events with ``stream``) and POST /v1/messages/count_tokens, GET /v1/models, /health, /version,
+    /metrics; vLLM's POST /tokenize and /detokenize
 
-The Responses API runs on the chat path (serving/responses_api.py: the chat request a Responses request means).
+The Responses and Messages APIs run on the chat path (serving/responses_api.py, serving/anthropic_messages.py: the
+chat request each means); errors on the Messages paths are Anthropic's error object.
 
 A completion of a batch of prompts (``prompt`` a list of strings or of token-id lists) is one engine request
 per prompt, run together: prompt i's choices are indexed i * n + their own index, as OpenAI's.
@@ -26,7 +28,7 @@ import contextlib
 import dataclasses
 import re
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,8 +39,11 @@ from starlette.exceptions import HTTPException
 import jaxpage
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
+from serving import anthropic_protocol as ap
 from serving import openai_protocol as oai
 from serving import responses_protocol as rp
+from serving.anthropic_messages import MessageRendering, error_body, is_messages_path, messages_param
+from serving.anthropic_messages import chat_request as anthropic_chat_request
 from serving.chat_options import ChatOptions, FieldError
 from serving.chat_template import chat_prompt, chat_texts, render_chat, template_messages
 from serving.http_guard import HttpGuard
@@ -314,7 +319,7 @@ class OpenAIServing:
             outputs = self._outputs(request_id, prompt, params, chat.priority, "input", model)
             return await self._respond(raw, [outputs], body.stream, [render], False, events=self._response_events)
         except OpenAIError as e:
-            raise _renamed(e) from None
+            raise _renamed(e, responses_param) from None
 
     async def _response_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
                                render: ResponseRendering) -> AsyncIterator[str]:
@@ -331,6 +336,58 @@ class OpenAIServing:
         except OpenAIError as e:
             self._count_error(e.status)
             yield render.error(e.message, e.param, e.code)
+
+    def _anthropic_chat(self, body: ap.AnthropicCountTokensRequest) -> tuple[oai.ChatCompletionRequest, ServedModel,
+                                                                             ToolPlan, str]:
+        """The chat request a Messages request means, with its model, tools and prompt."""
+        try:
+            chat = anthropic_chat_request(body)
+        except FieldError as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        return chat, *self._chat(chat)
+
+    async def messages(self, body: ap.AnthropicMessagesRequest, raw: Request) -> Response:
+        """Anthropic's Messages API: the chat request it means (serving/anthropic_messages.py), its errors naming
+        the Messages fields."""
+        try:
+            chat, model, tools, prompt = self._anthropic_chat(body)
+            params = tools.sampling_params(sampling_params(chat, chat.max_completion_tokens, None))
+            request_id = f"msg_{uuid.uuid4().hex}"
+            render = MessageRendering(request_id, model.name, tools.message_parser(self.chat.reasoning_parser, prompt))
+            outputs = self._outputs(request_id, prompt, params, chat.priority, "messages", model)
+            return await self._respond(raw, [outputs], body.stream, [render], False, events=self._message_events)
+        except OpenAIError as e:
+            raise _renamed(e, messages_param) from None
+
+    async def _message_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                              render: MessageRendering) -> AsyncIterator[str]:
+        """Anthropic's stream: message_start (with the first output), the blocks' events, message_delta and
+        message_stop; a failure ends it with an error event."""
+        started = False
+        try:
+            async with contextlib.aclosing(outputs):
+                async for _, out in outputs:
+                    for event in ([] if started else render.start(out)) + render.push(out):
+                        yield event
+                    started = True
+            for event in render.done():
+                yield event
+        except OpenAIError as e:
+            self._count_error(e.status)
+            yield render.error(e.status, e.message)
+
+    async def count_tokens(self, body: ap.AnthropicCountTokensRequest) -> ap.AnthropicCountTokensResponse:
+        """Anthropic's count_tokens: the token count of the prompt that the same Messages request gives the
+        engine."""
+        try:
+            _, _, _, prompt = self._anthropic_chat(body)
+            try:
+                ids = await self._engine().tokenize(prompt)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), "messages") from None
+        except OpenAIError as e:
+            raise _renamed(e, messages_param) from None
+        return ap.AnthropicCountTokensResponse(input_tokens=len(ids))
 
     async def models(self) -> oai.ModelList:
         """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""
@@ -407,12 +464,14 @@ class OpenAIServing:
         return Response(generate_latest(self.requests.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- errors ---------------------------------------------------------------------------------------
-    def error_response(self, e: OpenAIError) -> JSONResponse:
+    def error_response(self, e: OpenAIError, path: str = "") -> JSONResponse:
+        """OpenAI's error object; on the Messages API's paths, Anthropic's."""
         self._count_error(e.status)
-        return JSONResponse(e.body().model_dump(), status_code=e.status)
+        body = error_body(e.status, e.message) if is_messages_path(path) else e.body().model_dump()
+        return JSONResponse(body, status_code=e.status)
 
     async def openai_error(self, request: Request, e: OpenAIError) -> JSONResponse:
-        return self.error_response(e)
+        return self.error_response(e, request.url.path)
 
     async def http_error(self, request: Request, e: HTTPException) -> JSONResponse:
         """Starlette's own errors (an unknown path, a wrong method) as OpenAI's error object."""
@@ -424,12 +483,12 @@ class OpenAIServing:
         else:
             message = e.detail
         status = e.status_code if e.status_code in ERROR_TYPES else 400
-        response = self.error_response(OpenAIError(status, message))
+        response = self.error_response(OpenAIError(status, message), request.url.path)
         response.headers.update(e.headers or {})
         return response
 
     async def unexpected_error(self, request: Request, e: Exception) -> JSONResponse:
-        return self.error_response(OpenAIError(500, f"internal error: {e!r}", code="internal_error"))
+        return self.error_response(OpenAIError(500, f"internal error: {e!r}", code="internal_error"), request.url.path)
 
     async def validation_error(self, request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
@@ -439,9 +498,9 @@ class OpenAIServing:
         return await self.openai_error(request, OpenAIError(400, f"{param}: {first['msg']}", param))
 
 
-def _renamed(e: OpenAIError) -> OpenAIError:
-    """A chat request's error as the Responses request's: the field as the client named it."""
-    param = responses_param(e.param)
+def _renamed(e: OpenAIError, rename: Callable[[str | None], str | None]) -> OpenAIError:
+    """A chat request's error as the Responses (or Messages) request's: the field as the client named it."""
+    param = rename(e.param)
     if param != e.param:
         e.message, e.param = e.message.replace(e.param, param, 1), param
     return e
@@ -589,8 +648,8 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
     api = OpenAIServing(requests, served_model_names, chat, models)
     app.add_middleware(HttpGuard, key=api_key, max_body_bytes=max_body_bytes,
-                       reject=lambda status, message, code: api.error_response(OpenAIError(status, message,
-                                                                                           code=code)))
+                       reject=lambda status, message, code, path: api.error_response(
+                           OpenAIError(status, message, code=code), path))
     app.add_exception_handler(OpenAIError, api.openai_error)
     app.add_exception_handler(RequestValidationError, api.validation_error)
     app.add_exception_handler(HTTPException, api.http_error)
@@ -598,6 +657,8 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     app.post("/v1/responses")(api.responses)
+    app.post("/v1/messages")(api.messages)
+    app.post("/v1/messages/count_tokens")(api.count_tokens)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     app.get("/v1/models")(api.models)

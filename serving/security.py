@@ -32,7 +32,12 @@ def api_key(flag: str | None) -> str | None:
 
 def authorized(header: str | None, key: str) -> bool:
     """True when an Authorization header (or metadata) value is exactly ``Bearer <key>``."""
-    return header is not None and hmac.compare_digest(header.encode(), f"Bearer {key}".encode())
+    return is_key(header, f"Bearer {key}")
+
+
+def is_key(value: str | None, key: str) -> bool:
+    """True when a header's value is exactly key (compared in constant time)."""
+    return value is not None and hmac.compare_digest(value.encode(), key.encode())
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

@@ -86,8 +86,9 @@ def fuzz(operation, mode: GenerationMode, statuses: Counter) -> None:
 
 def test_every_operation_answers_as_its_schema_says(api_schema):
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize", "/v1/models",
-            "/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= {op.path for op in operations}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+            "/tokenize", "/detokenize", "/v1/models", "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter"} <= {op.path for op in operations}
     failures, statuses = [], {}
     for operation in operations:
         for mode in GenerationMode:
@@ -98,7 +99,8 @@ def test_every_operation_answers_as_its_schema_says(api_schema):
                 failures.append(f"{operation.label} ({mode.value}): {e}")
     assert not failures, "\n\n".join(failures)
     # the valid requests reached the engine: some of each endpoint's were served
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+                 "/detokenize"):
         assert statuses[f"POST {path}", "positive"][200] > 0, statuses
 
 

@@ -3,7 +3,8 @@
 
 - mutual TLS: a client with a certificate and the API key is served; without the key (or with a wrong one) it
   gets 401 with OpenAI's error object, counted in request_errors_total; /health answers without the key, every
-  other path (/metrics and /v1/models included) needs it; a client without a certificate, or speaking plain
+  other path (/metrics and /v1/models included) needs it; Anthropic's x-api-key header carries it as well (the
+  `anthropic` SDK's 401 is its AuthenticationError, in Anthropic's error object); a client without a certificate, or speaking plain
   HTTP, is refused; server-side TLS alone serves any client trusting the CA, the key from $JAXPAGE_API_KEY;
 - --max-prompt-bytes refuses prompts and chat messages with a 400 naming the field; a body over
   --max-message-bytes is 413 (declared or chunked); n or best_of over the per-request cap is a 400 naming it;
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ssl
 
+import anthropic
 import grpc
 import httpx
 import openai
@@ -98,6 +100,26 @@ def test_a_wrong_or_missing_key_is_401_and_counted(server, certs, http):
     assert e.value.body["type"] == "invalid_request_error" and "Bearer" in e.value.body["message"]
     missing = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert errors(http, "UNAUTHENTICATED") == before + 2
+
+
+def test_anthropics_client_and_the_x_api_key_header(server, certs, http):
+    """Anthropic's SDK with a wrong key gets its AuthenticationError, in Anthropic's error object; the key in
+    Anthropic's x-api-key header is taken as the bearer token is (the stand-in has no chat template: the message
+    gets past the key to a 400 naming messages)."""
+    before = errors(http, "UNAUTHENTICATED")
+    wrong = anthropic.Anthropic(base_url=server.http_base, api_key="wrong", max_retries=0,
+                                http_client=anthropic.DefaultHttpxClient(verify=tls_context(certs), timeout=30))
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        wrong.messages.create(model="stand-in", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error", "message": (
+        "missing or wrong API key (header 'Authorization: Bearer <key>' or 'x-api-key: <key>')")}}
+    body = {"model": "stand-in", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert http.post("/v1/messages", json=body, headers={"x-api-key": "wrong"}).status_code == 401
+    r = http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error",
+                                                          "message": "messages: this model has no chat template"}
+    assert http.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
     assert errors(http, "UNAUTHENTICATED") == before + 2
 
 
