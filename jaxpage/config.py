@@ -179,6 +179,28 @@ class RoutingConfig:
                 "must be >= 1")
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's: how a pooling model (runner "pooling") makes one vector of a prompt's final-normed hidden states:
+    the last token's (LAST), their mean (MEAN) or the first token's (CLS); normalize: to unit length (a request's
+    PoolingParams.normalize may say otherwise)."""
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self):
+        require(self.pooling_type in POOLING_TYPES, "pooler_config.pooling_type", self.pooling_type,
+                f"must be one of {', '.join(POOLING_TYPES)}")
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Whether every prompt token's hidden state counts (MEAN; CLS the first's): a prefix-cache hit would
+        skip them, so such a model runs without prefix caching."""
+        return self.pooling_type != "LAST"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine was asked for, resolved to concrete values once."""
@@ -224,6 +246,12 @@ class EngineConfig:
     max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     sampler_returns_probs: bool = False  # a draft model's runner: the step returns each row's distribution (q)
+    pooler_config: PoolerConfig | None = None  # runner "pooling": the step pools instead of sampling; None: generate
+
+    @property
+    def runner(self) -> str:
+        """vLLM's runner type: "generate" or "pooling"."""
+        return "generate" if self.pooler_config is None else "pooling"
 
     @property
     def verifies_draft_probs(self) -> bool:

@@ -57,3 +57,43 @@ class RequestOutput:
     error: str | None = None  # set when the engine ended this request on an internal failure
     # with SamplingParams.prompt_logprobs (in delta mode, in the request's first output only)
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """vLLM's: the pooler's output for one prompt (a float32 vector)."""
+    data: object  # numpy [D]
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """vLLM's: what a pooling request gives back, once its prompt is computed."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    error: str | None = None  # as RequestOutput's (a failed pooling request's output is a RequestOutput)
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: LLM.embed's output per prompt."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput([float(x) for x in out.outputs.data]), out.prompt_token_ids,
+                   out.finished)

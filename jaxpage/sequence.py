@@ -87,6 +87,8 @@ class SequenceGroup:
     # with params.prompt_logprobs: [None] and an entry per prompt position computed so far, in order (each the
     # next prompt token's; core/prompt_logprobs.py); complete (one per prompt token) once the prompt is
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # a pooling request's vector as its chunks are computed (jaxpage.core.pooling.PoolingState); None: it generates
+    pooling: object | None = None
 
     @property
     def width(self) -> int:

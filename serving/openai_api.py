@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the server's RequestLifecycle (serving/requests.py).
 
     POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, Anthropic's POST /v1/messages (streamed
-    as server-sent events with ``stream``) and POST /v1/messages/count_tokens, GET /v1/models, /health, /version,
-    /metrics; vLLM's POST /tokenize and /detokenize
+    as server-sent events with ``stream``) and POST /v1/messages/count_tokens, POST /v1/embeddings (a pooling
+    model's), GET /v1/models, /health, /version, /metrics; vLLM's POST /pooling, /tokenize and /detokenize
 
 The Responses and Messages APIs run on the chat path (serving/responses_api.py, serving/anthropic_messages.py: the
 chat request each means); errors on the Messages paths are Anthropic's error object.
@@ -38,9 +38,11 @@ from starlette.exceptions import HTTPException
 
 import jaxpage
 from jaxpage.outputs import RequestOutput
+from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
 from serving import anthropic_protocol as ap
 from serving import openai_protocol as oai
+from serving import pooling_protocol as pp
 from serving import responses_protocol as rp
 from serving.anthropic_messages import MessageRendering, error_body, is_messages_path, messages_param
 from serving.anthropic_messages import chat_request as anthropic_chat_request
@@ -50,6 +52,7 @@ from serving.http_guard import HttpGuard
 from serving.limits import check_prompt_bytes
 from serving.openai_outputs import ChatRendering, CompletionRendering, Rendering, usage
 from serving.openapi_document import install as install_openapi_document
+from serving.pooling_outputs import embedding_response, pooling_prompts, pooling_response
 from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
                               NotServingError, QueueFullError, RequestError, RequestLifecycle)
 from serving.responses_api import ResponseRendering, chat_request, responses_param
@@ -83,8 +86,9 @@ class OpenAIError(Exception):
 
 def _invalid(message: str, default_param: str) -> OpenAIError:
     """A ValueError's message of SamplingParams or the engine as a 400 naming the field."""
-    named = re.match(r"SamplingParams\.(\w+)", message)
-    return OpenAIError(400, message.replace("SamplingParams.", ""), named.group(1) if named else default_param)
+    named = re.match(r"(?:Sampling|Pooling)Params\.(\w+)", message)
+    message = message.replace("SamplingParams.", "").replace("PoolingParams.", "")
+    return OpenAIError(400, message, named.group(1) if named else default_param)
 
 
 def _openai_error(e: RequestError, prompt_field: str) -> OpenAIError:
@@ -389,6 +393,36 @@ class OpenAIServing:
             raise _renamed(e, messages_param) from None
         return ap.AnthropicCountTokensResponse(input_tokens=len(ids))
 
+    async def embeddings(self, body: pp.EmbeddingRequest, raw: Request) -> Response:
+        """OpenAI's embeddings, on a pooling model: one engine request per input, run together."""
+        try:
+            params = PoolingParams(task="embed", dimensions=body.dimensions, normalize=body.normalize)
+        except ValueError as e:
+            raise _invalid(str(e), "dimensions") from None
+        return await self._pool(raw, body, params, "embd", embedding_response)
+
+    async def pooling(self, body: pp.PoolingRequest, raw: Request) -> Response:
+        """vLLM's /pooling: each input's pooler output as it is (not normalized)."""
+        return await self._pool(raw, body, PoolingParams(task="encode"), "pool", pooling_response)
+
+    async def _pool(self, raw: Request, body, params: PoolingParams, prefix: str, respond) -> Response:
+        model = self._check_model(body.model)
+        if self._engine().engine.config.runner != "pooling":
+            raise OpenAIError(400, f"{raw.url.path} needs a pooling model: this one generates (serve an embedding "
+                                   "model, or this one with --runner pooling)", "model")
+        prompts = pooling_prompts(body.input)
+        if prompts is None:
+            raise OpenAIError(400, "input: empty", "input")
+        self._check_prompt_bytes([p for p in prompts if isinstance(p, str)], "input")
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [self._outputs(i, prompt, params, body.priority, "input", model) for i, prompt in zip(ids, prompts)]
+        outputs = _merged(streams, lambda: self._count_error(499))
+        finals = await _unless_disconnected(raw, _finals(outputs, len(streams)))
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(respond(request_id, model.name, finals, body.encoding_format).model_dump())
+
     async def models(self) -> oai.ModelList:
         """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""
         cfg = self._engine().engine.config
@@ -659,6 +693,8 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
     app.post("/v1/responses")(api.responses)
     app.post("/v1/messages")(api.messages)
     app.post("/v1/messages/count_tokens")(api.count_tokens)
+    app.post("/v1/embeddings")(api.embeddings)
+    app.post("/pooling")(api.pooling)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     app.get("/v1/models")(api.models)

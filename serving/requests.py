@@ -181,6 +181,11 @@ class RequestLifecycle:
 
 def _observe(m: Metrics, out, started: float, last: float | None, now: float, params, served: dict) -> None:
     """One output's latencies and token counts; served: the request's replica label (``Metrics.served_by``)."""
+    if not isinstance(out.outputs, list):  # a pooling request's one output: its prompt, computed
+        m.labels(m.prompt_tokens, **served).inc(len(out.prompt_token_ids))
+        m.labels(m.request_success, **served, finished_reason="stop").inc()
+        m.labels(m.e2e, **served).observe(now - started)
+        return
     new_tokens = sum(len(c.token_ids) for c in out.outputs)
     if last is None:
         m.labels(m.prompt_tokens, **served).inc(len(out.prompt_token_ids))

@@ -79,11 +79,13 @@ async def _in_thread(fn: Callable):
 
 async def _warm_up(engine) -> None:
     """One request end to end (tokenizer, detokenizer, output path), so the first client pays nothing."""
+    from jaxpage.pooling_params import PoolingParams
     from jaxpage.sampling_params import SamplingParams
 
     prompt = "Hello" if engine.engine.tokenizer is not None else {"prompt_token_ids": [1, 2, 3]}
-    stream = await engine.add_request(f"warmup-{uuid.uuid4().hex}", prompt,
-                                      SamplingParams(temperature=0, max_tokens=2, output_kind="delta"))
+    params = (PoolingParams() if engine.engine.config.runner == "pooling"
+              else SamplingParams(temperature=0, max_tokens=2, output_kind="delta"))
+    stream = await engine.add_request(f"warmup-{uuid.uuid4().hex}", prompt, params)
     async for _ in stream:
         pass
 

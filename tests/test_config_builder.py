@@ -177,12 +177,14 @@ def test_every_engine_option_is_in_the_engine_config():
 
     args, fields = dataclasses.fields(EngineArgs), {f.name for f in dataclasses.fields(EngineConfig)}
     # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization and the LoRA slots,
-    # max_loras and max_lora_rank, behind enable_lora: in those shapes; the data-parallel router's, in routing)
+    # max_loras and max_lora_rank, behind enable_lora: in those shapes; the data-parallel router's, in routing;
+    # runner: whether pooler_config is set)
     routing = {"data_parallel_routing", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold"}
     assert {f.name for f in args} - fields == {"cache_dir", "progress", "quantization", "kv_cache_memory",
                                                "gpu_memory_utilization", "swap_space", "enable_lora",
                                                "max_loras", "max_lora_rank", "kv_offloading_size",
-                                               "kv_offloading_backend", "kv_offloading_disk_size", *routing}
+                                               "kv_offloading_backend", "kv_offloading_disk_size", "runner",
+                                               *routing}
     model = _smollm2_shape()
     per_block = bytes_per_block(model, 16, "float32")
     options = dict(num_kv_blocks=600, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)

@@ -18,6 +18,7 @@ from jaxpage.config import (
 )
 from jaxpage.core.scheduler import PREEMPTION_MODES
 
+RUNNERS = ("auto", "generate", "pooling")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
 
@@ -173,6 +174,14 @@ class EngineArgs(CliArgs):
         "speculative decoding, vLLM's: a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (ngram: prompt lookup over the sequence itself); "
         "turns async scheduling off", type=parse_json_object))
+    runner: str = dataclasses.field(default="auto", metadata=_option(
+        "vLLM's: generate (sample tokens), pooling (one vector per prompt: LLM.embed, /v1/embeddings), or auto: "
+        "pooling for a checkpoint of a base model (its architecture *Model, as transformers saves an embedding "
+        "model), else generate", choices=RUNNERS))
+    pooler_config: dict | None = dataclasses.field(default=None, metadata=_option(
+        "a pooling model's pooler, vLLM's: a JSON object, e.g. '{\"pooling_type\": \"MEAN\", \"normalize\": "
+        "true}' (pooling_type LAST, MEAN or CLS; default: the checkpoint's sentence-transformers modules, else "
+        "LAST, normalized)", type=parse_json_object))
     cache_dir: str | None = dataclasses.field(default=None, metadata=_option(
         "converted weights and compiled steps (default ~/.cache/jaxpage)"))
     progress: bool = dataclasses.field(default=True, metadata=_option("progress bars while loading and compiling"))

@@ -14,6 +14,7 @@ from jaxpage.config import (
     KV_CACHE_DTYPES,
     EngineConfig,
     ModelConfig,
+    PoolerConfig,
     RoutingConfig,
     SpeculativeConfig,
     check_quantization,
@@ -23,7 +24,7 @@ from jaxpage.config import (
 )
 from jaxpage.core.scheduler import PREEMPTION_MODES
 from jaxpage.distributed.parallel import device_group, make_mesh, model_for_tp
-from jaxpage.engine.arg_utils import EngineArgs
+from jaxpage.engine.arg_utils import RUNNERS, EngineArgs
 from jaxpage.models.causal_lm import weight_bytes
 from jaxpage.models.lora_slots import grouped_kernel_runs
 from jaxpage.models.weight_packing import packs_weights
@@ -97,6 +98,15 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
     num_host_blocks = args.swap_space // host_per_block if preemption_mode == "swap" else 0
     num_offload_blocks = _num_offload_blocks(args.kv_offloading_size, args.kv_offloading_backend, kv_offloading_dir,
                                              args.kv_offloading_disk_size, host_per_block, enable_prefix_caching)
+    pooler = pooler_config_of(args.runner, args.pooler_config)
+    if pooler is not None:
+        require(speculative_config is None, "speculative_config", args.speculative_config,
+                "is for generating models, not runner 'pooling'")
+        async_scheduling = False  # a pooling step samples nothing for the next step to take
+        if pooler.needs_whole_prompt and enable_prefix_caching:
+            log.info("pooling_type %s reads every prompt token's hidden state: prefix caching is off",
+                     pooler.pooling_type)
+            enable_prefix_caching = False
     if speculative_config is not None and speculative_config.method == "draft_model" and async_scheduling:
         log.info("speculative decoding (draft_model): async scheduling is off (the draft model computes each "
                  "step's tokens from the host's view of them)")
@@ -120,7 +130,8 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
                           num_offload_blocks=num_offload_blocks, kv_offloading_dir=kv_offloading_dir,
                           kv_offloading_disk_bytes=int(args.kv_offloading_disk_size * (1 << 30)),
                           routing=RoutingConfig(args.data_parallel_routing, args.cache_threshold,
-                                                args.balance_abs_threshold, args.balance_rel_threshold))
+                                                args.balance_abs_threshold, args.balance_rel_threshold),
+                          pooler_config=pooler)
     require(config.seqs_per_request >= 1, "max_seqs_per_request", args.max_seqs_per_request, "must be >= 1")
     return config
 
@@ -130,6 +141,31 @@ def cpu_serves_bfloat16(model: ModelConfig, quantization: str | None) -> bool:
     with bfloat16 dot instructions: RESULTS.md, "Packed oneDNN weights"), for float weights of a checkpoint that
     is not float32 (a float32 checkpoint keeps its precision; int8 weights keep their measured float32 path)."""
     return quantization is None and model.checkpoint_dtype != "float32" and onednn.fast_bfloat16()
+
+
+def pooler_config_of(runner: str, options: dict | None) -> PoolerConfig | None:
+    """The pooler of runner "pooling" (vLLM's pooler_config dict checked; "auto" is "generate" here: the
+    engine's loader resolves it from the checkpoint, ``resolve_runner``), None for a generating model."""
+    require(runner in RUNNERS, "runner", runner, f"must be one of {', '.join(RUNNERS)}")
+    if runner != "pooling":
+        require(options is None, "pooler_config", options, "is for runner 'pooling'")
+        return None
+    unknown = sorted(set(options or {}) - {f.name for f in dataclasses.fields(PoolerConfig)})
+    require(not unknown, "pooler_config", options, f"has unknown fields {unknown} (pooling_type, normalize)")
+    return PoolerConfig(**(options or {}))
+
+
+def resolve_runner(args: EngineArgs, architectures: list[str], pooler_defaults: dict | None) -> EngineArgs:
+    """args with runner "auto" made concrete (pooling for a base model's checkpoint, architecture *Model) and a
+    pooling model's pooler_config filled from the checkpoint's sentence-transformers modules where args say
+    nothing of it."""
+    runner = args.runner
+    if runner == "auto":
+        runner = "pooling" if any(a.endswith("Model") for a in architectures) else "generate"
+    pooler = args.pooler_config
+    if runner == "pooling":
+        pooler = {**(pooler_defaults or {}), **(pooler or {})}
+    return dataclasses.replace(args, runner=runner, pooler_config=pooler)
 
 
 def speculative_config_of(options: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

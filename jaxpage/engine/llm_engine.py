@@ -10,6 +10,7 @@ from pathlib import Path
 from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.config import EngineConfig, ModelConfig
 from jaxpage.core.block_pool import BlockPool
+from jaxpage.core.pooling import PoolingState
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.kv_disk_index import DiskKVIndex
 from jaxpage.core.kv_offload import HostKVTier
@@ -18,11 +19,17 @@ from jaxpage.core.scheduler import Scheduler
 from jaxpage.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from jaxpage.engine.arg_utils import EngineArgs
 from jaxpage.engine.batch_queue import BatchQueue
-from jaxpage.engine.config_builder import draft_engine_config, engine_config_from_args, speculative_config_of
+from jaxpage.engine.config_builder import (
+    draft_engine_config,
+    engine_config_from_args,
+    resolve_runner,
+    speculative_config_of,
+)
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.models import config_from_hf
 from jaxpage.models.loader import default_cache_dir, load_model
 from jaxpage.outputs import RequestMetrics, RequestOutput
+from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from jaxpage.structured.manager import StructuredOutputManager
@@ -71,6 +78,10 @@ def _draft_runner(config: EngineConfig, draft_model: ModelConfig, draft) -> Draf
     """The draft's runner (``draft``: the LoadedModel, ``draft_model``: its shapes) over its own pool of the
     target's geometry (``draft_engine_config`` checks the draft against the target: vocabulary, positions)."""
     return DraftRunner(draft_engine_config(config, draft_model), draft.params, draft.eos_token_ids)
+
+
+# what a pooling request runs with: one token past its prompt (never shown), then it ends
+POOLING_SAMPLING = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, output_kind="final_only")
 
 
 class DoesNotFitError(ValueError):
@@ -123,6 +134,8 @@ class LLMEngine:
         started = time.perf_counter()
         loaded = load_model(args.model, cache_dir, args.quantization)
         load_seconds = time.perf_counter() - started
+        args = resolve_runner(args, list(getattr(loaded.hf_config, "architectures", None) or []),
+                              loaded.pooler_defaults)
         draft = _load_draft(args, cache_dir, loaded)
         draft_model = config_from_hf(draft.hf_config) if draft is not None else None
         config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0, draft_model)
@@ -143,12 +156,14 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer: give prompt_token_ids instead of text")
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0,
-                    lora_request=None) -> None:
-        """lora_request: a jaxpage.lora.request.LoRARequest (the engine started with enable_lora), its adapter
-        read and checked here; None: the base model."""
+    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | PoolingParams,
+                    priority: int = 0, lora_request=None) -> None:
+        """params: SamplingParams on a generating model, PoolingParams on a pooling one (runner "pooling").
+        lora_request: a jaxpage.lora.request.LoRARequest (the engine started with enable_lora), its adapter read
+        and checked here; None: the base model."""
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        params, pooling = self._pooling(params)
         text, token_ids = self._prompt_tokens(prompt)
         max_len = self.config.max_model_len
         self._check_width(params)
@@ -166,11 +181,29 @@ class LLMEngine:
         seq = Sequence(seq_id=next(self._seq_ids), token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
                        max_len=max_len, seed=seed, lora_int_id=lora_request.lora_int_id if lora_request else 0)
         group = SequenceGroup(request_id, [seq], params, arrival=next(self._arrivals), priority=priority,
-                              lora_request=lora_request, lora_model=lora_model)
+                              lora_request=lora_request, lora_model=lora_model, pooling=pooling)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # the first prompt token's: nothing precedes it
         self.output_processor.add_request(group, text, list(token_ids), RequestMetrics(time.monotonic()))
         self.scheduler.add(group)
+
+    def _pooling(self, params: SamplingParams | PoolingParams) -> tuple[SamplingParams, PoolingState | None]:
+        """The request's SamplingParams and, on a pooling model, its pooled vector's state: a pooling request
+        runs as a prompt whose one greedy token (the step's zeros) ends it, its blocks freed."""
+        pooler = self.config.pooler_config
+        if pooler is None:
+            if isinstance(params, PoolingParams):
+                raise ValueError("PoolingParams: this model generates (runner 'generate'); start it with "
+                                 "runner='pooling' to embed")
+            return params, None
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"this is a pooling model (runner 'pooling'): give PoolingParams, not "
+                             f"{type(params).__name__} (LLM.embed, /v1/embeddings)")
+        hidden = self.config.model.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise ValueError(f"PoolingParams.dimensions={params.dimensions} exceeds the model's hidden size "
+                             f"{hidden}")
+        return POOLING_SAMPLING, PoolingState(pooler, params)
 
     def _check_length(self, num_tokens: int) -> None:
         max_len = self.config.max_model_len

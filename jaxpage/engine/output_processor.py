@@ -10,7 +10,7 @@ from jaxpage.core.beam_search import final_beams
 from jaxpage.core.scheduler_output import TokensTaken
 from jaxpage.core.stop import check_stop, reached_min_tokens
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
-from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxpage.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from jaxpage.sequence import FinishReason, Sequence, SequenceGroup
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class OutputProcessor:
                     failed.setdefault(request_id, e)
                     states.setdefault(request_id, request)
         if failed or several:
-            outputs = [o for o in outputs if isinstance(o, RequestOutput) and o.request_id not in failed]
+            outputs = [o for o in outputs if isinstance(o, (RequestOutput, PoolingRequestOutput))
+                       and o.request_id not in failed]
         return outputs + [self.error(request_id, e, states.get(request_id)) for request_id, e in failed.items()]
 
     def _detokenize(self, request: RequestState, seq: Sequence, new_logprobs: tuple[float, ...] = ()) -> None:
@@ -121,8 +122,12 @@ class OutputProcessor:
             return None
         return self.output(request, done)
 
-    def output(self, request: RequestState, finished: bool) -> RequestOutput:
+    def output(self, request: RequestState, finished: bool) -> RequestOutput | PoolingRequestOutput:
         group, p = request.group, request.group.params
+        if group.pooling is not None and finished:
+            data = group.pooling.result(len(request.prompt_token_ids))
+            return PoolingRequestOutput(group.request_id, PoolingOutput(data), request.prompt_token_ids, True,
+                                        request.prompt)
         if p.use_beam_search:
             seqs = (final_beams(group) or group.seqs[:p.n]) if finished else group.live_seqs  # or aborted
         elif finished and p.best_of > p.n:

@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 from jaxpage.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpage.entrypoints.chat_utils import render_chat
 from jaxpage.lora.request import LoRARequest
-from jaxpage.outputs import RequestOutput
+from jaxpage.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
 
 
@@ -31,8 +32,33 @@ class LLM:
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         params = [dataclasses.replace(p, output_kind="final_only") for p in params]
+        return self._run(prompts, params, "sampling_params", lora_request, use_tqdm, "generating")
+
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+               use_tqdm: bool = False, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+               ) -> list[PoolingRequestOutput]:
+        """vLLM's: each prompt's pooler output, on a pooling model (runner "pooling"); results in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams(task="encode")
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return self._run(prompts, params, "pooling_params", lora_request, use_tqdm, "pooling")
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = False, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding (``outputs.embedding``), on a pooling model (runner "pooling")."""
+        params = pooling_params or PoolingParams()
+        for p in params if isinstance(params, list) else [params]:
+            if p.task != "embed":
+                raise ValueError(f"PoolingParams.task={p.task!r}: LLM.embed takes task 'embed'")
+        return [EmbeddingRequestOutput.from_base(out) for out in self.encode(prompts, params, use_tqdm, lora_request)]
+
+    def _run(self, prompts: list, params: list, params_field: str, lora_request, use_tqdm: bool, desc: str) -> list:
+        """Runs every prompt with its params (and adapter: one for all, or one per prompt); the finished outputs
+        in input order."""
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            raise ValueError(f"{params_field} has {len(params)} entries for {len(prompts)} prompts")
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
@@ -44,8 +70,8 @@ class LLM:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+        finished: dict = {}
+        with tqdm(total=len(ids), desc=desc, disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:

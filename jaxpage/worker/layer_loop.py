@@ -28,6 +28,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.distributed.parallel import put
 from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
+from jaxpage.worker.pooler import pooler_output
 from jaxpage.worker.sampler import is_plain_greedy
 from jaxpage.worker.step_tail import greedy_rows, has_greedy_path, prompt_logprobs_of, sample_rows
 
@@ -54,6 +55,9 @@ class LayerLoop:
     # A compiled LayerLoop holds first_rows, sampler and greedy by the number of rows they sample.
     compiled: dict
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # buckets compile on several threads
+    # a pooling model's tail instead of the sampler's: (final-normed x, batch) -> pooler output
+    # (jaxpage.worker.pooler.pooler_output); None: a generating model
+    pooler: object = None
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
@@ -64,6 +68,8 @@ class LayerLoop:
         for i, consts in enumerate(self.consts):
             x, pool = self.layer(layers[i], consts, x, pool, batch, shared)
         x, rows = self.end(top, x, base)
+        if self.pooler is not None:
+            return self.pooler(x, base), pool
         targets, num_sampled = sampling.prompt_targets, np.shape(sampling.temperature)[0]
         if num_sampled < rows.shape[0]:  # InputBatch.sampled_rows_apart
             rows = self.for_rows("first_rows", num_sampled)(rows, sampling.temperature)
@@ -99,7 +105,8 @@ class LayerLoop:
         return cls(jax.jit(begin), layer_step, jax.jit(end), jax.jit(_first_rows),
                    jax.jit(functools.partial(sample_rows, config)),
                    jax.jit(functools.partial(greedy_rows, config)) if has_greedy_path(config) else None,
-                   jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {})
+                   jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {},
+                   pooler=jax.jit(functools.partial(pooler_output, config)) if config.pooler_config else None)
 
     def compile(self, params: dict, pool, batch, sampling, fewer_rows: tuple = ()) -> "LayerLoop":
         """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled; its
@@ -107,6 +114,12 @@ class LayerLoop:
         top, layer, base = top_weights(params), params["layers"][0], dataclasses.replace(batch, lora=None)
         x, shared = jax.eval_shape(self.begin, top, base)
         _, rows = jax.eval_shape(self.end, top, x, base)
+        if self.pooler is not None:  # no sampler to compile
+            return dataclasses.replace(
+                self, begin=self._shared("begin", self.begin, top, base),
+                layer=self.layer.lower(layer, self.consts[0], x, pool, batch, shared).compile(),
+                end=self._shared("end", self.end, top, x, base), pooler=self._shared("pooler", self.pooler, x, base),
+                first_rows={}, sampler={}, greedy=None, prompt=None)
         targets = sampling.prompt_targets
         tails = {np.shape(s.temperature)[0]: dataclasses.replace(s, prompt_targets=None)
                  for s in (sampling, *fewer_rows)}
@@ -156,7 +169,7 @@ class LayerLoop:
     def as_text(self) -> str:
         """The compiled executables' HLO, as a compiled step's ``as_text`` (the tail's of its bucket's rows)."""
         stages = (self.begin, self.layer, self.end, *(max(s.items())[1] for s in (self.sampler, self.greedy)
-                                                      if s is not None), self.prompt)
+                                                      if s), self.prompt, self.pooler)
         return "\n".join(f.as_text() for f in stages if f is not None)
 
 

@@ -26,6 +26,7 @@ from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
 from jaxpage.worker.layer_loop import LayerLoop
 from jaxpage.worker.sampler import MAX_BANNED, SamplerOutput, SamplingBatch
+from jaxpage.worker.pooler import pooler_output
 from jaxpage.worker.step_tail import sample_tokens
 
 
@@ -74,6 +75,8 @@ def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
          sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
     """One engine iteration: write K/V, attend through the block tables, sample one token per sequence."""
     hidden, pool = forward_hidden(config.model, params, pool, batch, config.attention_backend)
+    if config.pooler_config is not None:
+        return pooler_output(config, hidden, batch), pool
     return sample_tokens(config, params, hidden, batch, sampling), pool
 
 

@@ -1,0 +1,39 @@
+"""A pooling request's vector, gathered on the host over its prompt's chunks from each step's pooled rows
+(jaxpage.worker.pooler): LAST keeps the final chunk's, MEAN sums the chunks' sums and divides by the prompt's
+length, CLS keeps the first chunk's. A chunk that starts the prompt again (after a recompute preemption) starts the
+vector again. The finished vector is cut to PoolingParams.dimensions and normalized as asked."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpage.config import PoolerConfig
+from jaxpage.pooling_params import PoolingParams
+
+
+@dataclasses.dataclass
+class PoolingState:
+    config: PoolerConfig
+    params: PoolingParams
+    acc: np.ndarray | None = None
+
+    def add(self, start: int, pooled: np.ndarray) -> None:
+        """One chunk's pooled row, the chunk starting at prompt position ``start``."""
+        kind = self.config.pooling_type
+        if start == 0 or self.acc is None:
+            self.acc = np.array(pooled, np.float32)
+        elif kind == "MEAN":
+            self.acc += pooled
+        elif kind == "LAST":
+            self.acc = np.array(pooled, np.float32)
+
+    def result(self, num_prompt_tokens: int) -> np.ndarray:
+        """The request's vector (float32), once its prompt is computed."""
+        vector = self.acc / num_prompt_tokens if self.config.pooling_type == "MEAN" else self.acc.copy()
+        if self.params.dimensions is not None:
+            vector = vector[:self.params.dimensions]
+        normalize = self.config.normalize if self.params.normalize is None else self.params.normalize
+        if self.params.task == "embed" and normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)  # as torch's F.normalize
+        return vector.astype(np.float32)

@@ -1,0 +1,86 @@
+"""The pooling endpoints end to end: `jaxpage serve` of SmolLM2 with --runner pooling (MEAN pooling), called with
+the official `openai` package and httpx.
+
+- /v1/embeddings (the openai client asks for base64; floats with httpx): each input's vector is transformers'
+  hidden states of the same tokens, mean-pooled and normalized; token-id inputs and a batch; dimensions keeps the
+  first n normalized; usage counts the prompt tokens;
+- vLLM's /pooling gives the pooled vector as it is (not normalized);
+- bad requests are 400s naming the field (an empty input, dimensions over the hidden size, an input over
+  max_model_len, a completion asked of the pooling model); the server keeps serving with every block back.
+"""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from jaxpage.testing.launch import wait_serving
+from tests.servers import START_TIMEOUT, start_http
+
+MODEL = "smollm2-embed"
+TEXTS = ["The capital of France is Paris.", "Paged attention keeps the KV cache in blocks. " * 6, "Hello"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, hf_smollm2):  # transformers loads while the server warms up
+    server = start_http(["-m", "serving.cli", "serve", "--max-model-len", "256", "--max-num-seqs", "8",
+                         "--max-num-batched-tokens", "64", "--dtype", "float32", "--num-kv-blocks", "64",
+                         "--served-model-name", MODEL, "--runner", "pooling",
+                         "--pooler-config", '{"pooling_type": "MEAN"}'],
+                        tmp_path_factory.mktemp("pooling") / "server.log")
+    try:
+        wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
+        yield server
+    finally:
+        server.stop()
+
+
+def mean_hidden(hf_smollm2, ids: list[int]) -> np.ndarray:
+    model, _ = hf_smollm2
+    with torch.no_grad():
+        return model.model(torch.tensor([ids])).last_hidden_state[0].double().numpy().mean(0)
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+def test_embeddings_are_transformers_mean_pooled_hidden_states(server, hf_smollm2):
+    tokenizer = hf_smollm2[1]
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64 and decodes it
+    ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == MODEL
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    for d, i in zip(r.data, ids):
+        want = unit(mean_hidden(hf_smollm2, i))
+        np.testing.assert_allclose(d.embedding, want, atol=1e-4)
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        floats = http.post("/v1/embeddings", json={"model": MODEL, "input": ids[1], "encoding_format": "float"}).json()
+        np.testing.assert_allclose(floats["data"][0]["embedding"], r.data[1].embedding, atol=1e-6)
+        cut = http.post("/v1/embeddings", json={"input": [ids[0]], "dimensions": 32}).json()["data"][0]["embedding"]
+        np.testing.assert_allclose(cut, unit(mean_hidden(hf_smollm2, ids[0])[:32]), atol=1e-4)
+        raw = http.post("/pooling", json={"model": MODEL, "input": TEXTS[0]}).json()
+        assert raw["object"] == "list" and raw["data"][0]["object"] == "pooling"
+        np.testing.assert_allclose(raw["data"][0]["data"], mean_hidden(hf_smollm2, ids[0]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/embeddings", {"input": []}, "input"),
+    ("/v1/embeddings", {"input": ""}, "input"),
+    ("/v1/embeddings", {"input": "hi", "dimensions": 1000}, "dimensions"),
+    ("/v1/embeddings", {"input": "hi", "dimensions": 0}, "dimensions"),
+    ("/v1/embeddings", {"input": [1] * 300}, "input"),
+    ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ("/pooling", {"input": [[]]}, "input"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "prompt"),
+], ids=["empty-list", "empty-string", "dimensions-over", "dimensions-zero", "too-long", "format", "empty-ids",
+        "completion"])
+def test_bad_requests_are_400s_naming_the_field(server, path, body, param):
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        r = http.post(path, json={"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert http.post("/v1/embeddings", json={"input": "still serving"}).status_code == 200
+    assert server.all_blocks_free() and server.metrics()["jaxpage:num_requests_in_flight"] == 0
