@@ -97,3 +97,40 @@ class EmbeddingRequestOutput:
     def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(out.request_id, EmbeddingOutput([float(x) for x in out.outputs.data]), out.prompt_token_ids,
                    out.finished)
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """vLLM's: LLM.classify's output per prompt."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput([float(x) for x in out.outputs.data]), out.prompt_token_ids,
+                   out.finished)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """vLLM's: LLM.score's output per pair (prompt_token_ids: the pair's, or both texts' for an embedding model)."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

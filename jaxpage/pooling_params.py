@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 
-TASKS = ("embed", "encode")
+TASKS = ("embed", "classify", "score", "encode")
 
 
 @dataclasses.dataclass
 class PoolingParams:
-    """task: "embed" (the pooled vector, normalized as the model says) or "encode" (vLLM's: the pooler's output
-    as is). dimensions: keep the first this many (Matryoshka embeddings), normalized after; normalize: None
-    takes the model's (its PoolerConfig)."""
+    """task: "embed" (the pooled vector, normalized as the model says), "classify" (a classification model's
+    probabilities), "score" (a cross-encoder's sigmoid of its one logit) or "encode" (vLLM's: the pooler's output
+    as is: the vector, or a classifier's logits). dimensions: keep the first this many (Matryoshka embeddings),
+    normalized after; normalize: None takes the model's (its PoolerConfig)."""
 
     task: str = "embed"
     dimensions: int | None = None

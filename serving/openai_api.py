@@ -2,7 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, Anthropic's POST /v1/messages (streamed
     as server-sent events with ``stream``) and POST /v1/messages/count_tokens, POST /v1/embeddings (a pooling
-    model's), GET /v1/models, /health, /version, /metrics; vLLM's POST /pooling, /tokenize and /detokenize
+    model's), GET /v1/models, /health, /version, /metrics; vLLM's POST /pooling, /score, /rerank, /tokenize and /detokenize
 
 The Responses and Messages APIs run on the chat path (serving/responses_api.py, serving/anthropic_messages.py: the
 chat request each means); errors on the Messages paths are Anthropic's error object.
@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 import jaxpage
+from jaxpage.entrypoints.score_utils import cosine, pair_prompt, score_pairs
 from jaxpage.outputs import RequestOutput
 from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
@@ -406,22 +407,82 @@ class OpenAIServing:
         return await self._pool(raw, body, PoolingParams(task="encode"), "pool", pooling_response)
 
     async def _pool(self, raw: Request, body, params: PoolingParams, prefix: str, respond) -> Response:
-        model = self._check_model(body.model)
-        if self._engine().engine.config.runner != "pooling":
-            raise OpenAIError(400, f"{raw.url.path} needs a pooling model: this one generates (serve an embedding "
-                                   "model, or this one with --runner pooling)", "model")
+        model = self._pooling_model(body.model, raw)
         prompts = pooling_prompts(body.input)
         if prompts is None:
             raise OpenAIError(400, "input: empty", "input")
         self._check_prompt_bytes([p for p in prompts if isinstance(p, str)], "input")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [self._outputs(i, prompt, params, body.priority, "input", model) for i, prompt in zip(ids, prompts)]
-        outputs = _merged(streams, lambda: self._count_error(499))
-        finals = await _unless_disconnected(raw, _finals(outputs, len(streams)))
+        finals = await self._pooled(raw, request_id, prompts, params, body.priority, model, "input")
         if finals is None:
             return Response(status_code=499)
         return JSONResponse(respond(request_id, model.name, finals, body.encoding_format).model_dump())
+
+    def _pooling_model(self, name: str | None, raw: Request) -> ServedModel:
+        model = self._check_model(name)
+        if self._engine().engine.config.runner != "pooling":
+            raise OpenAIError(400, f"{raw.url.path} needs a pooling model: this one generates (serve an embedding "
+                                   "model, or this one with --runner pooling)", "model")
+        return model
+
+    async def _pooled(self, raw: Request, request_id: str, prompts: list, params: PoolingParams, priority: int,
+                      model: ServedModel, field: str) -> list | None:
+        """Each prompt's pooling output (one engine request each, run together); None if the client left."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [self._outputs(i, prompt, params, priority, field, model) for i, prompt in zip(ids, prompts)]
+        outputs = _merged(streams, lambda: self._count_error(499))
+        return await _unless_disconnected(raw, _finals(outputs, len(streams)))
+
+    async def score(self, body: pp.ScoreRequest, raw: Request) -> Response:
+        """vLLM's /score: each pair's score (a cross-encoder's sigmoid, or the cosine of two embeddings)."""
+        model = self._pooling_model(body.model, raw)
+        try:
+            pairs = score_pairs(body.text_1, body.text_2)
+        except FieldError as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        request_id = f"score-{uuid.uuid4().hex}"
+        scored = await self._scores(raw, request_id, pairs, body.priority, model, "text_1")
+        if scored is None:
+            return Response(status_code=499)
+        scores, tokens = scored
+        return JSONResponse(pp.ScoreResponse(id=request_id, model=model.name, usage=pp.PoolingUsage(
+            prompt_tokens=tokens, total_tokens=tokens), data=[pp.ScoreData(index=i, score=score)
+                                                           for i, score in enumerate(scores)]).model_dump())
+
+    async def rerank(self, body: pp.RerankRequest, raw: Request) -> Response:
+        """vLLM's /rerank: the documents by relevance to the query, the top_n first (0: all)."""
+        model = self._pooling_model(body.model, raw)
+        request_id = f"rerank-{uuid.uuid4().hex}"
+        scored = await self._scores(raw, request_id, [(body.query, d) for d in body.documents], body.priority,
+                                    model, "documents")
+        if scored is None:
+            return Response(status_code=499)
+        scores, tokens = scored
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or None]
+        return JSONResponse(pp.RerankResponse(id=request_id, model=model.name, usage=pp.RerankUsage(
+            total_tokens=tokens), results=[pp.RerankResult(index=i, document=pp.RerankDocument(
+                text=body.documents[i]), relevance_score=scores[i]) for i in order]).model_dump())
+
+    async def _scores(self, raw: Request, request_id: str, pairs: list[tuple[str, str]], priority: int,
+                      model: ServedModel, field: str) -> tuple[list[float], int] | None:
+        """Each pair's score and the prompt tokens computed: a cross-encoder's (a one-label classifier) on the
+        pair's encoding, else the cosine of the texts' embeddings; None if the client left."""
+        engine = self._engine().engine
+        self._check_prompt_bytes([t for pair in pairs for t in pair], field)
+        if engine.classifier is not None:
+            try:
+                prompts = [pair_prompt(engine.tokenizer, a, b) for a, b in pairs]
+            except ValueError as e:
+                raise OpenAIError(400, str(e), field) from None
+            outs = await self._pooled(raw, request_id, prompts, PoolingParams(task="score"), priority, model, field)
+            return None if outs is None else ([float(o.outputs.data[0]) for o in outs],
+                                              sum(len(o.prompt_token_ids) for o in outs))
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        outs = await self._pooled(raw, request_id, texts, PoolingParams(), priority, model, field)
+        if outs is None:
+            return None
+        vectors = {text: out.outputs.data for text, out in zip(texts, outs)}
+        return ([cosine(vectors[a], vectors[b]) for a, b in pairs], sum(len(o.prompt_token_ids) for o in outs))
 
     async def models(self) -> oai.ModelList:
         """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""
@@ -695,6 +756,10 @@ def build_app(requests: RequestLifecycle, served_model_names: list[str] | None =
     app.post("/v1/messages/count_tokens")(api.count_tokens)
     app.post("/v1/embeddings")(api.embeddings)
     app.post("/pooling")(api.pooling)
+    for path in ("/score", "/v1/score"):
+        app.post(path)(api.score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(api.rerank)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     app.get("/v1/models")(api.models)

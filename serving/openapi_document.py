@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from serving import anthropic_protocol as ap
 from serving import openai_protocol as oai
+from serving import pooling_protocol as pp
 from serving import responses_protocol as rp
 from serving.anthropic_messages import is_messages_path
 
@@ -23,6 +24,10 @@ REF = "#/components/schemas/{model}"
 STREAMED = {"/v1/completions": oai.CompletionResponse, "/v1/chat/completions": oai.ChatCompletionResponse,
             "/v1/responses": rp.Response, "/v1/messages": ap.AnthropicMessagesResponse}
 # one server-sent event, as OpenAPI 3.2 reads a stream's items (and tools read a 3.1 stream's schema)
+# the success of the endpoints whose handlers return a JSONResponse
+JSON = {"/v1/embeddings": pp.EmbeddingResponse, "/pooling": pp.PoolingResponse, "/score": pp.ScoreResponse,
+        "/v1/score": pp.ScoreResponse, "/rerank": pp.RerankResponse, "/v1/rerank": pp.RerankResponse,
+        "/v2/rerank": pp.RerankResponse}
 EVENT_STREAM = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "properties": {
         "event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"},
@@ -61,6 +66,9 @@ def document(app: FastAPI) -> dict:
                 json_body = {"application/json": {"schema": _ref(STREAMED[path], schemas)}}
                 responses["200"] = {"description": "the response, or its chunks as server-sent events with stream",
                                     "content": {**json_body, **EVENT_STREAM}}
+            if path in JSON:
+                responses["200"] = {"description": "the response", "content": {
+                    "application/json": {"schema": _ref(JSON[path], schemas)}}}
             responses.update(NO_BODY.get(path, {}) or TEXT.get(path, {}))
             responses["default"] = anthropic_error if is_messages_path(path) else error
     return doc

@@ -1,5 +1,5 @@
-"""The pooling endpoints' bodies (OpenAI's POST /v1/embeddings, vLLM's POST /pooling), as pydantic models, each
-error naming its field; unknown fields are ignored, as by vLLM."""
+"""The pooling endpoints' bodies (OpenAI's POST /v1/embeddings, vLLM's POST /pooling, /score and /rerank), as
+pydantic models, each error naming its field; unknown fields are ignored, as by vLLM."""
 from __future__ import annotations
 
 import time
@@ -65,3 +65,58 @@ class PoolingResponse(BaseModel):
     model: str
     data: list[PoolingData]
     usage: PoolingUsage
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /score: one text_1 against every text_2, or the i-th of each."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    priority: int = 0
+
+
+class ScoreData(BaseModel):
+    object: Literal["score"] = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank (Jina's and Cohere's shape): the documents ordered by their relevance to the query."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int = Field(0, ge=0)  # 0: every document
+    priority: int = 0
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

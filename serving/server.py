@@ -83,7 +83,7 @@ async def _warm_up(engine) -> None:
     from jaxpage.sampling_params import SamplingParams
 
     prompt = "Hello" if engine.engine.tokenizer is not None else {"prompt_token_ids": [1, 2, 3]}
-    params = (PoolingParams() if engine.engine.config.runner == "pooling"
+    params = (PoolingParams(task="encode") if engine.engine.config.runner == "pooling"
               else SamplingParams(temperature=0, max_tokens=2, output_kind="delta"))
     stream = await engine.add_request(f"warmup-{uuid.uuid4().hex}", prompt, params)
     async for _ in stream:

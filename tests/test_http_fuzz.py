@@ -87,8 +87,8 @@ def fuzz(operation, mode: GenerationMode, statuses: Counter) -> None:
 def test_every_operation_answers_as_its_schema_says(api_schema):
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-            "/tokenize", "/detokenize", "/v1/models", "/v1/load_lora_adapter",
-            "/v1/unload_lora_adapter"} <= {op.path for op in operations}
+            "/v1/embeddings", "/pooling", "/score", "/rerank", "/tokenize", "/detokenize", "/v1/models",
+            "/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= {op.path for op in operations}
     failures, statuses = [], {}
     for operation in operations:
         for mode in GenerationMode:

@@ -7,10 +7,15 @@ against references, in float32:
 - a sentence-transformers directory (Pooling + Normalize modules) embeds as sentence-transformers' encode() does,
   its pooler read from the modules;
 - SmolLM2 (the GGUF file) with runner "pooling": MEAN-pooled prompts as transformers' hidden states;
+- a *ForSequenceClassification head: transformers' logits (encode) and softmax (classify); a one-label head as a
+  cross-encoder: LLM.score is the sigmoid of transformers' logit on each pair; an embedding model's score is the
+  cosine of its embeddings;
 - a prefix-cache hit (LAST) and a pool too small for the prompts at once give the vectors of a roomy run; every
   block comes back; dimensions and normalize; bad requests are errors naming the field.
 """
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -180,3 +185,75 @@ def test_dimensions_normalize_and_bad_requests(tiny, tmp_path):
     with pytest.raises(ValueError, match="this model generates"):
         generating.embed(prompt)
     assert len(generating.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
+def save_classifier(hf_config, path, seed: int) -> torch.nn.Module:
+    """transformers' *ForSequenceClassification of random weights (its score head too), saved."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(hf_config, dtype=torch.float32,
+                                                           attn_implementation="eager")
+    randomize_weights(model, torch.Generator().manual_seed(seed))
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_logits(model: torch.nn.Module, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].double().numpy()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_classification_head_gives_transformers_logits_and_probabilities(arch, tmp_path):
+    """A *ForSequenceClassification checkpoint of 3 labels (runner "auto" pools it, last token): encode gives
+    transformers' logits within 1e-4, classify their softmax; embedding it is refused, naming the task."""
+    make, kwargs = CONFIGS[arch]
+    model = save_classifier(make(**kwargs, num_labels=3, pad_token_id=0), tmp_path / "model", SEED % 2**31)
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(1, model.config.vocab_size, n).tolist() for n in PROMPT_LENS]
+    llm = LLM(str(tmp_path / "model"), cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    logits = llm.encode([{"prompt_token_ids": p} for p in prompts])
+    probs = llm.classify([{"prompt_token_ids": p} for p in prompts])
+    for prompt, raw, prob in zip(prompts, logits, probs):
+        want = hf_logits(model, prompt)
+        np.testing.assert_allclose(raw.outputs.data, want, rtol=1e-4, atol=1e-4)
+        e = np.exp(want - want.max())
+        np.testing.assert_allclose(prob.outputs.probs, e / e.sum(), atol=1e-5)
+        assert prob.outputs.num_classes == 3
+    with pytest.raises(ValueError, match="PoolingParams.task='embed': this model classifies"):
+        llm.embed({"prompt_token_ids": prompts[0]})
+
+
+def test_cross_encoder_scores_are_transformers_pair_logits(tmp_path):
+    """A one-label classifier with a tokenizer (a cross-encoder): LLM.score(query, documents) is the sigmoid of
+    transformers' logit on each pair's encoding (the tokenizer's text_pair), so the ranking is the reference's."""
+    from transformers import AutoTokenizer
+
+    model = save_classifier(tiny_llama(num_labels=1, pad_token_id=0), tmp_path / "model", SEED % 2**31)
+    save_word_tokenizer(tmp_path / "model", 256)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    rng = np.random.default_rng(SEED)
+    words = lambda n: " ".join(f"t{t}" for t in rng.integers(1, 256, n))  # noqa: E731
+    query, documents = words(6), [words(n) for n in (3, 12, 30, 7)]
+    llm = LLM(str(tmp_path / "model"), cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    got = [o.outputs.score for o in llm.score(query, documents)]
+    want = [1 / (1 + np.exp(-hf_logits(model, tokenizer(query, text_pair=d)["input_ids"])[0])) for d in documents]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert list(np.argsort(got)) == list(np.argsort(want))
+    with pytest.raises(ValueError, match="text_2: 4 texts for 2 text_1 texts"):
+        llm.score([query, query], documents)
+
+
+def test_an_embedding_models_score_is_the_cosine_of_its_embeddings(tiny, tmp_path):
+    """LLM.score on an embedding model: the cosine of the two texts' vectors (transformers' last hidden states)."""
+    path, model = tiny
+    shutil.copytree(path, tmp_path / "model")
+    save_word_tokenizer(tmp_path / "model", 256)
+    pairs = [("t1 t2 t3", "t4 t5"), ("t1 t2 t3", "t9 t8 t7 t6")]
+    llm = LLM(str(tmp_path / "model"), cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    got = [o.outputs.score for o in llm.score(pairs[0][0], [b for _, b in pairs])]
+    for (a, b), score in zip(pairs, got):
+        ea, eb = (reference(model, [int(w[1:]) for w in t.split()], "LAST") for t in (a, b))
+        assert abs(score - ea @ eb / np.linalg.norm(ea) / np.linalg.norm(eb)) < 1e-5

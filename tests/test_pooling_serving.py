@@ -4,7 +4,10 @@ the official `openai` package and httpx.
 - /v1/embeddings (the openai client asks for base64; floats with httpx): each input's vector is transformers'
   hidden states of the same tokens, mean-pooled and normalized; token-id inputs and a batch; dimensions keeps the
   first n normalized; usage counts the prompt tokens;
-- vLLM's /pooling gives the pooled vector as it is (not normalized);
+- vLLM's /pooling gives the pooled vector as it is (not normalized); /score and /rerank on this embedding model are
+  the cosines of transformers' vectors, ranked;
+- a cross-encoder (a random one-label LlamaForSequenceClassification with a word tokenizer): /rerank's scores
+  are the sigmoid of transformers' logit on each (query, document) pair, ordered, top_n of them; /score alike;
 - bad requests are 400s naming the field (an empty input, dimensions over the hidden size, an input over
   max_model_len, a completion asked of the pooling model); the server keeps serving with every block back.
 """
@@ -67,6 +70,63 @@ def test_embeddings_are_transformers_mean_pooled_hidden_states(server, hf_smollm
         np.testing.assert_allclose(raw["data"][0]["data"], mean_hidden(hf_smollm2, ids[0]), rtol=1e-4, atol=1e-4)
 
 
+def test_score_and_rerank_are_the_cosines_of_transformers_vectors(server, hf_smollm2):
+    tokenizer = hf_smollm2[1]
+    query, documents = "Where is Paris?", ["Paris is in France.", "Bananas are yellow.", "France's capital."]
+    vector = {t: unit(mean_hidden(hf_smollm2, tokenizer(t)["input_ids"])) for t in [query, *documents]}
+    want = [float(vector[query] @ vector[d]) for d in documents]
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        scored = http.post("/score", json={"model": MODEL, "text_1": query, "text_2": documents}).json()
+        ranked = http.post("/v1/rerank", json={"model": MODEL, "query": query, "documents": documents,
+                                               "top_n": 2}).json()
+    np.testing.assert_allclose([d["score"] for d in scored["data"]], want, atol=1e-4)
+    assert [r["index"] for r in ranked["results"]] == list(np.argsort(want)[::-1][:2])
+    assert [r["document"]["text"] for r in ranked["results"]] == [documents[i] for i in np.argsort(want)[::-1][:2]]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    """A server of a random one-label classifier with a word tokenizer, and the transformers model."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.factories import save_word_tokenizer, tiny_llama
+    from tests.reference import randomize_weights
+
+    path = tmp_path_factory.mktemp("cross-encoder")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_llama(num_labels=1, pad_token_id=0),
+                                                           dtype=torch.float32, attn_implementation="eager")
+    randomize_weights(model, torch.Generator().manual_seed(0))
+    model.eval().save_pretrained(path, safe_serialization=True)
+    save_word_tokenizer(path, 256)
+    server = start_http(["-m", "serving.cli", "serve", "--model", str(path), "--max-model-len", "128",
+                         "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--dtype", "float32",
+                         "--num-kv-blocks", "40"], path / "server.log")
+    try:
+        wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
+        yield server, model
+    finally:
+        server.stop()
+
+
+def test_a_cross_encoders_rerank_is_transformers_pair_logits_ordered(cross_encoder):
+    server, model = cross_encoder
+    query, documents = "t5 t9 t14", ["t1 t2", "t5 t9", "t200 t3 t77 t8", "t14"]
+    pair_ids = [[int(w[1:]) for w in f"{query} {d}".split()] for d in documents]  # the word tokenizer's pair
+    with torch.no_grad():
+        logits = [float(model(torch.tensor([ids])).logits[0, 0]) for ids in pair_ids]
+    want = 1 / (1 + np.exp(-np.array(logits)))
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        ranked = http.post("/rerank", json={"query": query, "documents": documents, "top_n": 3}).json()
+        scored = http.post("/v1/score", json={"text_1": query, "text_2": documents}).json()
+        assert http.post("/v1/embeddings", json={"input": "t1"}).status_code == 400  # a classifier embeds nothing
+    assert [r["index"] for r in ranked["results"]] == list(np.argsort(-want)[:3])
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], np.sort(want)[::-1][:3], atol=1e-5)
+    np.testing.assert_allclose([d["score"] for d in scored["data"]], want, atol=1e-5)
+    assert ranked["usage"]["total_tokens"] == scored["usage"]["prompt_tokens"] == sum(map(len, pair_ids))
+    assert server.all_blocks_free()
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/embeddings", {"input": []}, "input"),
     ("/v1/embeddings", {"input": ""}, "input"),
@@ -75,9 +135,11 @@ def test_embeddings_are_transformers_mean_pooled_hidden_states(server, hf_smollm
     ("/v1/embeddings", {"input": [1] * 300}, "input"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ("/pooling", {"input": [[]]}, "input"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/rerank", {"query": "a", "documents": []}, "documents"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "prompt"),
 ], ids=["empty-list", "empty-string", "dimensions-over", "dimensions-zero", "too-long", "format", "empty-ids",
-        "completion"])
+        "score-lengths", "rerank-empty", "completion"])
 def test_bad_requests_are_400s_naming_the_field(server, path, body, param):
     with httpx.Client(base_url=server.base, timeout=60) as http:
         r = http.post(path, json={"model": MODEL, **body})

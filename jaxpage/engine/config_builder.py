@@ -156,15 +156,16 @@ def pooler_config_of(runner: str, options: dict | None) -> PoolerConfig | None:
 
 
 def resolve_runner(args: EngineArgs, architectures: list[str], pooler_defaults: dict | None) -> EngineArgs:
-    """args with runner "auto" made concrete (pooling for a base model's checkpoint, architecture *Model) and a
-    pooling model's pooler_config filled from the checkpoint's sentence-transformers modules where args say
-    nothing of it."""
-    runner = args.runner
+    """args with runner "auto" made concrete (pooling for a base model's checkpoint, architecture *Model, and a
+    classifier's, *ForSequenceClassification) and a pooling model's pooler_config filled from the checkpoint (a
+    classifier pools the last token; a sentence-transformers directory's modules) where args say nothing of it."""
+    runner, classifier = args.runner, any(a.endswith("ForSequenceClassification") for a in architectures)
     if runner == "auto":
-        runner = "pooling" if any(a.endswith("Model") for a in architectures) else "generate"
+        runner = "pooling" if classifier or any(a.endswith("Model") for a in architectures) else "generate"
     pooler = args.pooler_config
     if runner == "pooling":
-        pooler = {**(pooler_defaults or {}), **(pooler or {})}
+        head = {"pooling_type": "LAST", "normalize": False} if classifier else {}  # transformers' classifier
+        pooler = {**head, **(pooler_defaults or {}), **(pooler or {})}
     return dataclasses.replace(args, runner=runner, pooler_config=pooler)
 
 

@@ -27,7 +27,7 @@ from jaxpage.engine.config_builder import (
 )
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.models import config_from_hf
-from jaxpage.models.loader import default_cache_dir, load_model
+from jaxpage.models.loader import CLASSIFIER, default_cache_dir, load_model
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
@@ -92,8 +92,10 @@ class LLMEngine:
     """The engine over a runner (jaxpage.worker.runner.Runner)."""
 
     def __init__(self, config: EngineConfig, runner: Runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
-                 drafter: DraftRunner | None = None):
+                 drafter: DraftRunner | None = None, classifier=None):
         self.config = config
+        # a pooling model's classification head ([num_labels, hidden], numpy; None: it embeds)
+        self.classifier = classifier
         self.drafter = drafter  # speculative decoding's draft model (method draft_model), its runner and pool
         self.max_seqs_per_request = config.seqs_per_request
         # Refuse at admission a request whose sequences can never all fit in the pool (its worst case); off only
@@ -139,10 +141,13 @@ class LLMEngine:
         draft = _load_draft(args, cache_dir, loaded)
         draft_model = config_from_hf(draft.hf_config) if draft is not None else None
         config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0, draft_model)
-        runner = runner_class()(config, loaded.params, loaded.eos_token_ids)  # process 0 of several: broadcasts
+        params = dict(loaded.params)
+        classifier = params.pop(CLASSIFIER, None)  # a classification head: the pooler's, on the host
+        runner = runner_class()(config, params, loaded.eos_token_ids)  # process 0 of several: broadcasts
         drafter = _draft_runner(config, draft_model, draft) if draft is not None else None
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                     model_name=loaded.name, drafter=drafter)
+                     model_name=loaded.name, drafter=drafter,
+                     classifier=None if classifier is None else classifier["weight"])
         started = time.perf_counter()
         runner.warm_up(progress=args.progress)
         if drafter is not None:
@@ -203,7 +208,14 @@ class LLMEngine:
         if params.dimensions is not None and params.dimensions > hidden:
             raise ValueError(f"PoolingParams.dimensions={params.dimensions} exceeds the model's hidden size "
                              f"{hidden}")
-        return POOLING_SAMPLING, PoolingState(pooler, params)
+        classifies = self.classifier is not None
+        if classifies and params.task == "embed":
+            raise ValueError("PoolingParams.task='embed': this model classifies (a classification head); give task "
+                             "'classify', 'score' or 'encode'")
+        if not classifies and params.task in ("classify", "score"):
+            raise ValueError(f"PoolingParams.task={params.task!r}: this model has no classification head; give "
+                             "task 'embed' or 'encode'")
+        return POOLING_SAMPLING, PoolingState(pooler, params, self.classifier)
 
     def _check_length(self, num_tokens: int) -> None:
         max_len = self.config.max_model_len

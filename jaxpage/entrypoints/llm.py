@@ -9,7 +9,15 @@ from tqdm.auto import tqdm
 from jaxpage.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpage.entrypoints.chat_utils import render_chat
 from jaxpage.lora.request import LoRARequest
-from jaxpage.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxpage.entrypoints.score_utils import cosine, pair_prompt, score_pairs
+from jaxpage.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
 
@@ -53,6 +61,32 @@ class LLM:
             if p.task != "embed":
                 raise ValueError(f"PoolingParams.task={p.task!r}: LLM.embed takes task 'embed'")
         return [EmbeddingRequestOutput.from_base(out) for out in self.encode(prompts, params, use_tqdm, lora_request)]
+
+    def classify(self, prompts, use_tqdm: bool = False,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's class probabilities (``outputs.probs``), on a classification model (a
+        *ForSequenceClassification checkpoint)."""
+        outs = self.encode(prompts, PoolingParams(task="classify"), use_tqdm, lora_request)
+        return [ClassificationRequestOutput.from_base(out) for out in outs]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], use_tqdm: bool = False,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's: the score of each pair (one data_1 against every data_2, or the i-th of each): a cross-encoder's
+        (a classifier of one label) sigmoid of its logit on the pair, or an embedding model's cosine of the two
+        texts' embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        if self.engine.classifier is not None:
+            prompts = [pair_prompt(self.get_tokenizer(), a, b) for a, b in pairs]
+            outs = self.encode(prompts, PoolingParams(task="score"), use_tqdm, lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                    for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)))
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(cosine(embedded[a].outputs.embedding,
+                                                                       embedded[b].outputs.embedding)),
+                                     embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
+                for i, (a, b) in enumerate(pairs)]
 
     def _run(self, prompts: list, params: list, params_field: str, lora_request, use_tqdm: bool, desc: str) -> list:
         """Runs every prompt with its params (and adapter: one for all, or one per prompt); the finished outputs

