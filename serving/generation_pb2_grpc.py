@@ -5,7 +5,7 @@ import warnings
 
 from serving import generation_pb2 as serving_dot_generation__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -50,6 +50,16 @@ class GenerationStub:
                 request_serializer=serving_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=serving_dot_generation__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/jaxpage.v1.Generation/Embed',
+                request_serializer=serving_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=serving_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/jaxpage.v1.Generation/Score',
+                request_serializer=serving_dot_generation__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=serving_dot_generation__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -77,6 +87,22 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """A pooling model's (`serve --runner pooling`): each input's vector (embed), or a classifier's outputs (task
+        "classify": probabilities; "encode": the pooler's output as it is).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """A pooling model's: each (text_1, text_2) pair's score, a cross-encoder's (its sigmoid) or the cosine of the
+        two texts' embeddings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +120,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=serving_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=serving_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=serving_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=serving_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=serving_dot_generation__pb2.ScoreRequest.FromString,
+                    response_serializer=serving_dot_generation__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +214,60 @@ class Generation:
             '/jaxpage.v1.Generation/GetModelInfo',
             serving_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             serving_dot_generation__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpage.v1.Generation/Embed',
+            serving_dot_generation__pb2.EmbedRequest.SerializeToString,
+            serving_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpage.v1.Generation/Score',
+            serving_dot_generation__pb2.ScoreRequest.SerializeToString,
+            serving_dot_generation__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,8 +65,9 @@ def _lenient(parse: Callable[[bytes], object]) -> Callable[[bytes], object]:
 
 
 def _client_names(message: str) -> str:
-    """Field names as the client wrote them: the engine's ``SamplingParams.n`` is the request's ``sampling.n``."""
-    return message.replace("SamplingParams.", "sampling.")
+    """Field names as the client wrote them: the engine's ``SamplingParams.n`` is the request's ``sampling.n``,
+    ``PoolingParams.dimensions`` an EmbedRequest's ``dimensions``."""
+    return message.replace("SamplingParams.", "sampling.").replace("PoolingParams.", "")
 
 
 def sampling_params(msg: pb.SamplingParams, output_kind: str):
@@ -115,6 +116,12 @@ def engine_prompt(request: pb.GenerateRequest, engine, chat_template: str | None
             raise ValueError(f"messages[{i}].role is empty")
     return render_chat(engine.tokenizer, [{"role": m.role, "content": m.content} for m in request.messages],
                        chat_template)
+
+
+def _embed_prompt(i: int, given: pb.EmbedInput) -> str | dict:
+    if bool(given.text) == bool(given.token_ids):
+        raise ValueError(f"inputs[{i}]: give exactly one of text and token_ids")
+    return given.text or {"prompt_token_ids": list(given.token_ids)}
 
 
 def _logprobs(entries) -> list[pb.PositionLogprobs]:
@@ -188,6 +195,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self.GetModelInfo, _lenient(pb.GetModelInfoRequest.FromString),
                 pb.GetModelInfoResponse.SerializeToString),
+            "Embed": grpc.unary_unary_rpc_method_handler(
+                self.Embed, _lenient(pb.EmbedRequest.FromString), pb.EmbedResponse.SerializeToString),
+            "Score": grpc.unary_unary_rpc_method_handler(
+                self.Score, _lenient(pb.ScoreRequest.FromString), pb.ScoreResponse.SerializeToString),
         })
 
     async def GetModelInfo(self, request, context):
@@ -206,6 +217,66 @@ class GenerationService(pb_grpc.GenerationServicer):
                                base_model_name=self.serving_models.parent(adapter))
                 for name, adapter in list(self.serving_models.adapters.items())])
 
+    async def Embed(self, request, context):
+        """Each input's pooling output (one engine request each, run together)."""
+        from jaxpage.pooling_params import PoolingParams
+
+        if isinstance(request, UndecodableRequest):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        try:
+            prompts = [_embed_prompt(i, x) for i, x in enumerate(request.inputs)]
+            if not prompts:
+                raise ValueError("inputs: empty")
+            params = PoolingParams(task=request.task or "embed",
+                                   dimensions=request.dimensions if request.HasField("dimensions") else None,
+                                   normalize=request.normalize if request.HasField("normalize") else None)
+            check_prompt_bytes([p for p in prompts if isinstance(p, str)], self.requests.max_prompt_bytes, "inputs")
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, _client_names(str(e)))
+        request_id = request.request_id or f"embd-{uuid.uuid4().hex}"
+        outs = await self._pooled(request, context, request_id, prompts, params)
+        return pb.EmbedResponse(request_id=request_id, prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+                                embeddings=[pb.Embedding(values=o.outputs.data, prompt_tokens=len(o.prompt_token_ids))
+                                            for o in outs])
+
+    async def Score(self, request, context):
+        """Each pair's score (serving/scoring.py)."""
+        from jaxpage.entrypoints.score_utils import score_pairs
+        from serving.scoring import pair_scores
+
+        if isinstance(request, UndecodableRequest):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        request_id = request.request_id or f"score-{uuid.uuid4().hex}"
+        try:
+            pairs = score_pairs(list(request.text_1), list(request.text_2))
+            check_prompt_bytes([t for pair in pairs for t in pair], self.requests.max_prompt_bytes, "text_1")
+            engine = self.requests.require_engine().engine
+        except RequestError as e:
+            await self._reject(context, *_status(e))
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        async def run(prompts: list, params) -> list:
+            return await self._pooled(request, context, request_id, prompts, params)
+        try:
+            scores, tokens = await pair_scores(engine, pairs, run)
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ScoreResponse(request_id=request_id, scores=scores, prompt_tokens=tokens)
+
+    async def _pooled(self, request, context, request_id: str, prompts: list, params) -> list:
+        """Each prompt's PoolingRequestOutput (engine requests "<id>-<i>", run together); a failure of any ends
+        the call with its status code."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+
+        async def one(i: str, prompt):
+            final = None
+            async with contextlib.aclosing(self._run(request, context, i, lambda engine: (prompt, params))) as outs:
+                async for out in outs:
+                    final = out
+            return final
+        return list(await asyncio.gather(*(one(i, p) for i, p in zip(ids, prompts))))
+
     def count_error(self, code: grpc.StatusCode) -> None:
         self.requests.count_error(code.name)
 
@@ -220,17 +291,23 @@ class GenerationService(pb_grpc.GenerationServicer):
         A call ended while its handler was not waiting on the engine stream is aborted by the done callback."""
         if isinstance(request, UndecodableRequest):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        try:
-            lora_request = self.serving_models.resolve(request.lora_name, "lora_name").lora_request
-        except RequestError as e:
-            await self._reject(context, *_status(e))
 
         def prepare(engine):
             params = sampling_params(request.sampling, output_kind)
             check_prompt_size(request, self.requests.max_prompt_bytes)
             return engine_prompt(request, engine.engine, self.chat_template), params
 
+        async with contextlib.aclosing(self._run(request, context, request.request_id or f"req-{uuid.uuid4().hex}",
+                                                 prepare)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def _run(self, request, context, request_id: str, prepare) -> AsyncIterator:
+        """One engine request's outputs (prepare(engine) -> (prompt, params)) on the request's adapter."""
+        try:
+            lora_request = self.serving_models.resolve(request.lora_name, "lora_name").lora_request
+        except RequestError as e:
+            await self._reject(context, *_status(e))
         outputs = self.requests.generate(request_id, prepare, request.priority,
                                          lambda release: context.add_done_callback(lambda _: release()),
                                          lora_request)

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 import jaxpage
-from jaxpage.entrypoints.score_utils import cosine, pair_prompt, score_pairs
+from jaxpage.entrypoints.score_utils import score_pairs
 from jaxpage.outputs import RequestOutput
 from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
@@ -57,6 +57,7 @@ from serving.pooling_outputs import embedding_response, pooling_prompts, pooling
 from serving.requests import (DuplicateRequestError, EngineDiedError, EngineFailedError, InvalidRequestError,
                               NotServingError, QueueFullError, RequestError, RequestLifecycle)
 from serving.responses_api import ResponseRendering, chat_request, responses_param
+from serving.scoring import pair_scores
 from serving.serving_models import ServedModel, ServingModels, UnknownModelError
 from serving.structured import from_openai
 from serving.tool_choice import ToolPlan, plan_tools
@@ -465,24 +466,15 @@ class OpenAIServing:
 
     async def _scores(self, raw: Request, request_id: str, pairs: list[tuple[str, str]], priority: int,
                       model: ServedModel, field: str) -> tuple[list[float], int] | None:
-        """Each pair's score and the prompt tokens computed: a cross-encoder's (a one-label classifier) on the
-        pair's encoding, else the cosine of the texts' embeddings; None if the client left."""
-        engine = self._engine().engine
+        """Each pair's score and the prompt tokens computed (serving/scoring.py); None if the client left."""
         self._check_prompt_bytes([t for pair in pairs for t in pair], field)
-        if engine.classifier is not None:
-            try:
-                prompts = [pair_prompt(engine.tokenizer, a, b) for a, b in pairs]
-            except ValueError as e:
-                raise OpenAIError(400, str(e), field) from None
-            outs = await self._pooled(raw, request_id, prompts, PoolingParams(task="score"), priority, model, field)
-            return None if outs is None else ([float(o.outputs.data[0]) for o in outs],
-                                              sum(len(o.prompt_token_ids) for o in outs))
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        outs = await self._pooled(raw, request_id, texts, PoolingParams(), priority, model, field)
-        if outs is None:
-            return None
-        vectors = {text: out.outputs.data for text, out in zip(texts, outs)}
-        return ([cosine(vectors[a], vectors[b]) for a, b in pairs], sum(len(o.prompt_token_ids) for o in outs))
+
+        async def run(prompts: list, params: PoolingParams) -> list | None:
+            return await self._pooled(raw, request_id, prompts, params, priority, model, field)
+        try:
+            return await pair_scores(self._engine().engine, pairs, run)
+        except ValueError as e:  # no tokenizer to encode a pair with
+            raise OpenAIError(400, str(e), field) from None
 
     async def models(self) -> oai.ModelList:
         """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""

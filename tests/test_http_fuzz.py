@@ -5,7 +5,9 @@ engine's failure, and the engine here does not fail); afterwards every KV block 
 
 The server runs a tiny random Llama (a byte-level tokenizer of 256 bytes and the chat template's special tokens;
 the tool-calling template, tool-call and reasoning parsers on; LoRA with runtime loading, for its endpoints)
-through the real runner, with one step bucket of 8 tokens beside the single-token one: it compiles in seconds.
+through the real runner, with one step bucket of 8 tokens beside the single-token one: it compiles in seconds. The
+same model served with --runner pooling is fuzzed on the pooling operations (embeddings, pooling, score, rerank),
+whose valid requests a generating model refuses.
 """
 from __future__ import annotations
 
@@ -45,20 +47,31 @@ def byte_tokenizer():
                                    eos_token=SPECIAL[0], pad_token=SPECIAL[0])
 
 
-@pytest.fixture(scope="module")
-def fuzzed_server(tmp_path_factory):
+def byte_llama_server(tmp_path_factory, *flags: str):
+    """A server of the tiny random Llama with the byte tokenizer, started with flags."""
     from tests.reference import save_random_model
 
     path = tmp_path_factory.mktemp("byte-llama")
     tokenizer = byte_tokenizer()
     save_random_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=1024), path, seed=0)
     tokenizer.save_pretrained(path)
-    server = start_http(["-m", "serving.cli", "serve", "--model", str(path), *FLAGS], path / "server.log")
+    server = start_http(["-m", "serving.cli", "serve", "--model", str(path), *flags], path / "server.log")
     try:
         wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server(tmp_path_factory):
+    yield from byte_llama_server(tmp_path_factory, *FLAGS)
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    """The same model served as an embedding model (the pooling endpoints' valid requests reach the engine)."""
+    yield from byte_llama_server(tmp_path_factory, *FLAGS[:10], "--runner", "pooling")
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +97,8 @@ def fuzz(operation, mode: GenerationMode, statuses: Counter) -> None:
         assert mode == GenerationMode.NEGATIVE and not operation.body and not operation.query
 
 
-def test_every_operation_answers_as_its_schema_says(api_schema):
-    operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-            "/v1/embeddings", "/pooling", "/score", "/rerank", "/tokenize", "/detokenize", "/v1/models",
-            "/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= {op.path for op in operations}
+def fuzz_all(operations) -> dict:
+    """Every operation fuzzed in both modes; the statuses each answered, by (operation, mode)."""
     failures, statuses = [], {}
     for operation in operations:
         for mode in GenerationMode:
@@ -98,6 +108,15 @@ def test_every_operation_answers_as_its_schema_says(api_schema):
             except (Failure, FailureGroup, ExceptionGroup) as e:  # every operation's failures together
                 failures.append(f"{operation.label} ({mode.value}): {e}")
     assert not failures, "\n\n".join(failures)
+    return statuses
+
+
+def test_every_operation_answers_as_its_schema_says(api_schema):
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+            "/v1/embeddings", "/pooling", "/score", "/rerank", "/tokenize", "/detokenize", "/v1/models",
+            "/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= {op.path for op in operations}
+    statuses = fuzz_all(operations)
     # the valid requests reached the engine: some of each endpoint's were served
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
                  "/detokenize"):
@@ -109,3 +128,19 @@ def test_no_block_leaked_after_the_fuzz(fuzzed_server):
     after = fuzzed_server.metrics()
     # a labelled gauge has no series until a request reaches admission (the fuzz may admit none)
     assert after["jaxpage:num_requests_running"] == 0 and after.get("jaxpage:num_requests_in_flight", 0) == 0
+
+
+POOLING_PATHS = ("/v1/embeddings", "/pooling", "/score", "/rerank")
+
+
+def test_the_pooling_operations_of_an_embedding_model_answer_as_their_schemas_say(pooling_server):
+    """The pooling endpoints (and their other paths: /v1/score, /v1/rerank, /v2/rerank) of a pooling model: no 5xx,
+    every response conforming; valid requests of each are served; afterwards every block is free."""
+    schema = schemathesis.openapi.from_url(pooling_server.base + "/openapi.json")
+    operations = [op for op in (result.ok() for result in schema.get_all_operations())
+                  if op.path.endswith(("embeddings", "pooling", "score", "rerank"))]
+    assert len(operations) == 7
+    statuses = fuzz_all(operations)
+    for path in POOLING_PATHS:
+        assert statuses[f"POST {path}", "positive"][200] > 0, statuses
+    assert pooling_server.all_blocks_free()

@@ -8,11 +8,13 @@ the official `openai` package and httpx.
   the cosines of transformers' vectors, ranked;
 - a cross-encoder (a random one-label LlamaForSequenceClassification with a word tokenizer): /rerank's scores
   are the sigmoid of transformers' logit on each (query, document) pair, ordered, top_n of them; /score alike;
+- gRPC's Embed and Score give the HTTP endpoints' vectors and scores; a bad input is INVALID_ARGUMENT naming it;
 - bad requests are 400s naming the field (an empty input, dimensions over the hidden size, an input over
   max_model_len, a completion asked of the pooling model); the server keeps serving with every block back.
 """
 from __future__ import annotations
 
+import grpc
 import httpx
 import numpy as np
 import openai
@@ -20,6 +22,8 @@ import pytest
 import torch
 
 from jaxpage.testing.launch import wait_serving
+from serving import generation_pb2 as pb
+from serving import generation_pb2_grpc as pb_grpc
 from tests.servers import START_TIMEOUT, start_http
 
 MODEL = "smollm2-embed"
@@ -84,6 +88,27 @@ def test_score_and_rerank_are_the_cosines_of_transformers_vectors(server, hf_smo
     assert [r["document"]["text"] for r in ranked["results"]] == [documents[i] for i in np.argsort(want)[::-1][:2]]
 
 
+def test_grpc_embed_and_score_are_the_http_endpoints(server):
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        embedded = http.post("/v1/embeddings", json={"input": TEXTS[:2], "dimensions": 48}).json()
+        scored = http.post("/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:]}).json()
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        r = stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text=t) for t in TEXTS[:2]], dimensions=48), timeout=60)
+        np.testing.assert_allclose([list(e.values) for e in r.embeddings],
+                                   [d["embedding"] for d in embedded["data"]], atol=1e-6)
+        assert r.prompt_tokens == embedded["usage"]["prompt_tokens"] == sum(e.prompt_tokens for e in r.embeddings)
+        s = stub.Score(pb.ScoreRequest(text_1=[TEXTS[0]], text_2=TEXTS[1:]), timeout=60)
+        np.testing.assert_allclose(s.scores, [d["score"] for d in scored["data"]], atol=1e-6)
+        for bad, field in [(pb.EmbedRequest(inputs=[pb.EmbedInput()]), "inputs[0]"),
+                           (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")], dimensions=4096), "dimensions"),
+                           (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")], task="nope"), "task")]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Embed(bad, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value
+    assert server.all_blocks_free()
+
+
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     """A server of a random one-label classifier with a word tokenizer, and the transformers model."""
@@ -124,6 +149,9 @@ def test_a_cross_encoders_rerank_is_transformers_pair_logits_ordered(cross_encod
     np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], np.sort(want)[::-1][:3], atol=1e-5)
     np.testing.assert_allclose([d["score"] for d in scored["data"]], want, atol=1e-5)
     assert ranked["usage"]["total_tokens"] == scored["usage"]["prompt_tokens"] == sum(map(len, pair_ids))
+    with grpc.insecure_channel(server.target) as channel:
+        r = pb_grpc.GenerationStub(channel).Score(pb.ScoreRequest(text_1=[query], text_2=documents), timeout=60)
+    np.testing.assert_allclose(r.scores, want, atol=1e-5)
     assert server.all_blocks_free()
 
 
