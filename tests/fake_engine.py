@@ -30,6 +30,7 @@ from jaxpage.lora.request import LoRARequest
 from jaxpage.lora.worker_manager import lora_mapping
 from jaxpage.models import config_from_hf
 from jaxpage.models.lora_slots import lora_buckets
+from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpage.sequence import SequenceStatus
 from jaxpage.worker.model_runner import LaunchedStep
@@ -204,6 +205,8 @@ class FakeRunner:
                              f"{[table[p // bs] for p in bad[:10]]}, table {table})")
         if self.step_seconds:
             time.sleep(self.step_seconds)
+        if cfg.pooler_config is not None:
+            return pooled_output(scheduled, hashes, cfg.pooler_config.pooling_type)
         rows = n + len(drafts)
         if self.fixed_token is not None:
             return fixed_output(rows, self.fixed_token)
@@ -246,6 +249,29 @@ class FakeRunner:
             assert len(mine) <= 1, f"row {row}'s tokens under adapters {mine}"
             out[id(s)] = mine.pop() if mine else 0
         return out
+
+
+def fake_hidden(prefix_hash: int) -> np.ndarray:
+    """The fake model's final hidden state at a position: a function of its prefix (as its K/V)."""
+    return np.array([prefix_hash % 1009, prefix_hash % 1013], np.float64)
+
+
+def pooled_output(scheduled, hashes: dict, pooling: str) -> SamplerOutput:
+    """A pooling step's rows (jaxpage.worker.pooler's rule) over fake_hidden: the chunk's last position (LAST),
+    the sum over the chunk (MEAN) or its first position (CLS)."""
+    pooled = np.zeros((len(scheduled), 2))
+    for row, s in enumerate(scheduled):
+        first, h = s.seq.num_computed_tokens, hashes[s.seq.seq_id]
+        chunk = [fake_hidden(h[p]) for p in range(first, first + s.num_new_tokens)]
+        pooled[row] = {"LAST": chunk[-1], "MEAN": np.sum(chunk, axis=0), "CLS": chunk[0]}[pooling]
+    out = fixed_output(len(scheduled), 0)
+    return dataclasses.replace(out, pooled=pooled)
+
+
+def fake_pooled(prompt: list[int], pooling: str, lora_int_id: int = 0) -> np.ndarray:
+    """What a pooling request of ``prompt`` must give: fake_hidden over the whole prompt, pooled."""
+    hidden = [fake_hidden(h) for h in prefix_hashes(prompt, lora_int_id)]
+    return {"LAST": hidden[-1], "MEAN": np.mean(hidden, axis=0), "CLS": hidden[0]}[pooling]
 
 
 def fixed_output(rows: int, token: int) -> SamplerOutput:
@@ -293,12 +319,13 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                 offload_disk: bool | str = False, offload_disk_bytes: int = 1 << 30, vocab_size: int = VOCAB,
                 block_size: int = BLOCK_SIZE, max_seqs_per_request: int | None = None,
                 fixed_token: int | None = None, step_seconds: float = 0.0, refuse_unfittable: bool = False,
-                model_name: str = "") -> LLMEngine:
+                model_name: str = "", pooling: str | None = None) -> LLMEngine:
     """speculative: draft tokens a step (speculative decoding, FakeDraftProposer's drafts); 0: off.
     num_offload_blocks: the prefix cache's host tier in blocks (0: off); offload_disk: its disk tier, in a
     directory of the engine's own (True, removed with the engine) or the one given (a path). fixed_token,
     step_seconds: FakeRunner's. refuse_unfittable: the engine's own check of groups that can never fit (off: these
-    tests drive the scheduler's own safety net for them)."""
+    tests drive the scheduler's own safety net for them). pooling: a pooling model's pooling type (runner "pooling",
+    not normalized: the fake runner pools ``fake_hidden``); None: it generates."""
     model = config_from_hf(transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=max_model_len))
@@ -317,7 +344,8 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  max_seqs_per_request=max_seqs_per_request,
                                  speculative_config={"method": "ngram", "num_speculative_tokens": speculative,
                                                      "disable_by_batch_size": disable_by_batch_size}
-                                 if speculative else None)
+                                 if speculative else None, runner="pooling" if pooling else "generate",
+                                 pooler_config={"pooling_type": pooling, "normalize": False} if pooling else None)
     own_dir = offload_disk is True and tempfile.mkdtemp(prefix="jaxpage-kv-disk-")
     config = dataclasses.replace(  # a swap space and a host tier in blocks, not bytes
         config, num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
@@ -547,7 +575,9 @@ def step_checked(engine: LLMEngine, finished: dict, params: dict) -> None:
     for out in engine.step():
         assert out.request_id not in finished, f"output for {out.request_id} after it finished"
         p = params[out.request_id]
-        if out.finished:
+        if out.finished and isinstance(p, PoolingParams):
+            finished[out.request_id] = out
+        elif out.finished:
             finished[out.request_id] = out
             assert len(out.outputs) == p.n
             for c in out.outputs:

@@ -15,6 +15,9 @@ After every action (add, step, abort, explicit preempt), in both preemption mode
   plus the distinct slots held by swapped groups make up the host pool exactly, each slot once;
 - every unfinished request sits in exactly one queue, with the matching status.
 When every request has finished or been aborted, every block and every host slot is free again.
+The same scenarios' requests as pooling requests (runner "pooling", the fake runner pooling a fake hidden state
+of each position's prefix) also give each request its whole prompt's vector, however it was chunked, preempted or
+read from the prefix cache.
 
 Deterministic tests at the end, over the same fake runner: preemption of forks over a shared prefix in both modes,
 the max_num_seqs bound with a not-yet-forked group, and regression tests for three scheduler bugs found with this
@@ -31,11 +34,13 @@ import dataclasses
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from jaxpage.core.kv_cache_manager import COPY, SWAP_OUT
+from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import SamplingParams
-from tests.fake_engine import (BLOCK_SIZE, EOS, VOCAB, check_accounting, check_all_free, make_engine, play,
-                                record_prompt_rows_ahead, run_checked, scenarios)
+from tests.fake_engine import (BLOCK_SIZE, EOS, VOCAB, check_accounting, check_all_free, fake_pooled, make_engine,
+                                play, record_prompt_rows_ahead, run_checked, scenarios)
 
 
 # --- the property test ------------------------------------------------------------------------------
@@ -66,6 +71,25 @@ def test_block_accounting_stays_exact_with_the_prefix_cache_tiers(scenario):
     play(engine, actions)
     event(f"host-tier-hit={engine.kv.offload.host_hits > 0} disk-tier-hit={engine.kv.offload.disk_hits > 0} "
           f"stored={engine.kv.offload.stores > 0} disk-load-failed={engine.kv.offload.disk_failed > 0}")
+
+
+@settings(max_examples=40, deadline=None, derandomize=False,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios(), st.sampled_from(["LAST", "MEAN", "CLS"]))
+def test_block_accounting_stays_exact_for_a_pooling_model(scenario, pooling):
+    """The scenarios' requests as pooling requests (runner "pooling", prefix caching only with LAST): the
+    accounting holds after every action, and each finished request's vector is its whole prompt's, pooled, though
+    it was computed in chunks, preempted (recomputed or swapped), or (LAST) read from the prefix cache."""
+    setup, actions = scenario
+    engine = make_engine(**setup, pooling=pooling)
+    actions = [(a[0], a[1], PoolingParams(task="encode"), *a[3:]) if a[0] == "add" else a for a in actions]
+    finished = play(engine, actions)
+    prompts = {f"r{i}": (a[1], a[4] if len(a) > 4 and a[4] else 0) for i, a in enumerate(actions) if a[0] == "add"}
+    for request_id, out in finished.items():
+        prompt, lora = prompts[request_id]
+        np.testing.assert_allclose(out.outputs.data, fake_pooled(prompt, pooling, lora), rtol=1e-6)
+    event(f"pooling={pooling} preempted={engine.scheduler.num_preemptions > 0} "
+          f"prefix-hit={engine.kv.prefix_cache_hits > 0} finished={len(finished)}")
 
 
 def _ends(finished: dict) -> dict:
@@ -228,6 +252,39 @@ def test_shared_prefix_and_forks_survive_preemption(mode, host):
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     if mode == "swap" and host >= 32:
         assert any(k == SWAP_OUT for k, _, _ in engine.runner.moves), "swap mode never swapped"
+    check_all_free(engine)
+
+
+@pytest.mark.parametrize("pooling, mode", [("MEAN", "recompute"), ("MEAN", "swap"), ("CLS", "recompute"),
+                                           ("LAST", "recompute")])
+def test_a_pooling_request_preempted_mid_prompt_gives_its_whole_prompts_vector(pooling, mode):
+    """A pooling request computed 8 tokens a step and preempted after three chunks (recomputed from its first
+    token, or swapped out and back): its vector is its whole prompt's, pooled once; every block comes back."""
+    rng = np.random.default_rng()
+    engine = make_engine(num_kv_blocks=12, max_num_batched_tokens=8, mode=mode, num_host_blocks=8,
+                         long_prefill_token_threshold=8, pooling=pooling)
+    prompt = [int(t) for t in rng.integers(1, VOCAB, 60)]
+    engine.add_request("r", {"prompt_token_ids": prompt}, PoolingParams(task="encode"))
+    for _ in range(3):
+        assert engine.step() == []
+    engine.scheduler.preempt(engine.scheduler.running[0])
+    [out] = run_checked(engine).values()
+    np.testing.assert_allclose(out.outputs.data, fake_pooled(prompt, pooling), rtol=1e-6)  # float32
+    if mode == "swap":
+        assert any(k == SWAP_OUT for k, _, _ in engine.runner.moves), "swap mode never swapped"
+    check_all_free(engine)
+
+
+def test_a_pooling_request_over_a_cached_prefix_gives_its_whole_prompts_vector():
+    """LAST pooling keeps prefix caching: a prompt over a prefix embedded before computes only its own tokens."""
+    rng = np.random.default_rng()
+    engine = make_engine(num_kv_blocks=12, pooling="LAST")
+    head = [int(t) for t in rng.integers(1, VOCAB, 40)]
+    for i, prompt in enumerate([head, head + [5, 6, 7]]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, PoolingParams(task="encode"))
+        [out] = run_checked(engine).values()
+        np.testing.assert_allclose(out.outputs.data, fake_pooled(prompt, "LAST"))
+    assert engine.kv.prefix_cache_hits >= 32  # its two full blocks
     check_all_free(engine)
 
 

@@ -29,7 +29,7 @@ EVERY_FLAG = [
     "--no-async-scheduling", "--enable-lora", "--max-loras", "3",
     "--max-lora-rank", "32", "--max-cpu-loras", "5", "--speculative-config", '{"num_speculative_tokens": 2}',
     "--kv-offloading-size", "512MiB", "--kv-offloading-backend", "native", "--kv-offloading-dir", "/tmp/kv",
-    "--kv-offloading-disk-size", "2",
+    "--kv-offloading-disk-size", "2", "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}',
 ]
 EXPECTED = EngineArgs(model="m.gguf", block_size=32, kv_cache_memory=512 << 20, num_kv_blocks=100, max_num_seqs=4,
                       max_num_batched_tokens=128, max_model_len=256, dtype="bfloat16", kv_cache_dtype="int8",
@@ -43,7 +43,7 @@ EXPECTED = EngineArgs(model="m.gguf", block_size=32, kv_cache_memory=512 << 20, 
                       async_scheduling=False, enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5,
                       speculative_config={"num_speculative_tokens": 2}, kv_offloading_size=0.5,
                       kv_offloading_backend="native", kv_offloading_dir="/tmp/kv", kv_offloading_disk_size=2.0,
-                      progress=False)
+                      progress=False, runner="pooling", pooler_config={"pooling_type": "MEAN"})
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
