@@ -29,6 +29,7 @@ BENCHMARKS = {
     "profile": ("profile", "where a CPU engine step's time goes (jax.profiler)"),
     "engine-host": ("engine_host", "the engine's host time per step, no device work; A/B"),
     "lm-eval": ("lm_eval", "lm-eval scores: jaxpage serve vs transformers"),
+    "embeddings": ("embeddings", "embeddings/s at batch 1, 32, 256 vs sentence-transformers"),
 }
 ROOT = Path(__file__).resolve().parents[1]  # the checkout `pip install -e .` installed from
 

@@ -12,6 +12,7 @@ official `anthropic` package, as a client would.
   alike; output_config.format's JSON is valid for its schema;
 - a stop sequence ends the message where the unstopped output has it (stop_reason "stop_sequence");
 - the reasoning parser's split are thinking blocks, whole and streamed (thinking_delta);
+- tool_choice auto: the hermes parser's calls as tool_use blocks; a stream that fails ends with Anthropic's error event;
 - bad requests are Anthropic's error object, raised as the SDK's exception types, each naming the field; the
   server keeps serving with every KV block back.
 """
@@ -269,3 +270,58 @@ def test_bad_requests_are_anthropic_errors_naming_the_field(server, stream):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert c.messages.create(model=MODEL, messages=ASK, max_tokens=3).usage.output_tokens >= 1
     assert server.all_blocks_free() and server.metrics()["jaxpage:num_requests_in_flight"] == 0
+
+
+FIXED = ('Ok.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7, "label": "up"}}\n</tool_call>')
+
+
+def test_auto_tool_choice_reads_the_hermes_calls_as_tool_use_blocks(server):
+    """The model's output fixed (vLLM's structured_outputs choice of one string): with tool_choice auto the
+    hermes parser's split is a text block and two tool_use blocks with the calls' input, stop_reason tool_use,
+    streamed alike; disable_parallel_tool_use keeps the first call; tool_choice none leaves it all text."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80,
+              extra_body={"temperature": 0, "structured_outputs": {"choice": [FIXED]}})
+    c = client(server)
+    message = c.messages.create(**kw)
+    want = [{"type": "text", "text": "Ok.\n"}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Paris"}},
+            {"type": "tool_use", "name": "set_alarm", "input": {"hour": 7, "label": "up"}}]
+    assert blocks(message) == want and message.stop_reason == "tool_use"
+    assert len({b.id for b in message.content[1:]}) == 2
+    types, final = asyncio.run(streamed(server, kw))
+    assert blocks(final) == want and final.stop_reason == "tool_use"
+    one = c.messages.create(**kw, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert blocks(one) == want[:2]
+    none = c.messages.create(**kw, tool_choice={"type": "none"})
+    assert blocks(none) == [{"type": "text", "text": FIXED}] and none.stop_reason == "end_turn"
+
+
+def test_a_stream_that_fails_ends_with_anthropics_error_event():
+    """An engine failure under a streamed message (OpenAIServing._message_events, no server): the events so far,
+    then Anthropic's error event, counted as the other endpoints' errors."""
+    from jaxpage.outputs import CompletionOutput, RequestOutput
+    from serving.anthropic_messages import MessageRendering
+    from serving.openai_api import OpenAIError, OpenAIServing
+
+    class Lifecycle:
+        codes: list = []
+
+        def count_error(self, code):
+            self.codes.append(code)
+
+    async def outputs():
+        yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "Hel", [5])], False)
+        raise OpenAIError(500, "the engine failed: boom", "messages", "engine_error")
+
+    async def events():
+        render = MessageRendering("msg_1", "m", None)
+        return [e async for e in OpenAIServing(Lifecycle())._message_events(outputs(), render)]
+
+    got = asyncio.run(events())
+    kinds = [e.split("\n", 1)[0].removeprefix("event: ") for e in got]
+    assert kinds == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
+    start = json.loads(got[0].split("data: ", 1)[1])
+    assert start["message"]["usage"]["input_tokens"] == 2 and start["message"]["content"] == []
+    assert json.loads(got[-1].split("data: ", 1)[1]) == {
+        "type": "error", "error": {"type": "api_error", "message": "the engine failed: boom"}}
+    assert Lifecycle.codes == ["INTERNAL"]
