@@ -120,12 +120,13 @@ def randomize_weights(model: torch.nn.Module, gen: torch.Generator, std: float =
                 p.copy_(std * noise)
 
 
-def save_random_model(hf_config, path, seed: int) -> torch.nn.Module:
-    """A randomly initialised transformers model saved as a Hugging Face directory (config + safetensors)."""
-    from transformers import AutoModelForCausalLM
+def save_random_model(hf_config, path, seed: int, auto_class: str = "AutoModelForCausalLM") -> torch.nn.Module:
+    """A randomly initialised transformers model saved as a Hugging Face directory (config + safetensors), of
+    transformers' ``auto_class`` (AutoModel: the base model; AutoModelForSequenceClassification: a classifier)."""
+    import transformers
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
+    model = getattr(transformers, auto_class).from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
     randomize_weights(model, torch.Generator().manual_seed(seed))
     model.eval()
     model.save_pretrained(path, safe_serialization=True)

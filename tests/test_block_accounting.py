@@ -288,6 +288,20 @@ def test_a_pooling_request_over_a_cached_prefix_gives_its_whole_prompts_vector()
     check_all_free(engine)
 
 
+def test_a_pooling_request_the_scheduler_ends_gives_an_error_not_a_vector():
+    """A pooling request that can never fit is ended ('abort') by the scheduler before its prompt is computed: its
+    output has an error and no vector; the engine goes on embedding, and every block comes back."""
+    engine = make_engine(num_kv_blocks=12, pooling="MEAN")
+    engine.add_request("cut", {"prompt_token_ids": [t % (VOCAB - 1) + 1 for t in range(29)]}, PoolingParams(task="encode"))
+    engine.scheduler._fail_head()  # what schedule() does when nothing runs and the head cannot start
+    (out,) = engine.step()
+    assert out.finished and out.outputs.data is None and "aborted" in out.error
+    engine.add_request("next", {"prompt_token_ids": [3, 4, 5]}, PoolingParams(task="encode"))
+    [out] = run_checked(engine).values()
+    np.testing.assert_allclose(out.outputs.data, fake_pooled([3, 4, 5], "MEAN"), rtol=1e-6)
+    check_all_free(engine)
+
+
 def test_recomputed_parallel_samples_are_readmitted():
     """A group of 4 samples over a 3-block prompt needs 3 shared + 4 own = 7 of the 11 blocks. Preempted
     (recompute) by an older request that grows, it must run again once that request is done, not wait forever

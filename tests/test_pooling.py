@@ -23,7 +23,7 @@ import torch
 
 from jaxpage import LLM, PoolingParams, SamplingParams
 from tests.factories import ARCHITECTURES, SEED, engine_options, save_word_tokenizer, tiny_llama
-from tests.reference import randomize_weights
+from tests.reference import save_random_model
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 PROMPT_LENS = (1, 5, 17, 40, 70)  # over the 32-token budget: chunked
@@ -32,14 +32,7 @@ OPTIONS = engine_options(num_kv_blocks=40, max_num_batched_tokens=32, max_model_
 
 def save_base_model(hf_config, path, seed: int) -> torch.nn.Module:
     """transformers' base model (AutoModel: LlamaModel, Qwen3Model, ...) of random weights, saved as it saves one."""
-    from transformers import AutoModel
-
-    torch.manual_seed(seed)
-    model = AutoModel.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
-    randomize_weights(model, torch.Generator().manual_seed(seed))
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_random_model(hf_config, path, seed, "AutoModel")
 
 
 def reference(model: torch.nn.Module, prompt: list[int], pooling: str) -> np.ndarray:
@@ -189,15 +182,7 @@ def test_dimensions_normalize_and_bad_requests(tiny, tmp_path):
 
 def save_classifier(hf_config, path, seed: int) -> torch.nn.Module:
     """transformers' *ForSequenceClassification of random weights (its score head too), saved."""
-    from transformers import AutoModelForSequenceClassification
-
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(hf_config, dtype=torch.float32,
-                                                           attn_implementation="eager")
-    randomize_weights(model, torch.Generator().manual_seed(seed))
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_random_model(hf_config, path, seed, "AutoModelForSequenceClassification")
 
 
 def hf_logits(model: torch.nn.Module, prompt: list[int]) -> np.ndarray:

@@ -112,17 +112,11 @@ def test_grpc_embed_and_score_are_the_http_endpoints(server):
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     """A server of a random one-label classifier with a word tokenizer, and the transformers model."""
-    from transformers import AutoModelForSequenceClassification
-
     from tests.factories import save_word_tokenizer, tiny_llama
-    from tests.reference import randomize_weights
+    from tests.reference import save_random_model
 
     path = tmp_path_factory.mktemp("cross-encoder")
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(tiny_llama(num_labels=1, pad_token_id=0),
-                                                           dtype=torch.float32, attn_implementation="eager")
-    randomize_weights(model, torch.Generator().manual_seed(0))
-    model.eval().save_pretrained(path, safe_serialization=True)
+    model = save_random_model(tiny_llama(num_labels=1, pad_token_id=0), path, 0, "AutoModelForSequenceClassification")
     save_word_tokenizer(path, 256)
     server = start_http(["-m", "serving.cli", "serve", "--model", str(path), "--max-model-len", "128",
                          "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--dtype", "float32",

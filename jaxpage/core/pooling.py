@@ -20,10 +20,12 @@ class PoolingState:
     params: PoolingParams
     classifier: np.ndarray | None = None
     acc: np.ndarray | None = None
+    num_pooled_tokens: int = 0  # the prompt positions the chunks so far covered
 
-    def add(self, start: int, pooled: np.ndarray) -> None:
-        """One chunk's pooled row, the chunk starting at prompt position ``start``."""
+    def add(self, start: int, num_tokens: int, pooled: np.ndarray) -> None:
+        """One chunk's pooled row, the chunk of ``num_tokens`` starting at prompt position ``start``."""
         kind = self.config.pooling_type
+        self.num_pooled_tokens = start + num_tokens
         if start == 0 or self.acc is None:
             self.acc = np.array(pooled, np.float32)
         elif kind == "MEAN":

@@ -367,7 +367,7 @@ class Scheduler:
                 if group.prompt_logprobs is not None:  # before its tokens are counted as computed
                     take_prompt_logprobs(s, sampled.prompt, first_token)
                 if group.pooling is not None:
-                    group.pooling.add(seq.num_computed_tokens, sampled.pooled[row])
+                    group.pooling.add(seq.num_computed_tokens, s.num_new_tokens, sampled.pooled[row])
                 if s.logits_of is None:
                     seq.num_computed_tokens += s.num_new_tokens
                 else:  # a fork holds exactly the prompt its parent's row computed (the parent may be gone already)
