@@ -202,7 +202,7 @@ class ContiguousCache:
         device = jax.devices()[0]
         # the weights and the step as the paged runner has them (the host layer loop where it runs one)
         self.params, _ = step_weights(self.config, params, device, layer_loop(self.config, device.platform))
-        self.pool = allocate_kv_pool(model, self.config.num_kv_blocks, block_size, jnp.dtype(dtype),
+        self.pool = allocate_kv_pool(model, self.config.cache.num_kv_blocks, block_size, jnp.dtype(dtype),
                                      packed=packs_kv(model, self.config.attention_backend))
         self._step = _jitted_step(self.config)
         self._greedy = {}
@@ -302,7 +302,7 @@ class SlotBatching(_ContiguousSystem):
         seqs = _sequences(workload)
         queue = seqs[::-1]
         slots: list[_Seq | None] = [None] * c.num_slots
-        budget = c.config.max_num_batched_tokens
+        budget = c.config.scheduler.max_num_batched_tokens
         clock = {"execute": 0.0}
         stats.start(lambda: {**_progress(seqs), **clock})
         while queue or any(slots):
@@ -371,7 +371,7 @@ class StaticBatching(_ContiguousSystem):
         flat_pos = np.tile(np.arange(padded_len, dtype=np.int32), len(batch))
         flat_row = np.repeat(rows, padded_len)
         flat_real = flat_pos < lens[flat_row]
-        budget = c.config.max_num_batched_tokens
+        budget = c.config.scheduler.max_num_batched_tokens
         for lo in range(0, len(flat_ids), budget):
             hi = min(lo + budget, len(flat_ids))
             present = np.unique(flat_row[lo:hi])  # rows with tokens in this chunk, in order

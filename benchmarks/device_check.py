@@ -235,7 +235,9 @@ def layouts_section(smoke: bool, out: Path, deadline: float) -> dict:
 
 
 def engine_for(loaded, runner, **limits) -> LLMEngine:
-    return LLMEngine(dataclasses.replace(runner.config, **limits), runner, tokenizer=None, eos_token_ids=(),
+    config = runner.config
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **limits))
+    return LLMEngine(config, runner, tokenizer=None, eos_token_ids=(),
                      model_name=loaded.name)
 
 

@@ -89,9 +89,12 @@ def paged_runner(loaded, model: ModelConfig, params: dict, args, num_kv_blocks: 
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills, prefill_into_padding=args.prefill_into_padding)
-    assert kv_cache_dtype != "auto" or config.num_kv_blocks == num_kv_blocks, (config.num_kv_blocks, num_kv_blocks)
-    num_host_blocks = config.num_kv_blocks if args.preemption_mode == "swap" else 0
-    config = dataclasses.replace(config, preemption_mode=args.preemption_mode, num_host_blocks=num_host_blocks)
+    blocks = config.cache.num_kv_blocks
+    assert kv_cache_dtype != "auto" or blocks == num_kv_blocks, (blocks, num_kv_blocks)
+    num_host_blocks = config.cache.num_kv_blocks if args.preemption_mode == "swap" else 0
+    config = dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, preemption_mode=args.preemption_mode),
+        cache=dataclasses.replace(config.cache, num_host_blocks=num_host_blocks))
     runner = ModelRunner(config, params, loaded.eos_token_ids)
     runner.warm_up(progress=False)
     return runner
@@ -406,7 +409,7 @@ def main(argv=None) -> dict:
         print(f"{w.name}: {w.describe()}", flush=True)
         results["runs"][w.name] = compare(loaded, args, w, runners, caches, systems, args.extra_duration,
                                           args.extra_warmup)
-    results["num_kv_blocks"] = {name: r.config.num_kv_blocks for name, r in runners.items()}
+    results["num_kv_blocks"] = {name: r.config.cache.num_kv_blocks for name, r in runners.items()}
     del runners, caches
 
     if args.streams:

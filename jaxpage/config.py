@@ -202,31 +202,29 @@ class PoolerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine was asked for, resolved to concrete values once."""
+class CacheConfig:
+    """vLLM's cache_config: the KV pool and its tiers."""
 
-    model: ModelConfig
-    dtype: str
     block_size: int
     num_kv_blocks: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
-    scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
-    tensor_parallel_size: int = 1  # devices the model is split over (model's KV heads already replicated to fit)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8 (e4m3): see STORED_DTYPES
-    data_parallel_size: int = 1  # engine replicas, each on its own group of tensor_parallel_size devices
-    data_parallel_rank: int = 0  # this replica's group: devices [rank * tp, (rank + 1) * tp) (parallel.device_group)
-    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)  # the data-parallel front end's choice
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (core.block_pool)
-    preemption_mode: str = "recompute"  # a preempted request's blocks: recomputed later, or swapped to the host
     num_host_blocks: int = 0  # the host's swap space in KV blocks (swap_space's bytes with preemption_mode swap)
     # The prefix cache's host and disk tiers (core/kv_offload.py, core/kv_disk_index.py): the host tier's blocks
     # (kv_offloading_size's bytes; 0: off), the disk tier's directory (None: off) and its cap in bytes
     num_offload_blocks: int = 0
     kv_offloading_dir: str | None = None
     kv_offloading_disk_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """vLLM's scheduler_config: what a step may hold and how the scheduler fills it."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    preemption_mode: str = "recompute"  # a preempted request's blocks: recomputed later, or swapped to the host
     max_seqs_per_request: int | None = None  # most sequences (n, best_of, beams) one request holds (None: any)
     async_scheduling: bool = True  # schedule step N+1 while step N runs, its sampled tokens kept on the device
     # async scheduling of steps with prompts too (admission, chunks, first decodes), not only the decode fast
@@ -243,7 +241,43 @@ class EngineConfig:
     # a chunk cut short by long_prefill_token_threshold also takes the padding rows of the token bucket its step
     # pads to anyway (Scheduler._prefill_into_padding)
     prefill_into_padding: bool = True
+
+    @property
+    def seqs_per_request(self) -> int:
+        """The most sequences one request may hold at once: max_seqs_per_request, at most (and by default)
+        max_num_seqs."""
+        return min(self.max_seqs_per_request or self.max_num_seqs, self.max_num_seqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's parallel_config: the devices the engine runs on."""
+
+    tensor_parallel_size: int = 1  # devices the model is split over (model's KV heads already replicated to fit)
+    data_parallel_size: int = 1  # engine replicas, each on its own group of tensor_parallel_size devices
+    data_parallel_rank: int = 0  # this replica's group: devices [rank * tp, (rank + 1) * tp) (parallel.device_group)
+    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)  # the data-parallel front end's choice
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's lora_config (None on an engine without LoRA)."""
+
     max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine was asked for, resolved to concrete values once, grouped as vLLM's VllmConfig."""
+
+    model: ModelConfig
+    dtype: str
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None
+    attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
+    scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     sampler_returns_probs: bool = False  # a draft model's runner: the step returns each row's distribution (q)
     pooler_config: PoolerConfig | None = None  # runner "pooling": the step pools instead of sampling; None: generate
@@ -264,19 +298,13 @@ class EngineConfig:
         return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
 
     @property
-    def seqs_per_request(self) -> int:
-        """The most sequences one request may hold at once: max_seqs_per_request, at most (and by default)
-        max_num_seqs."""
-        return min(self.max_seqs_per_request or self.max_num_seqs, self.max_num_seqs)
-
-    @property
     def kv_dtype(self) -> str:
         """The pool's stored dtype."""
-        return kv_storage_dtype(self.kv_cache_dtype, self.dtype).name
+        return kv_storage_dtype(self.cache.kv_cache_dtype, self.dtype).name
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return cdiv(self.max_model_len, self.block_size)
+        return cdiv(self.scheduler.max_model_len, self.cache.block_size)
 
     def token_buckets(self) -> list[int]:
         """Padded sizes of the flat token axis: 8, 16, then powers of two up to the token budget. On the CPU
@@ -286,11 +314,11 @@ class EngineConfig:
         kernels take tokens in blocks of 8). A TPU or GPU step below a few hundred tokens is bound by its weight
         and K/V reads (``jaxpage/testing/step_model.py``), which padding does not add to: there each halfway size
         would cost a compile at start for a step a few percent shorter."""
-        octaves = _powers(8, 2, self.max_num_batched_tokens)
+        octaves = _powers(8, 2, self.scheduler.max_num_batched_tokens)
         if self.attention_backend != "xla":
             return octaves
         halves = [size * 3 // 2 for size in octaves[1:-1]]
-        return sorted(set([1] + octaves + [h for h in halves if h < self.max_num_batched_tokens]))
+        return sorted(set([1] + octaves + [h for h in halves if h < self.scheduler.max_num_batched_tokens]))
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         """The sequence axis is tied to the token axis, so the bucket grid stays two-dimensional."""
@@ -306,7 +334,7 @@ class EngineConfig:
     def max_sampled_rows(self) -> int:
         """The most rows a step samples: a row per sequence, and with speculative decoding one per draft position
         too (so that max_num_seqs decoding sequences still have rows for their drafts)."""
-        return self.max_num_seqs * (1 + self.num_draft_tokens)
+        return self.scheduler.max_num_seqs * (1 + self.num_draft_tokens)
 
 
 def _powers(start: int, base: int, limit: int) -> list[int]:

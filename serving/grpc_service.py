@@ -208,10 +208,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             await self._reject(context, *_status(e))
         cfg = engine.engine.config
         return pb.GetModelInfoResponse(
-            model_name=engine.engine.model_name, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
-            num_kv_blocks=cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, dtype=str(cfg.dtype),
-            vocab_size=cfg.model.vocab_size, kv_cache_dtype=cfg.kv_cache_dtype,
+            model_name=engine.engine.model_name, max_model_len=cfg.scheduler.max_model_len,
+            block_size=cfg.cache.block_size,
+            num_kv_blocks=cfg.cache.num_kv_blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, dtype=str(cfg.dtype),
+            vocab_size=cfg.model.vocab_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
             quantization=cfg.model.quantization or "", lora_adapters=[
                 pb.LoRAAdapter(name=name, path=adapter.lora_request.lora_path,
                                base_model_name=self.serving_models.parent(adapter))

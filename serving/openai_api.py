@@ -479,7 +479,7 @@ class OpenAIServing:
     async def models(self) -> oai.ModelList:
         """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""
         cfg = self._engine().engine.config
-        common = {"max_model_len": cfg.max_model_len, "kv_cache_dtype": cfg.kv_cache_dtype,
+        common = {"max_model_len": cfg.scheduler.max_model_len, "kv_cache_dtype": cfg.cache.kv_cache_dtype,
                   "quantization": cfg.model.quantization}
         base = [oai.ModelCard(id=name, **common) for name in self.model_names()]
         models = self.serving_models
@@ -530,7 +530,8 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(400, str(e), "prompt") from None
         strs = engine.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return oai.TokenizeResponse(count=len(ids), max_model_len=engine.engine.config.max_model_len, tokens=ids,
+        max_model_len = engine.engine.config.scheduler.max_model_len
+        return oai.TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,
                                     token_strs=strs)
 
     async def detokenize(self, body: oai.DetokenizeRequest) -> oai.DetokenizeResponse:

@@ -208,7 +208,7 @@ class Server:
         cfg = engine.engine.config
         log.info("SERVING %s on %s:%d after %.1f s (%d KV blocks of %d tokens, max_model_len %d)",
                  engine.engine.model_name, self.args.host, self.port, time.monotonic() - started,
-                 cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len)
+                 cfg.cache.num_kv_blocks, cfg.cache.block_size, cfg.scheduler.max_model_len)
         return True
 
     async def watch(self) -> None:

@@ -63,15 +63,16 @@ class FakeRunner:
 
     def __init__(self, config, num_host_blocks: int, fixed_token: int | None = None, step_seconds: float = 0.0):
         self.config = config
-        self.supports_async_scheduling = config.async_scheduling
+        self.supports_async_scheduling = config.scheduler.async_scheduling
         self.fixed_token, self.step_seconds = fixed_token, step_seconds
-        self.pool = np.zeros((config.num_kv_blocks, config.block_size), np.int64)
-        self.host = np.zeros((max(num_host_blocks, 1), config.block_size), np.int64)
+        self.pool = np.zeros((config.cache.num_kv_blocks, config.cache.block_size), np.int64)
+        self.host = np.zeros((max(num_host_blocks, 1), config.cache.block_size), np.int64)
         self.num_host_blocks = num_host_blocks
         # the prefix cache's host tier (its arena) and disk tier (real files of the simulated blocks)
-        self.offload = np.zeros((max(config.num_offload_blocks, 1), config.block_size), np.int64)
-        self.disk_store = (DiskKVStore(config.kv_offloading_dir, {"model": "fake"}, [(np.int64, (config.block_size,))])
-                           if config.kv_offloading_dir else None)
+        self.offload = np.zeros((max(config.cache.num_offload_blocks, 1), config.cache.block_size), np.int64)
+        leaves = [(np.int64, (config.cache.block_size,))]
+        self.disk_store = (DiskKVStore(config.cache.kv_offloading_dir, {"model": "fake"}, leaves)
+                           if config.cache.kv_offloading_dir else None)
         self.block_pool = None  # set by make_engine, to check that written blocks are held
         self.window = config.model.sliding_window if config.model.every_layer_windowed else 0
         self.moves: list[tuple[str, int, int]] = []
@@ -88,7 +89,7 @@ class FakeRunner:
         """Nothing is held per adapter."""
 
     def apply(self, ops) -> list[int]:
-        nb, failed_loads = self.config.num_kv_blocks, []
+        nb, failed_loads = self.config.cache.num_kv_blocks, []
         for kind, src, dst in ops.batches():  # one batched gather/scatter per run of one kind, as the real runner
             self.moves.extend((kind, s, d) for s, d in zip(src, dst))
             if kind == COPY:
@@ -101,10 +102,10 @@ class FakeRunner:
                 assert all(0 <= s < self.num_host_blocks for s in src) and all(0 < b < nb for b in dst), (src, dst)
                 self.pool[dst] = self.host[src].copy()
             elif kind == OFFLOAD:
-                assert all(0 < b < nb for b in src) and all(0 <= s < self.config.num_offload_blocks for s in dst)
+                assert all(0 < b < nb for b in src) and all(0 <= s < self.config.cache.num_offload_blocks for s in dst)
                 self.offload[dst] = self.pool[src].copy()
             elif kind == RESTORE:
-                assert all(0 <= s < self.config.num_offload_blocks for s in src) and all(0 < b < nb for b in dst)
+                assert all(0 <= s < self.config.cache.num_offload_blocks for s in src) and all(0 < b < nb for b in dst)
                 self.pool[dst] = self.offload[src].copy()
             elif kind == DISK_WRITE:
                 for slot, block_hash in zip(src, dst):
@@ -159,16 +160,17 @@ class FakeRunner:
         return launched.out
 
     def execute(self, scheduled) -> SamplerOutput:
-        cfg, bs = self.config, self.config.block_size
+        cfg, bs = self.config, self.config.cache.block_size
         n = len(scheduled)
         self.max_rows = max(self.max_rows, n)
-        assert n <= cfg.max_num_seqs, f"{n} sequences in one step, max_num_seqs={cfg.max_num_seqs}"
+        assert n <= cfg.scheduler.max_num_seqs, f"{n} sequences in one step, max_num_seqs={cfg.scheduler.max_num_seqs}"
         drafts = [(s, j) for s in scheduled for j in range(len(s.spec_token_ids))]  # a sampled row each, after
         assert n + len(drafts) <= cfg.max_sampled_rows, f"{n} rows and {len(drafts)} draft rows in one step"
         assert n > 0
         assert len({id(s.seq) for s in scheduled}) == n, "a sequence scheduled twice in one step"
         total = sum(s.num_new_tokens for s in scheduled)
-        assert total <= cfg.max_num_batched_tokens, f"{total} tokens > budget {cfg.max_num_batched_tokens}"
+        budget = cfg.scheduler.max_num_batched_tokens
+        assert total <= budget, f"{total} tokens > budget {budget}"
         loras = {s.group.lora_int_id for s in scheduled} - {0}
         assert len(loras) <= cfg.model.max_loras, f"adapters {sorted(loras)} in one step: more than the slots"
         row_adapters = self._row_adapters(scheduled)
@@ -190,7 +192,7 @@ class FakeRunner:
             h = hashes[seq.seq_id] = prefix_hashes(ids, row_adapters[id(s)])
             for p in range(first, first + count):
                 block = table[p // bs]
-                assert 0 < block < cfg.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
+                assert 0 < block < cfg.cache.num_kv_blocks and self.block_pool.ref_counts[block] >= 1, block
                 self.pool[block, p % bs] = h[p]
         for s in scheduled:  # then every sequence reads its whole context (with a window: what its chunk sees)
             if s.logits_of is not None:
@@ -347,10 +349,10 @@ def make_engine(*, num_kv_blocks: int, max_num_seqs: int = 8, max_num_batched_to
                                  if speculative else None, runner="pooling" if pooling else "generate",
                                  pooler_config={"pooling_type": pooling, "normalize": False} if pooling else None)
     own_dir = offload_disk is True and tempfile.mkdtemp(prefix="jaxpage-kv-disk-")
-    config = dataclasses.replace(  # a swap space and a host tier in blocks, not bytes
-        config, num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
+    config = dataclasses.replace(config, cache=dataclasses.replace(  # a swap space and a host tier in blocks
+        config.cache, num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
         kv_offloading_dir=(own_dir or offload_disk or None) if num_offload_blocks else None,
-        kv_offloading_disk_bytes=offload_disk_bytes)
+        kv_offloading_disk_bytes=offload_disk_bytes))
     runner = FakeRunner(config, num_host_blocks, fixed_token, step_seconds)
     engine = LLMEngine(config, runner, eos_token_ids=(EOS,), model_name=model_name)
     if own_dir:
@@ -398,11 +400,11 @@ def check_each_schedule(scheduler) -> None:
 
     def checked():
         left = [len(s.token_ids) - s.num_computed_tokens for g in scheduler.running for s in g.live_seqs]
-        free_rows = cfg.max_num_seqs - len(left)
+        free_rows = cfg.scheduler.max_num_seqs - len(left)
         decodes = sum(n == 1 for n in left)
         prompts = sum(n > 1 for n in left) + min(len(scheduler.waiting), free_rows)
         out = schedule()
-        if not (cfg.wave_prefill and decodes < prompts):
+        if not (cfg.scheduler.wave_prefill and decodes < prompts):
             check_prefill_limits(cfg, out.scheduled)
         return out
     scheduler.schedule = checked
@@ -414,19 +416,19 @@ def check_prefill_limits(cfg, scheduled) -> None:
     max_long_partial_prefills with more than the threshold left. With prefill_into_padding, chunks may pass the
     threshold by the padding rows of the step's token bucket only: the step pads to the bucket it would with
     every chunk at the threshold."""
-    threshold = cfg.long_prefill_token_threshold
+    threshold = cfg.scheduler.long_prefill_token_threshold
     prefills = [(s.num_new_tokens, s.seq.num_tokens - s.seq.num_computed_tokens) for s in scheduled
                 if s.logits_of is None and s.seq.num_tokens - s.seq.num_computed_tokens > 1]
-    assert len(prefills) <= cfg.max_num_partial_prefills, f"{len(prefills)} prefills in one step: {prefills}"
+    assert len(prefills) <= cfg.scheduler.max_num_partial_prefills, f"{len(prefills)} prefills in one step: {prefills}"
     if threshold:
         over = sum(max(n - threshold, 0) for n, _ in prefills)
         total = sum(s.num_new_tokens for s in scheduled)
-        assert not over or cfg.prefill_into_padding, f"a chunk over the threshold {threshold}: {prefills}"
+        assert not over or cfg.scheduler.prefill_into_padding, f"a chunk over the threshold {threshold}: {prefills}"
         buckets = cfg.token_buckets()
         assert pick_bucket(buckets, max(total, 1)) == pick_bucket(buckets, max(total - over, 1)), (
             f"chunks past the threshold {threshold} beyond the step's padding: {prefills}, {total} tokens")
         long = sum(left > threshold for _, left in prefills)
-        assert long <= cfg.max_long_partial_prefills, f"{long} long prefills in one step: {prefills}"
+        assert long <= cfg.scheduler.max_long_partial_prefills, f"{long} long prefills in one step: {prefills}"
 
 
 def check_accounting(engine: LLMEngine) -> None:
@@ -498,7 +500,7 @@ def record_prompt_rows_ahead(engine: LLMEngine) -> list[int]:
 def check_all_free(engine: LLMEngine) -> None:
     check_accounting(engine)
     assert not engine.has_unfinished_requests() and not engine.requests
-    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1, "blocks still in use at the end"
+    assert engine.block_pool.num_free == engine.config.cache.num_kv_blocks - 1, "blocks still in use at the end"
     assert sorted(engine.kv.host_free) == list(range(engine.kv.num_host_blocks)), "host slots still held"
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 

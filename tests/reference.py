@@ -70,10 +70,10 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla",
     """Teacher-forced logits of the engine's model for one sequence, through a shuffled block table; with the
     LoRA adapter in device slot ``lora_slot`` (an engine with LoRA; None: the base weights)."""
     cfg, params = llm.engine.config, llm.engine.runner.params
-    bs, n = cfg.block_size, len(token_ids)
+    bs, n = cfg.cache.block_size, len(token_ids)
     rng = np.random.default_rng(seed)
     num_blocks = -(-n // bs)
-    table = rng.permutation(np.arange(1, cfg.num_kv_blocks))[:num_blocks].astype(np.int32)
+    table = rng.permutation(np.arange(1, cfg.cache.num_kv_blocks))[:num_blocks].astype(np.int32)
     pos = np.arange(n, dtype=np.int32)
     tables = np.zeros((1, cfg.max_blocks_per_seq), np.int32)
     tables[0, :num_blocks] = table

@@ -27,7 +27,7 @@ def test_steps_with_prompts_are_scheduled_ahead_except_on_a_cpu(smollm2):
     """Where the device is the host's own cores, the host's pass would compete with the step: only the decode
     fast path is scheduled ahead there (RESULTS.md, "Async scheduling of the steps that admit prompts")."""
     import jax
-    assert smollm2.engine.config.async_prompt_steps is (jax.default_backend() != "cpu")
+    assert smollm2.engine.config.scheduler.async_prompt_steps is (jax.default_backend() != "cpu")
 
 
 def test_placeholders_take_the_previous_steps_tokens():
@@ -82,10 +82,10 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2, features):
         engine.async_scheduling = True
         got = _ends(smollm2.generate(prompts, params))
     finally:
-        engine.async_scheduling = engine.config.async_scheduling
+        engine.async_scheduling = engine.config.scheduler.async_scheduling
         del engine.scheduler.schedule_ahead
     assert got == expected
-    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1
+    assert engine.block_pool.num_free == engine.config.cache.num_kv_blocks - 1
     if features == "plain":
         assert sum(asked) > len(asked) // 2, f"only {sum(asked)} of {len(asked)} steps were scheduled ahead"
 
@@ -114,10 +114,10 @@ def test_a_request_ending_leaves_the_step_after_it_in_flight(smollm2):
         engine.async_scheduling = True
         got, calls = run()
     finally:
-        engine.async_scheduling = engine.config.async_scheduling
+        engine.async_scheduling = engine.config.scheduler.async_scheduling
     assert got == expected and len(got) == len(prompts)
     assert all(len(ids) == len(set(ids)) for ids in calls), f"a step returned two tokens of a request: {calls}"
-    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1
+    assert engine.block_pool.num_free == engine.config.cache.num_kv_blocks - 1
 
 
 def test_steps_admitting_prompts_beside_decodes_are_scheduled_ahead(smollm2):
@@ -152,8 +152,8 @@ def test_steps_admitting_prompts_beside_decodes_are_scheduled_ahead(smollm2):
         engine.async_scheduling = engine.scheduler.prompt_steps_ahead = True  # off by default on a CPU
         got, prompt_rows = run()
     finally:
-        engine.async_scheduling = engine.config.async_scheduling
-        engine.scheduler.prompt_steps_ahead = engine.config.async_prompt_steps
+        engine.async_scheduling = engine.config.scheduler.async_scheduling
+        engine.scheduler.prompt_steps_ahead = engine.config.scheduler.async_prompt_steps
     assert got == expected and len(got) == len(texts)
     assert sum(n > 0 for n in prompt_rows) >= 3, f"prompts scheduled ahead: {prompt_rows}"
-    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1
+    assert engine.block_pool.num_free == engine.config.cache.num_kv_blocks - 1

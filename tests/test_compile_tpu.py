@@ -73,7 +73,7 @@ def least_pool_bytes(config) -> int:
     less), so an aliased pool is at least this."""
     from jaxpage.attention.kv_cache import bytes_per_block, packs_kv
 
-    m, n, bs = config.model, config.num_kv_blocks, config.block_size
+    m, n, bs = config.model, config.cache.num_kv_blocks, config.cache.block_size
     values = bytes_per_block(m, bs, config.kv_dtype if config.kv_dtype != "int8" else "uint8", 128,
                              packs_kv(m, config.attention_backend)) * n
     scales = m.num_layers * n * 2 * m.num_kv_heads * bs * 4 if config.kv_dtype == "int8" else 0

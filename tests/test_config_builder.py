@@ -29,7 +29,7 @@ def test_pool_is_sized_from_the_byte_budget():
     model = _smollm2_shape()
     per_block = 30 * 2 * 3 * 16 * 64 * 4
     assert bytes_per_block(model, 16, "float32") == per_block
-    assert _engine(model, kv_cache_memory=1000 * per_block + 5).num_kv_blocks == 1000
+    assert _engine(model, kv_cache_memory=1000 * per_block + 5).cache.num_kv_blocks == 1000
 
 
 @pytest.mark.parametrize("budget", [8, 24, 64, 100, 256, 512])
@@ -130,10 +130,10 @@ def test_gpu_memory_utilization_leaves_out_the_weights_of_target_and_draft(monke
     monkeypatch.setattr(config_builder, "make_mesh", lambda tp, group: mesh)
     free = int(0.9 * limit) - in_use
     options = dict(dtype=dtype, quantization=quantization)
-    assert _engine(target, **options).num_kv_blocks == (free - weights) // target_block
+    assert _engine(target, **options).cache.num_kv_blocks == (free - weights) // target_block
     with_draft = _engine(target, **options, draft_model=draft,
                          speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 2})
-    assert with_draft.num_kv_blocks == (free - weights - draft_weights) // (target_block + draft_block) == 3999
+    assert with_draft.cache.num_kv_blocks == (free - weights - draft_weights) // (target_block + draft_block) == 3999
     device.stats["bytes_limit"] = int((weights + in_use) / 0.9)  # no byte left for the pool
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.9: .* raise gpu_memory_utilization"):
         _engine(target, **options)
@@ -151,7 +151,7 @@ def test_a_draft_models_pool_counts_in_kv_cache_memory_and_swap_space(caplog):
     with caplog.at_level(logging.INFO, logger="jaxpage.engine.config_builder"):
         config = _engine(target, kv_cache_memory=budget, draft_model=draft, speculative_config=spec,
                          preemption_mode="swap", swap_space=10 * per_block + 1)
-    assert (config.num_kv_blocks, config.num_host_blocks) == (600, 10)
+    assert (config.cache.num_kv_blocks, config.cache.num_host_blocks) == (600, 10)
     assert (f"KV pool: 600 blocks of 16 tokens, {600 * _llama_block_bytes(target, 16, 4)} bytes for the target "
             f"model, {600 * _llama_block_bytes(draft, 16, 4)} bytes for the draft model") in caplog.messages
 
@@ -171,11 +171,12 @@ def test_every_engine_option_is_in_the_engine_config():
     """What LLMEngine, its scheduler and its runner read comes from the EngineConfig: every EngineArgs option is
     a field of it but those spent on loading the model or sizing its pools (the host's swap space in blocks, and
     with preemption_mode swap only; the prefix cache's host tier in blocks, its disk tier's cap in bytes)."""
-    from jaxpage.config import EngineConfig, RoutingConfig
+    from jaxpage.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, RoutingConfig, SchedulerConfig
     from jaxpage.engine.arg_utils import EngineArgs
     from jaxpage.engine.config_builder import engine_config_from_args
 
-    args, fields = dataclasses.fields(EngineArgs), {f.name for f in dataclasses.fields(EngineConfig)}
+    groups = (EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)  # vLLM's VllmConfig's
+    args, fields = dataclasses.fields(EngineArgs), {f.name for g in groups for f in dataclasses.fields(g)}
     # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization and the LoRA slots,
     # max_loras and max_lora_rank, behind enable_lora: in those shapes; the data-parallel router's, in routing;
     # runner: whether pooler_config is set)
@@ -190,16 +191,16 @@ def test_every_engine_option_is_in_the_engine_config():
     options = dict(num_kv_blocks=600, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
     config = engine_config_from_args(EngineArgs(**options, enable_prefix_caching=False, preemption_mode="swap",
                                                 swap_space=10 * per_block + 1, max_seqs_per_request=3), model)
-    assert (config.enable_prefix_caching, config.preemption_mode, config.num_host_blocks,
-            config.seqs_per_request) == (False, "swap", 10, 3)
+    assert (config.cache.enable_prefix_caching, config.scheduler.preemption_mode, config.cache.num_host_blocks,
+            config.scheduler.seqs_per_request) == (False, "swap", 10, 3)
     routed = engine_config_from_args(EngineArgs(**options, data_parallel_routing="load", cache_threshold=0.5,
                                                 balance_abs_threshold=8, balance_rel_threshold=1.25), model)
-    assert routed.routing == RoutingConfig("load", 0.5, 8, 1.25)
+    assert routed.parallel.routing == RoutingConfig("load", 0.5, 8, 1.25)
     default = engine_config_from_args(EngineArgs(**options), model)
-    assert default.routing == RoutingConfig()
-    assert (default.enable_prefix_caching, default.preemption_mode, default.num_host_blocks,
-            default.seqs_per_request) == (True, "recompute", 0, 8)
-    assert engine_config_from_args(EngineArgs(**options, swap_space=10 * per_block), model).num_host_blocks == 0
+    assert default.parallel.routing == RoutingConfig()
+    assert (default.cache.enable_prefix_caching, default.scheduler.preemption_mode, default.cache.num_host_blocks,
+            default.scheduler.seqs_per_request) == (True, "recompute", 0, 8)
+    assert engine_config_from_args(EngineArgs(**options, swap_space=10 * per_block), model).cache.num_host_blocks == 0
     with pytest.raises(ValueError, match="preemption_mode='drop' must be 'recompute' or 'swap'"):
         _engine(model, num_kv_blocks=600, preemption_mode="drop")
     with pytest.raises(ValueError, match="max_seqs_per_request=-1 must be >= 1"):

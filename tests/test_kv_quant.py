@@ -53,10 +53,10 @@ def test_the_same_budget_holds_the_expected_multiple_of_blocks(dtype, kv, ratio)
     budget = 64 << 20
     auto = engine_config(dtype=dtype, kv_cache_memory=budget)
     quant = engine_config(dtype=dtype, kv_cache_memory=budget, kv_cache_dtype=kv)
-    assert quant.kv_cache_dtype == kv and abs(quant.num_kv_blocks / auto.num_kv_blocks - ratio) < 0.01
-    pool = allocate_kv_pool(SMOLLM2, quant.num_kv_blocks, 16, jnp.dtype(quant.kv_dtype))
+    assert quant.cache.kv_cache_dtype == kv and abs(quant.cache.num_kv_blocks / auto.cache.num_kv_blocks - ratio) < 0.01
+    pool = allocate_kv_pool(SMOLLM2, quant.cache.num_kv_blocks, 16, jnp.dtype(quant.kv_dtype))
     stored = sum(a.nbytes for a in jax.tree.leaves(pool))  # what the device really holds
-    assert stored == quant.num_kv_blocks * bytes_per_block(SMOLLM2, 16, quant.kv_dtype) <= budget
+    assert stored == quant.cache.num_kv_blocks * bytes_per_block(SMOLLM2, 16, quant.kv_dtype) <= budget
 
 
 def test_tpu_padding_is_counted_for_the_scales():

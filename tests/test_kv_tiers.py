@@ -193,7 +193,7 @@ def test_offloading_options_take_vllm_flags_and_refuse_bad_values():
     options = dict(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=None, num_kv_blocks=10, max_num_seqs=4,
                    max_num_batched_tokens=32, max_model_len=128, gpu_memory_utilization=0.9)
     config = build_engine_config(model, **options, kv_offloading_size=64 * BLOCK_BYTES / 2**30)
-    assert config.num_offload_blocks == 64 and config.kv_offloading_dir is None
+    assert config.cache.num_offload_blocks == 64 and config.cache.kv_offloading_dir is None
     for bad, field in ((dict(kv_offloading_dir="/tmp/x"), "kv_offloading_dir"),
                        (dict(kv_offloading_size=-1.0), "kv_offloading_size"),
                        (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "kv_offloading_size"),

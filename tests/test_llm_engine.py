@@ -32,7 +32,7 @@ def test_serving_varied_lengths_after_warm_up_compiles_nothing(smollm2):
 
 
 def _all_blocks_free(llm) -> bool:
-    return llm.engine.block_pool.num_free == llm.engine.config.num_kv_blocks - 1
+    return llm.engine.block_pool.num_free == llm.engine.config.cache.num_kv_blocks - 1
 
 
 @pytest.mark.parametrize("prompt, params, message", [

@@ -68,7 +68,7 @@ def test_the_budget_on_a_tpu_holds_twice_the_blocks_when_packed(monkeypatch):
     holds twice the blocks the XLA path's unpacked one does in the same bytes."""
     monkeypatch.setattr(kv_cache, "memory_lanes", lambda: 128)
     budget = 1 << 30
-    packed, unpacked = (engine_config(b, kv_cache_memory=budget).num_kv_blocks for b in ("pallas_tpu", "xla"))
+    packed, unpacked = (engine_config(b, kv_cache_memory=budget).cache.num_kv_blocks for b in ("pallas_tpu", "xla"))
     assert packed == budget // bytes_per_block(SMOLLM2, 16, "bfloat16", lanes=128, packed=True)
     assert packed == 2 * unpacked
 

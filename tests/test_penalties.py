@@ -131,7 +131,7 @@ def test_greedy_with_penalties_matches_transformers_and_compiles_nothing(smollm2
             assert token == int(np.argmax(ref)), f"step {step} with {p}"
             ids.append(token)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids, "the penalties changed nothing"
-    assert smollm2.engine.block_pool.num_free == smollm2.engine.config.num_kv_blocks - 1
+    assert smollm2.engine.block_pool.num_free == smollm2.engine.config.cache.num_kv_blocks - 1
 
 
 

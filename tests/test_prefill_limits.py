@@ -192,8 +192,9 @@ def test_for_step_lifts_the_caps_only_when_prompts_outnumber_decodes():
     capped = PrefillLimits.for_step(config, decodes=3, prefills=3)
     assert (capped.threshold, capped.max_prefills, capped.max_long) == (8, 2, 1)
     lifted = PrefillLimits.for_step(config, decodes=2, prefills=3)
-    assert (lifted.threshold, lifted.max_prefills, lifted.decodes_left) == (0, config.max_num_seqs, 2)
-    off = PrefillLimits.for_step(dataclasses.replace(config, wave_prefill=False), decodes=0, prefills=5)
+    assert (lifted.threshold, lifted.max_prefills, lifted.decodes_left) == (0, config.scheduler.max_num_seqs, 2)
+    no_wave = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, wave_prefill=False))
+    off = PrefillLimits.for_step(no_wave, decodes=0, prefills=5)
     assert (off.threshold, off.max_prefills) == (8, 2)
 
 
@@ -227,4 +228,4 @@ def test_several_partial_prefills_default_the_threshold_to_4_percent_of_max_mode
     max_model_len."""
     engine = make_engine(num_kv_blocks=20, max_model_len=64, long_prefill_token_threshold=0,
                          max_num_partial_prefills=2)
-    assert engine.config.long_prefill_token_threshold == int(64 * 0.04) == 2
+    assert engine.config.scheduler.long_prefill_token_threshold == int(64 * 0.04) == 2

@@ -67,7 +67,7 @@ def test_smollm2_after_a_prefix_cache_hit(smollm2, hf_smollm2):
     """The same prompt three times: cached by the first, which asks for nothing; the second asks for prompt
     logprobs and gets every position (it read no cached block); the third asks for none and hits the cache."""
     ids = smollm2.get_tokenizer()("A prefix-cache hit must not drop a single position of the prompt. " * 5)["input_ids"]
-    assert len(ids) > 2 * smollm2.engine.config.block_size
+    assert len(ids) > 2 * smollm2.engine.config.cache.block_size
     greedy = SamplingParams(max_tokens=1, temperature=0)
     smollm2.generate({"prompt_token_ids": ids}, greedy)
     hits = smollm2.stats()["prefix_cache_hits"]

@@ -166,9 +166,9 @@ def check_teacher_forced_logits(built, prompt_len, params):
         expected = built.hf(torch.tensor([seq]), use_cache=False).logits[0].float().numpy()
 
     cfg = built.llm.engine.config
-    bs, t = cfg.block_size, len(seq)
+    bs, t = cfg.cache.block_size, len(seq)
     rng = np.random.default_rng(built.seed + prompt_len)
-    table = rng.permutation(np.arange(1, cfg.num_kv_blocks))[:-(-t // bs)].astype(np.int32)
+    table = rng.permutation(np.arange(1, cfg.cache.num_kv_blocks))[:-(-t // bs)].astype(np.int32)
     positions = np.arange(t, dtype=np.int32)
     # Row 0 is the sequence; padding up to TF_TOKENS (one compile for every length) writes to the null block
     # and belongs to row 1, an all-null table row, as the engine pads its batches.

@@ -90,10 +90,14 @@ def fresh_engine(llm: LLM, *, prefix_caching: bool = True, mode: str = "recomput
                  **config_changes) -> LLMEngine:
     """A new engine core (scheduler, block pool, statistics) over the LLM's compiled runner."""
     base = llm.engine
-    config = dataclasses.replace(base.config, enable_prefix_caching=prefix_caching, preemption_mode=mode,
-                                 num_host_blocks=num_host_blocks, **config_changes)
-    assert config.block_size == base.config.block_size and config.num_kv_blocks <= base.config.num_kv_blocks
-    assert config.max_num_batched_tokens <= base.config.max_num_batched_tokens
+    cache = {k: config_changes.pop(k) for k in ("num_kv_blocks",) if k in config_changes}
+    config = dataclasses.replace(
+        base.config, cache=dataclasses.replace(base.config.cache, enable_prefix_caching=prefix_caching,
+                                               num_host_blocks=num_host_blocks, **cache),
+        scheduler=dataclasses.replace(base.config.scheduler, preemption_mode=mode, **config_changes))
+    assert config.cache.block_size == base.config.cache.block_size
+    assert config.cache.num_kv_blocks <= base.config.cache.num_kv_blocks
+    assert config.scheduler.max_num_batched_tokens <= base.config.scheduler.max_num_batched_tokens
     assert num_host_blocks <= base.kv.num_host_blocks
     return LLMEngine(config, base.runner, tokenizer=base.tokenizer, eos_token_ids=base.eos_token_ids)
 
@@ -117,7 +121,7 @@ def run(engine: LLMEngine, requests: list[tuple], on_step=None, max_steps: int =
 
 def assert_all_free(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
-    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1, "blocks still held at the end"
+    assert engine.block_pool.num_free == engine.config.cache.num_kv_blocks - 1, "blocks still held at the end"
     assert sorted(engine.kv.host_free) == list(range(engine.kv.num_host_blocks)), "host slots still held"
 
 

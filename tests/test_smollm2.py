@@ -67,7 +67,7 @@ def test_greedy_generation_is_token_identical_to_transformers(smollm2, hf_smollm
         # a trailing incomplete UTF-8 character is withheld, never emitted broken
         full_text = hf_tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
         assert out.outputs[0].text == full_text.rstrip("\ufffd")
-    assert smollm2.engine.block_pool.num_free == smollm2.engine.config.num_kv_blocks - 1
+    assert smollm2.engine.block_pool.num_free == smollm2.engine.config.cache.num_kv_blocks - 1
 
 
 def test_stops_on_eos_like_transformers(smollm2, hf_smollm2, hf_smollm2_greedy):

@@ -136,10 +136,10 @@ def test_the_drafts_pool_counts_in_kv_cache_memory(llms):
     _, bad, perfect = llms
     for llm, budget, draft_layers in ((bad, BUDGETS["bad"], 1), (perfect, BUDGETS["perfect"], 2)):
         engine, per_block = llm.engine, _block_bytes(2) + _block_bytes(draft_layers)
-        assert engine.config.num_kv_blocks == budget // per_block
+        assert engine.config.cache.num_kv_blocks == budget // per_block
         pools = (engine.runner.kv_pool, engine.drafter.runner.kv_pool)
         held = sum(a.nbytes for pool in pools for a in jax.tree.leaves(pool))
-        assert held == engine.config.num_kv_blocks * per_block <= budget
+        assert held == engine.config.cache.num_kv_blocks * per_block <= budget
 
 
 def _counts(llm) -> tuple[int, int]:

@@ -54,7 +54,7 @@ def _texts(llm, prompt: str, samples: int, **params) -> list[str]:
 def _assert_all_freed(llm):
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.block_pool.num_free == engine.config.num_kv_blocks - 1
+    assert engine.block_pool.num_free == engine.config.cache.num_kv_blocks - 1
 
 
 # --- parameters ---------------------------------------------------------------------------------------------

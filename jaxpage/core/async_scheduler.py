@@ -17,7 +17,7 @@ from jaxpage.sequence import SequenceGroup
 class AsyncScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.prompt_steps_ahead = self.config.async_prompt_steps  # any plain step scheduled ahead, not only decodes
+        self.prompt_steps_ahead = self.config.scheduler.async_prompt_steps  # any plain step ahead, not only decodes
 
     def runs_ahead(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step after ``scheduled`` (just launched) may be scheduled before its tokens are known:
@@ -66,7 +66,7 @@ class AsyncScheduler(Scheduler):
         sampled counted as a placeholder (Sequence.num_placeholders), so that the next step can be scheduled and
         built meanwhile. The blocks the step fills are cached now, as in vLLM: a prompt admitted ahead finds a prefix
         being computed (its tokens are known; the device writes them before any later step reads them)."""
-        seq_blocks, bs = self.kv.seq_blocks, self.config.block_size
+        seq_blocks, bs = self.kv.seq_blocks, self.config.cache.block_size
         for s in rows:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens

@@ -34,7 +34,7 @@ class DraftScheduling:
         spec = self.config.speculative_config
         if spec.disable_by_batch_size and num_running() >= spec.disable_by_batch_size:
             return scheduled
-        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        budget = self.config.scheduler.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         rows = self.config.max_sampled_rows - len(scheduled)
         parents = {id(s.logits_of) for s in scheduled if s.logits_of is not None}  # forks sample their last token
         out = scheduled

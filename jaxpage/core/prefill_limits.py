@@ -18,7 +18,7 @@ class PrefillLimits:
       (max_long_partial_prefills): a short prompt behind a long one waiting for its slot is admitted first;
     - a prefill never takes the tokens of the decode rows still to come in the step (``decodes_left``), so every
       running decode gets its token whatever the prefills before it in the running queue;
-    - with ``config.wave_prefill``, a step whose decodes are fewer than the prompts that could compute in it
+    - with ``config.scheduler.wave_prefill``, a step whose decodes are fewer than the prompts that could compute in it
       (running ones with tokens left, and queued ones up to the free rows of max_num_seqs: a backlog deeper than
       that waits either way) has none of the three caps, only the step's token budget: a wave of arrivals then
       prefills in as few steps as the budget allows, and the few decodes beside it wait once, rather than every
@@ -34,10 +34,10 @@ class PrefillLimits:
     @classmethod
     def for_step(cls, config: EngineConfig, decodes: int, prefills: int) -> PrefillLimits:
         """The limits of a step with ``decodes`` decode rows running and ``prefills`` prompts to compute."""
-        if config.wave_prefill and decodes < prefills:
-            return cls(0, config.max_num_seqs, config.max_num_seqs, decodes_left=decodes)
-        return cls(config.long_prefill_token_threshold, config.max_num_partial_prefills,
-                   config.max_long_partial_prefills, decodes_left=decodes)
+        if config.scheduler.wave_prefill and decodes < prefills:
+            return cls(0, config.scheduler.max_num_seqs, config.scheduler.max_num_seqs, decodes_left=decodes)
+        return cls(config.scheduler.long_prefill_token_threshold, config.scheduler.max_num_partial_prefills,
+                   config.scheduler.max_long_partial_prefills, decodes_left=decodes)
 
     def is_long(self, num_left: int) -> bool:
         return 0 < self.threshold < num_left
@@ -73,6 +73,7 @@ def decodes_and_prefills(groups) -> tuple[int, int]:
 
 def padding_room(config: EngineConfig, num_tokens: int) -> int:
     """The padding rows of the token bucket a step of ``num_tokens`` tokens is padded to: the step computes them
-    either way, so a chunk cut short by long_prefill_token_threshold may take them (config.prefill_into_padding)
+    either way, so a chunk cut short by long_prefill_token_threshold may take them
+    (config.scheduler.prefill_into_padding)
     at the cost of the step it pads to already."""
     return pick_bucket(config.token_buckets(), max(num_tokens, 1)) - num_tokens

@@ -34,14 +34,14 @@ class Scheduler:
                  next_seq_id: Callable[[], int] | None = None):
         self.config = config
         self.kv = kv
-        self.preemption_mode = config.preemption_mode  # one of PREEMPTION_MODES (build_engine_config checks it)
+        self.preemption_mode = config.scheduler.preemption_mode  # one of PREEMPTION_MODES (checked by the builder)
         self.eos_token_ids = eos_token_ids
         self.waiting: list[SequenceGroup] = []  # kept sorted by (priority, arrival)
         self.running: list[SequenceGroup] = []  # in admission order
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self._failed: list[SequenceGroup] = []  # requests that can never fit, to be reported by the engine
-        self.max_wide_seqs = config.seqs_per_request  # slots that groups of several sequences may hold together
+        self.max_wide_seqs = config.scheduler.seqs_per_request  # slots that groups of several sequences may hold
         self._next_seq_id = next_seq_id or itertools.count().__next__  # fresh sequence ids (the engine's counter)
         # The last schedule, when it was a plain decode step of every running sequence (see _decode_again); None
         # once anything it depends on may have changed (a group preempted, finished, queued, or beams reordered)
@@ -68,12 +68,12 @@ class Scheduler:
             if again is not None:
                 return again
         self._decode = None
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.scheduler.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
         preemptions = self.num_preemptions
         decodes, prefills = decodes_and_prefills(self.running)
-        free_rows = self.config.max_num_seqs - self.num_running_seqs()
+        free_rows = self.config.scheduler.max_num_seqs - self.num_running_seqs()
         limits = PrefillLimits.for_step(self.config, decodes, prefills + min(len(self.waiting), free_rows))
         windowed, seq_blocks = bool(self.kv.window), self.kv.seq_blocks
         for group in list(self.running):
@@ -102,7 +102,7 @@ class Scheduler:
                 budget -= num_new
         if self.num_preemptions != preemptions:  # drop what was scheduled of groups preempted later on
             scheduled = [s for s in scheduled if s.group.status == SequenceStatus.RUNNING]
-            budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+            budget = self.config.scheduler.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         if not preempted:
             self._swap_in_what_fits()
         if self.waiting and budget > 0 and not self.swapped:
@@ -125,11 +125,11 @@ class Scheduler:
         preempted nothing with nothing swapped out: an 80-token prompt beside 7 decodes then computes whole in
         the step of 96 rows that its 64-token chunk pads to, where it took two steps. Not with speculative
         decoding, whose drafts come after and take the room."""
-        cfg = self.config
+        cfg = self.config.scheduler
         if not (cfg.prefill_into_padding and cfg.long_prefill_token_threshold) or self.drafts is not None:
             return
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        room = min(padding_room(cfg, num_tokens), cfg.max_num_batched_tokens - num_tokens)
+        room = min(padding_room(self.config, num_tokens), cfg.max_num_batched_tokens - num_tokens)
         for i, s in enumerate(scheduled):
             if room <= 0:
                 break
@@ -157,7 +157,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0:
             group = self.waiting[i]
-            if num_seqs + group.max_seqs > self.config.max_num_seqs:
+            if num_seqs + group.max_seqs > self.config.scheduler.max_num_seqs:
                 break
             if group.max_seqs > 1 and wide + group.max_seqs > self.max_wide_seqs or not self._lora_fits(group, loras):
                 i += 1
@@ -228,7 +228,7 @@ class Scheduler:
         cannot get its block without a preemption."""
         if self.waiting or self.swapped or self._failed:
             return None  # admission or swap-in: the full pass
-        if len(rows) > self.config.max_num_batched_tokens:
+        if len(rows) > self.config.scheduler.max_num_batched_tokens:
             return None
         grow, windowed = [], bool(self.kv.window)
         for s in rows:
@@ -349,7 +349,7 @@ class Scheduler:
         beam of their group has its candidates. Returns the rows whose sequence got a token. A failure in one
         request's rows is recorded in ``failed`` and ends that request alone."""
         tokens, logprobs = np.asarray(sampled.tokens).tolist(), np.asarray(sampled.logprobs).tolist()
-        finished, bs, seq_blocks = SequenceStatus.FINISHED, self.config.block_size, self.kv.seq_blocks
+        finished, bs, seq_blocks = SequenceStatus.FINISHED, self.config.cache.block_size, self.kv.seq_blocks
         got, beams = [], []
         at = 0  # the row's first token in the step's flat batch
         spec_at = len(scheduled)  # the next draft position's row (speculative decoding)

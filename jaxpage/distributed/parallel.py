@@ -100,8 +100,8 @@ def device_group(tp: int, dp: int = 1, rank: int = 0, devices=None) -> list:
 def placement(config: EngineConfig):
     """Where an engine's arrays live: the mesh of its device group when it is tensor-parallel, else the group's
     one device."""
-    tp = config.tensor_parallel_size
-    group = device_group(tp, config.data_parallel_size, config.data_parallel_rank)
+    tp = config.parallel.tensor_parallel_size
+    group = device_group(tp, config.parallel.data_parallel_size, config.parallel.data_parallel_rank)
     return make_mesh(tp, group) if tp > 1 else group[0]
 
 

@@ -126,7 +126,7 @@ class AsyncEngine:
     def replica_of(self, request_id: str) -> int:
         """The data-parallel rank of the replica serving ``request_id``: this engine's (as ``DataParallelEngine``
         says it of its replicas)."""
-        return self.engine.config.data_parallel_rank
+        return self.engine.config.parallel.data_parallel_rank
 
     def abort(self, request_id: str) -> None:
         with self._locked():

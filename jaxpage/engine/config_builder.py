@@ -12,10 +12,14 @@ from jaxpage.attention import kv_cache
 from jaxpage.attention.backends import resolve_backend
 from jaxpage.config import (
     KV_CACHE_DTYPES,
+    CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     PoolerConfig,
     RoutingConfig,
+    SchedulerConfig,
     SpeculativeConfig,
     check_quantization,
     kv_storage_dtype,
@@ -111,28 +115,19 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
         log.info("speculative decoding (draft_model): async scheduling is off (the draft model computes each "
                  "step's tokens from the host's view of them)")
         async_scheduling = False
-    config = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens,
-                          attention_backend=backend, scan_layers=args.scan_layers,
-                          tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-                          data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
-                          enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
-                          num_host_blocks=num_host_blocks, max_seqs_per_request=args.max_seqs_per_request,
-                          long_prefill_token_threshold=long_prefill_token_threshold,
-                          max_num_partial_prefills=args.max_num_partial_prefills,
-                          max_long_partial_prefills=args.max_long_partial_prefills, wave_prefill=args.wave_prefill,
-                          prefill_into_padding=args.prefill_into_padding,
-                          async_scheduling=async_scheduling,
-                          async_prompt_steps=(jax.default_backend() != "cpu" if async_prompt_steps is None
-                                              else async_prompt_steps),
-                          max_cpu_loras=max_cpu_loras or 0, speculative_config=speculative_config,
-                          num_offload_blocks=num_offload_blocks, kv_offloading_dir=kv_offloading_dir,
-                          kv_offloading_disk_bytes=int(args.kv_offloading_disk_size * (1 << 30)),
-                          routing=RoutingConfig(args.data_parallel_routing, args.cache_threshold,
-                                                args.balance_abs_threshold, args.balance_rel_threshold),
-                          pooler_config=pooler)
-    require(config.seqs_per_request >= 1, "max_seqs_per_request", args.max_seqs_per_request, "must be >= 1")
+    cache = CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching, num_host_blocks,
+                        num_offload_blocks, kv_offloading_dir, int(args.kv_offloading_disk_size * (1 << 30)))
+    scheduler = SchedulerConfig(
+        max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode, args.max_seqs_per_request,
+        async_scheduling, jax.default_backend() != "cpu" if async_prompt_steps is None else async_prompt_steps,
+        long_prefill_token_threshold, args.max_num_partial_prefills, args.max_long_partial_prefills,
+        args.wave_prefill, args.prefill_into_padding)
+    parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, data_parallel_rank, RoutingConfig(
+        args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold))
+    config = EngineConfig(model, dtype, cache, scheduler, parallel,
+                          LoRAConfig(max_cpu_loras) if args.enable_lora else None, backend, args.scan_layers,
+                          speculative_config, pooler_config=pooler)
+    require(config.scheduler.seqs_per_request >= 1, "max_seqs_per_request", args.max_seqs_per_request, "must be >= 1")
     return config
 
 
@@ -190,22 +185,27 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
     name = "speculative_config.model"
     require(draft.vocab_size == config.model.vocab_size, name, config.speculative_config.model,
             f"must have the target's vocabulary ({config.model.vocab_size} tokens), not {draft.vocab_size}")
-    require(draft.max_position_embeddings >= config.max_model_len, name, config.speculative_config.model,
-            f"must take max_model_len={config.max_model_len} positions (it takes {draft.max_position_embeddings})")
+    require(draft.max_position_embeddings >= config.scheduler.max_model_len, name, config.speculative_config.model,
+            f"must take max_model_len={config.scheduler.max_model_len} positions "
+            f"(it takes {draft.max_position_embeddings})")
     require(jax.process_count() == 1, name, config.speculative_config.model,
             "a draft model runs on one host only (not built beyond)")
     require(not draft.every_layer_windowed, name, config.speculative_config.model,
             "must attend to every position (a sliding-window draft is not built)")
-    require(not config.num_offload_blocks, "kv_offloading_size", config.num_offload_blocks,
+    require(not config.cache.num_offload_blocks, "kv_offloading_size", config.cache.num_offload_blocks,
             "is not built with a draft model (speculative_config.model): its pool would need tiers of its own")
-    budget = cdiv(config.max_num_batched_tokens + config.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
+    limits = config.scheduler
+    budget = cdiv(limits.max_num_batched_tokens + limits.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
     draft = dataclasses.replace(draft, onednn_packed_weights=config.model.onednn_packed_weights)
-    tp, rank = config.tensor_parallel_size, config.data_parallel_rank
+    tp, rank = config.parallel.tensor_parallel_size, config.parallel.data_parallel_rank
     # under tensor parallelism the draft runs whole on the first device of the target's group: device_group of
     # TP 1 over dp x tp ranks of one device each names that device
-    return dataclasses.replace(config, model=draft, speculative_config=None, async_scheduling=False,
-                               max_num_batched_tokens=budget, sampler_returns_probs=True, tensor_parallel_size=1,
-                               data_parallel_size=config.data_parallel_size * tp, data_parallel_rank=rank * tp)
+    return dataclasses.replace(
+        config, model=draft, speculative_config=None, sampler_returns_probs=True,
+        scheduler=dataclasses.replace(config.scheduler, async_scheduling=False, max_num_batched_tokens=budget),
+        parallel=dataclasses.replace(config.parallel, tensor_parallel_size=1,
+                                     data_parallel_size=config.parallel.data_parallel_size * tp,
+                                     data_parallel_rank=rank * tp))
 
 
 def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,

@@ -38,7 +38,8 @@ class DataParallelEngine:
         self._owner: dict[str, int] = {}  # request id -> the rank of the replica that has it
         self.load = [0] * len(replicas)  # per replica: requests dispatched whose streams have not ended
         config = replicas[0].engine.config
-        self.router = Router(config.routing, len(replicas), config.block_size, config.num_kv_blocks - 1)
+        self.router = Router(config.parallel.routing, len(replicas), config.cache.block_size,
+                             config.cache.num_kv_blocks - 1)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "DataParallelEngine":

@@ -67,9 +67,9 @@ def _disk_index(config: EngineConfig, store: DiskKVStore | None) -> DiskKVIndex 
     """The scheduler's index of the disk tier's blocks, from the store's directory (file names only)."""
     if store is None:
         return None
-    capacity = config.kv_offloading_disk_bytes // store.file_bytes
+    capacity = config.cache.kv_offloading_disk_bytes // store.file_bytes
     if capacity < 1:
-        raise ValueError(f"kv_offloading_disk_size: {config.kv_offloading_disk_bytes} bytes hold no block "
+        raise ValueError(f"kv_offloading_disk_size: {config.cache.kv_offloading_disk_bytes} bytes hold no block "
                          f"(a block's file is {store.file_bytes} bytes)")
     return DiskKVIndex(capacity, store.stored())
 
@@ -97,7 +97,7 @@ class LLMEngine:
         # a pooling model's classification head ([num_labels, hidden], numpy; None: it embeds)
         self.classifier = classifier
         self.drafter = drafter  # speculative decoding's draft model (method draft_model), its runner and pool
-        self.max_seqs_per_request = config.seqs_per_request
+        self.max_seqs_per_request = config.scheduler.seqs_per_request
         # Refuse at admission a request whose sequences can never all fit in the pool (its worst case); off only
         # in tests of the scheduler's own safety net for such groups (they end with finish_reason 'abort')
         self.refuse_unfittable = True
@@ -105,14 +105,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name
-        self.block_pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
+        self.block_pool = BlockPool(config.cache.num_kv_blocks, config.cache.enable_prefix_caching)
         window = config.model.sliding_window if config.model.every_layer_windowed else 0
-        host_tier = HostKVTier(config.num_offload_blocks) if config.num_offload_blocks else None
-        self.kv = KVCacheManager(self.block_pool, config.block_size, config.num_host_blocks, window, host_tier,
+        host_tier = HostKVTier(config.cache.num_offload_blocks) if config.cache.num_offload_blocks else None
+        self.kv = KVCacheManager(self.block_pool, config.cache.block_size, config.cache.num_host_blocks, window,
+                                 host_tier,
                                  _disk_index(config, runner.disk_store))
         self._seq_ids = itertools.count()
         # Async scheduling, where the runner can leave a step running (launch/fetch; not across several hosts)
-        self.async_scheduling = config.async_scheduling and runner.supports_async_scheduling
+        self.async_scheduling = config.scheduler.async_scheduling and runner.supports_async_scheduling
         scheduler = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler(config, self.kv, self.eos_token_ids, next_seq_id=self._seq_ids.__next__)
         self.batch_queue = BatchQueue(self)
@@ -170,7 +171,7 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         params, pooling = self._pooling(params)
         text, token_ids = self._prompt_tokens(prompt)
-        max_len = self.config.max_model_len
+        max_len = self.config.scheduler.max_model_len
         self._check_width(params)
         self._check_logit_bias(params)
         if params.max_tokens is not None:
@@ -218,7 +219,7 @@ class LLMEngine:
         return POOLING_SAMPLING, PoolingState(pooler, params, self.classifier)
 
     def _check_length(self, num_tokens: int) -> None:
-        max_len = self.config.max_model_len
+        max_len = self.config.scheduler.max_model_len
         if num_tokens >= max_len:
             raise ValueError(f"prompt has {num_tokens} tokens; it must be shorter than "
                              f"max_model_len={max_len} to leave room for one generated token")
@@ -228,8 +229,8 @@ class LLMEngine:
         cap = self.max_seqs_per_request
         if params.best_of > cap:
             field = "best_of" if params.best_of != params.n else "n"
-            limit = (f"max_seqs_per_request={cap}" if cap < self.config.max_num_seqs
-                     else f"max_num_seqs={self.config.max_num_seqs}")
+            limit = (f"max_seqs_per_request={cap}" if cap < self.config.scheduler.max_num_seqs
+                     else f"max_num_seqs={self.config.scheduler.max_num_seqs}")
             raise ValueError(f"SamplingParams.{field}={params.best_of} exceeds {limit} "
                              "(the sequences one request may hold at once)")
 
@@ -243,7 +244,8 @@ class LLMEngine:
     def _check_fits(self, num_prompt_tokens: int, width: int, max_len: int) -> None:
         """Refuses a request that can never fit in the pool: the prompt's full blocks, shared by its width
         sequences, plus each sequence's own blocks up to max_len (its worst case, every sequence at full length)."""
-        bs, pool = self.config.block_size, self.config.num_kv_blocks - 1  # the null block is never handed out
+        cache = self.config.cache
+        bs, pool = cache.block_size, cache.num_kv_blocks - 1  # the null block is never handed out
         shared = num_prompt_tokens // bs
         needed = shared + width * (cdiv(max_len, bs) - shared)
         if self.refuse_unfittable and needed > pool:
@@ -381,7 +383,7 @@ class LLMEngine:
     def _kv_occupancy(self) -> tuple[int, int]:
         """(tokens stored that a query can still see, slots allocated) over the blocks that sequences hold, each
         block counted once."""
-        bs, visible = self.config.block_size, self.kv.visible_tokens
+        bs, visible = self.config.cache.block_size, self.kv.visible_tokens
         if not self.block_pool.num_shared:  # every block has one holder: no block can be counted twice
             stored = sum(hi - lo for lo, hi in (visible(s) for g in self.scheduler.running for s in g.seqs
                                                 if s.finish_reason is None))  # the live sequences
@@ -408,7 +410,7 @@ class LLMEngine:
         requests = list(self.finished_metrics)
         spec = self.scheduler.spec_stats.as_stats() if self.scheduler.spec_stats is not None else {}
         return {
-            "num_blocks": self.config.num_kv_blocks - 1,  # the null block is never handed out
+            "num_blocks": self.config.cache.num_kv_blocks - 1,  # the null block is never handed out
             "num_free_blocks": self.block_pool.num_free,
             "num_cached_free_blocks": self.block_pool.num_cached_free,
             "num_running": self.scheduler.num_running_seqs(),
@@ -437,7 +439,7 @@ class LLMEngine:
         if kv.host_tier is None:
             return {}
         c, disk = kv.offload, self.runner.disk_store
-        per_block = bytes_per_block(self.config.model, self.config.block_size, self.config.kv_dtype)
+        per_block = bytes_per_block(self.config.model, self.config.cache.block_size, self.config.kv_dtype)
         return {
             "external_prefix_cache_queries": kv.prefix_cache_queries,
             "external_prefix_cache_hits": c.hit_tokens,

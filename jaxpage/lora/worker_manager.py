@@ -22,7 +22,7 @@ from jaxpage.models.lora_slots import LORA_LEAVES, LoRAMapping, lora_buckets
 class WorkerLoRAManager:
     def __init__(self, config: EngineConfig):
         self.model = config.model
-        self.max_loras, self.max_cpu_loras = config.model.max_loras, config.max_cpu_loras
+        self.max_loras, self.max_cpu_loras = config.model.max_loras, config.lora.max_cpu_loras
         self._host: collections.OrderedDict[int, LoRAModel] = collections.OrderedDict()  # least recent first
         self._slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora_int_id -> slot, LRU first
         self.num_loads = 0  # adapters read from disk

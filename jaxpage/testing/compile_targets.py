@@ -270,16 +270,16 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     from jaxpage.worker.step import abstract_step_inputs, jit_step
 
     config = config or engine_config(model)
-    tp = config.tensor_parallel_size
+    tp = config.parallel.tensor_parallel_size
     where = tpu_mesh(chip, tp) if tp > 1 else tpu_device(chip)
     params = abstract_params(config.model, config.dtype)
-    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype,
+    pool = abstract_kv_pool(config.model, config.cache.num_kv_blocks, config.cache.block_size, config.kv_dtype,
                             packs_kv(config.model, config.attention_backend))
     batch, sampling = abstract_step_inputs(config, num_tokens)
     shape = (f"{config.attention_backend} T{num_tokens} pool {pool_gib(config) / tp:.2f} GiB/chip"
              + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else "")
              + (f" LoRA {config.model.max_loras}x{config.model.max_lora_rank}" if config.model.max_loras else "")
-             + ("" if config.kv_cache_dtype == "auto" else f" kv {config.kv_cache_dtype}")
+             + ("" if config.cache.kv_cache_dtype == "auto" else f" kv {config.cache.kv_cache_dtype}")
              + (f" weights {config.model.quantization}" if config.model.quantization else "")
              + (f" verify {config.speculative_config.method} k{config.num_draft_tokens}" if config.num_draft_tokens
                 else "") + (" draft (returns q)" if config.sampler_returns_probs else ""))
@@ -335,10 +335,11 @@ def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
     config = config or engine_config(model)
     packed = packs_kv(config.model, config.attention_backend)
     moves = BlockMoves.jit(tpu_device(chip), config.kv_dtype, packed)
-    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype, packed)
-    ids = jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32)
-    data = abstract_kv_pool(config.model, config.max_num_seqs, config.block_size, config.kv_dtype, packed)
-    return [compile_for(tpu_device(chip), chip, f"{name} {model}", f"{config.max_num_seqs} blocks", fn, args)
+    pool = abstract_kv_pool(config.model, config.cache.num_kv_blocks, config.cache.block_size, config.kv_dtype, packed)
+    ids = jax.ShapeDtypeStruct((config.scheduler.max_num_seqs,), jnp.int32)
+    data = abstract_kv_pool(config.model, config.scheduler.max_num_seqs, config.cache.block_size, config.kv_dtype,
+                            packed)
+    return [compile_for(tpu_device(chip), chip, f"{name} {model}", f"{config.scheduler.max_num_seqs} blocks", fn, args)
             for name, fn, args in (("copy blocks", moves.copy, (pool, ids, ids)),
                                    ("swap-out gather", moves.gather, (pool, ids)),
                                    ("swap-in scatter", moves.scatter, (pool, ids, data)))]
@@ -369,11 +370,11 @@ def compile_warmup(chip: str, model: str, config=None, threads: int | None = Non
     config = config or engine_config(model)
     where = tpu_device(chip)
     params = abstract_params(config.model, config.dtype)
-    pool = abstract_kv_pool(config.model, config.num_kv_blocks, config.block_size, config.kv_dtype,
+    pool = abstract_kv_pool(config.model, config.cache.num_kv_blocks, config.cache.block_size, config.kv_dtype,
                             packs_kv(config.model, config.attention_backend))
     step = jit_step(config, where)
     substitute = jax.jit(substitute_placeholders, out_shardings=SingleDeviceSharding(where))
-    programs = warmup_programs(config, substitutes=config.async_scheduling)
+    programs = warmup_programs(config, substitutes=config.scheduler.async_scheduling)
     threads = threads or compile_threads(len(programs), "tpu")
 
     def one(p):
@@ -417,9 +418,9 @@ def compile_moe_layer(chip: str, num_tokens: int, dtype: str = "bfloat16") -> Co
 def pool_gib(config) -> float:
     from jaxpage.attention.kv_cache import bytes_per_block, packs_kv
 
-    per_block = bytes_per_block(config.model, config.block_size, config.kv_dtype, lanes=128,
+    per_block = bytes_per_block(config.model, config.cache.block_size, config.kv_dtype, lanes=128,
                                 packed=packs_kv(config.model, config.attention_backend))
-    return per_block * config.num_kv_blocks / 2**30
+    return per_block * config.cache.num_kv_blocks / 2**30
 
 
 def blocks_per_gib(model: str = "smollm2-135m") -> list[dict]:

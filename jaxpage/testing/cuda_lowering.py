@@ -203,7 +203,7 @@ def step_cases(buckets=None) -> list[LoweringCase]:
             ("Llama-3-8B", LLAMA3_8B, "bfloat16", 8192, 256, 512, "auto"),
             ("SmolLM2-135M", SMOLLM2_135M, "bfloat16", 2048, 64, 256, "int8")):
         config = gpu_engine_config(model, dtype, max_len, seqs, tokens, 8192, kv_cache_dtype=kv)
-        pool = abstract_kv_pool(model, config.num_kv_blocks, 16, config.kv_dtype)
+        pool = abstract_kv_pool(model, config.cache.num_kv_blocks, 16, config.kv_dtype)
         all_buckets = config.token_buckets()
         default = (all_buckets[0],) if kv != "auto" else (all_buckets[0], all_buckets[len(all_buckets) // 2],
                                                           all_buckets[-1])
@@ -237,7 +237,7 @@ def layer_loop_cases() -> list[LoweringCase]:
                                    top_weights(params), batch)
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["layers"])
         consts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layer_constants(model))
-        pool = abstract_kv_pool(model, config.num_kv_blocks, 16, config.kv_dtype)
+        pool = abstract_kv_pool(model, config.cache.num_kv_blocks, 16, config.kv_dtype)
         cases.append(LoweringCase("layer", f"{name} bfloat16 layer T{num_tokens}",
                                   functools.partial(run_layer, model, backend="pallas_gpu"),
                                   (layer, consts, x, pool, batch, shared)))
@@ -258,7 +258,7 @@ def tp_step_case(tp: int = 4) -> LoweringCase:
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
     args = (abstract_params(config.model, config.dtype),
-            abstract_kv_pool(config.model, config.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
+            abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
     return LoweringCase("step", f"Llama-3-8B bfloat16 T{num_tokens} TP{tp}", jit_step(config, placement(config)),
                         args, tp)
 
@@ -281,7 +281,7 @@ def lora_step_case(tp: int = 1) -> LoweringCase:
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
     args = (abstract_params(config.model, config.dtype),
-            abstract_kv_pool(config.model, config.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
+            abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
     fn = jit_step(config, placement(config)) if tp > 1 else functools.partial(step, config)
     return LoweringCase("step", f"SmolLM2-135M bfloat16 LoRA 4x16 T{num_tokens}" + (f" TP{tp}" if tp > 1 else ""),
                         fn, args, tp)
@@ -308,7 +308,7 @@ def spec_step_cases() -> list[LoweringCase]:
         num_tokens = config.token_buckets()[0]
         batch, sampling = abstract_step_inputs(config, num_tokens)
         args = (abstract_params(config.model, config.dtype),
-                abstract_kv_pool(config.model, config.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
+                abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
         cases.append(LoweringCase("step", f"SmolLM2-135M bfloat16 {what} draft_model k{SPEC_TOKENS} T{num_tokens}",
                                   functools.partial(step, config), args))
     return cases

@@ -36,7 +36,7 @@ def varied_segments(tokenizer, segment: int = SEGMENT) -> list[list[int]]:
 
 def variant_pool(config, num_blocks: int, variant: dict):
     kv_dtype = kv_storage_dtype(variant.get("kv_cache_dtype", "auto"), config.dtype)
-    return allocate_kv_pool(config.model, num_blocks, config.block_size, kv_dtype)
+    return allocate_kv_pool(config.model, num_blocks, config.cache.block_size, kv_dtype)
 
 
 def variant_params(params: dict, variant: dict) -> dict:
@@ -63,7 +63,7 @@ def _hidden(model_cfg, params, pool, batch):
 
 
 def teacher_forced_hidden(config, params, segments, variant: dict) -> jax.Array:
-    batch = segments_batch(segments, config.block_size)
+    batch = segments_batch(segments, config.cache.block_size)
     pool = variant_pool(config, 1 + batch.block_tables.size, variant)
     return _hidden(config.model, variant_params(params, variant), pool, batch)
 

@@ -107,7 +107,7 @@ class KVLayout:
         from jaxpage.attention.kv_cache import bytes_per_block, packs_kv
         from pallas_kernels.kv_write.tpu import tile_rows
 
-        model, bs, dtype = config.model, config.block_size, config.kv_dtype
+        model, bs, dtype = config.model, config.cache.block_size, config.kv_dtype
         packed = packs_kv(model, config.attention_backend) if packed is None else packed
         layers = model.num_layers
         return cls(layers, bs, bytes_per_block(model, bs, dtype, lanes=128, packed=packed) // layers,
@@ -119,7 +119,7 @@ class KVLayout:
         token's row of each head at a time."""
         from jaxpage.attention.kv_cache import bytes_per_block
 
-        model, bs, dtype = config.model, config.block_size, config.kv_dtype
+        model, bs, dtype = config.model, config.cache.block_size, config.kv_dtype
         layers = model.num_layers
         return cls(layers, bs, bytes_per_block(model, bs, dtype) // layers,
                    bytes_per_block(model, 1, dtype) // layers, 1)
@@ -181,7 +181,7 @@ def gpu_blocking(config) -> tuple[int, int]:
 
     model = config.model
     group = next_pow2(model.num_heads // model.num_kv_heads)
-    return max(1, 64 // group), default_pages_per_block(config.block_size, config.max_blocks_per_seq)
+    return max(1, 64 // group), default_pages_per_block(config.cache.block_size, config.max_blocks_per_seq)
 
 
 def ragged_gpu_kernel_bytes(layout: KVLayout, seqs: list[Seq], queries_per_block: int, pages_per_block: int,

@@ -47,8 +47,9 @@ class InputBatch:
         self.sampled_rows_apart = sampled_rows_apart
         self.sampled_row_buckets = config.sampled_row_buckets()
         self._entries: dict[Sequence, list] = {}  # sequence -> [copy of its block table, row]
-        self._allocate(config.max_num_seqs * 2 + 1)
-        self.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len, replicated(config),
+        self._allocate(config.scheduler.max_num_seqs * 2 + 1)
+        self.penalty_history = PenaltyHistory(config.scheduler.max_num_seqs, config.scheduler.max_model_len,
+                                              replicated(config),
                                               1 + config.num_draft_tokens)
 
     def _allocate(self, capacity: int) -> None:
@@ -146,7 +147,7 @@ def build_token_batch(config: EngineConfig, scheduled: list[ScheduledSeq],
     ids, pos = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
     ids[:count], pos[:count] = token_ids, positions
     tok_seq, logits = _token_rows(count, num_rows, num_tokens, num_seqs, token_seq, logits_indices)
-    slots = _slots(tables, tok_seq[:count], pos[:count], config.block_size, num_tokens)
+    slots = _slots(tables, tok_seq[:count], pos[:count], config.cache.block_size, num_tokens)
     sampled = pick_bucket(state.sampled_row_buckets, max(num_rows, 1)) if state.sampled_rows_apart else num_seqs
     return TokenBatch(ids, pos, slots, tok_seq, tables, logits), index[:sampled], decode_tokens is not None
 

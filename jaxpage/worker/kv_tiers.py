@@ -37,19 +37,20 @@ def kv_identity(config: EngineConfig, params, model_name: str = "") -> dict:
         head = np.asarray(leaf.reshape(-1)[:64] if hasattr(leaf, "reshape") else leaf)
         h.update(f"{jax.tree_util.keystr(path)}{np.shape(leaf)}{head.dtype}".encode() + head.tobytes())
     return {"model": model_name, "model_config": repr(config.model), "weights": h.hexdigest(),
-            "kv_dtype": config.kv_dtype, "block_size": config.block_size,
-            "layout": repr(kv_pool_shape(config.model, 0, config.block_size,
+            "kv_dtype": config.kv_dtype, "block_size": config.cache.block_size,
+            "layout": repr(kv_pool_shape(config.model, 0, config.cache.block_size,
                                          packs_kv(config.model, config.attention_backend)))}
 
 
 class KVTierMoves:
-    """The host arena of ``config.num_offload_blocks`` blocks and, with ``kv_offloading_dir``, the disk tier."""
+    """The host arena of ``config.cache.num_offload_blocks`` blocks and, with ``kv_offloading_dir``, the disk tier."""
 
     def __init__(self, config: EngineConfig, kv_dtype, block_moves: BlockMoves, move_size: int, identity: dict):
-        self.arena = host_kv_pool(config.model, config.num_offload_blocks, config.block_size, kv_dtype,
+        self.arena = host_kv_pool(config.model, config.cache.num_offload_blocks, config.cache.block_size, kv_dtype,
                                   packs_kv(config.model, config.attention_backend))
         leaves = [(a.dtype, a.shape[:1] + a.shape[2:]) for a in jax.tree.leaves(self.arena)]
-        self.disk_store = DiskKVStore(config.kv_offloading_dir, identity, leaves) if config.kv_offloading_dir else None
+        directory = config.cache.kv_offloading_dir
+        self.disk_store = DiskKVStore(directory, identity, leaves) if directory else None
         self.block_moves = block_moves
         self.move_size = move_size
         self._pending: list = []  # host-side work in queue order: stores into the arena, disk writes

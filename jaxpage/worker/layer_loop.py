@@ -88,7 +88,7 @@ class LayerLoop:
         cfg, backend = config.model, config.attention_backend
 
         def begin(top, batch):
-            return begin_layers(cfg, top, batch, backend, config.block_size)
+            return begin_layers(cfg, top, batch, backend, config.cache.block_size)
 
         def one_layer(layer, consts, x, pool, batch, shared):
             return run_layer(cfg, layer, consts, x, pool, batch, shared, backend)

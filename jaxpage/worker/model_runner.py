@@ -88,14 +88,14 @@ def placeholder_rows(scheduled: list[ScheduledSeq], previous: list[ScheduledSeq]
 
 class ModelRunner:
     """What runs on the device for one engine: its weights (placed, or split over its tensor-parallel mesh), the
-    KV pool and the host's swap space (``config.num_host_blocks``), the step's executables, and the batch's
+    KV pool and the host's swap space (``config.cache.num_host_blocks``), the step's executables, and the batch's
     persistent inputs (InputBatch)."""
 
     supports_async_scheduling = True  # launch leaves the step running; fetch reads it
 
     def __init__(self, config: EngineConfig, params: dict, eos_token_ids=()):
         self.config = config
-        identity = kv_identity(config, params) if config.kv_offloading_dir else {}  # of the checkpoint's weights
+        identity = kv_identity(config, params) if config.cache.kv_offloading_dir else {}  # of the checkpoint's weights
         where = placement(config)  # the mesh of a tensor-parallel engine, else its one device
         self.mesh = where if isinstance(where, Mesh) else None
         device = self.mesh.devices.flat[0] if self.mesh is not None else where
@@ -108,17 +108,18 @@ class ModelRunner:
         self._lora_writer = SlotWriter(self.params) if self.lora is not None else None
         kv_dtype = jnp.dtype(config.kv_dtype)
         packed = packs_kv(config.model, config.attention_backend)
-        self.kv_pool = allocate_kv_pool(config.model, config.num_kv_blocks, config.block_size, kv_dtype, where,
+        cache = config.cache
+        self.kv_pool = allocate_kv_pool(config.model, cache.num_kv_blocks, cache.block_size, kv_dtype, where,
                                         packed)
-        self.host_pool = (host_kv_pool(config.model, config.num_host_blocks, config.block_size, kv_dtype, packed)
-                          if config.num_host_blocks else None)
+        self.host_pool = (host_kv_pool(config.model, cache.num_host_blocks, cache.block_size, kv_dtype, packed)
+                          if cache.num_host_blocks else None)
         self._step = make_step(config, self.layer_loop, where, shardings)
         self._compiled: dict[WarmupProgram, object] = {}  # the warm-up's executables
-        self._move_size = config.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
+        self._move_size = config.scheduler.max_num_seqs  # blocks moved per call of the copy/swap functions (padded)
         self.block_moves = BlockMoves.jit(where, kv_dtype, packed)
         # the prefix cache's host and disk tiers (the engine indexes the disk store's blocks for its KV manager)
         self.tiers = (KVTierMoves(config, kv_dtype, self.block_moves, self._move_size, identity)
-                      if config.num_offload_blocks else None)
+                      if config.cache.num_offload_blocks else None)
         self.disk_store = self.tiers.disk_store if self.tiers is not None else None
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_token_ids))  # min_tokens bans them
         # build_batch's persistent block tables and sampling settings; the host loop samples a step's rows only
@@ -129,7 +130,7 @@ class ModelRunner:
         """Compiles every warm-up program (``warmup.warmup_programs``; on the CPU on several threads), runs each
         once, and compiles the block-move functions; serving never compiles."""
         # several processes must make the same device calls: the leader's steps stay synchronous
-        substitutes = (self.config.async_scheduling and self.supports_async_scheduling
+        substitutes = (self.config.scheduler.async_scheduling and self.supports_async_scheduling
                        and jax.process_count() == 1)
         programs = [p for p in warmup_programs(self.config, substitutes) if p not in self._compiled]
         threads = compile_threads(len(programs), self._platform)

@@ -134,7 +134,7 @@ def message_size(config) -> int:
     """Bytes of every message: a header and the largest payload (the largest bucket's step inputs, or a block
     move's source and destination ids), so that one broadcast of a fixed shape carries each call."""
     step = _step_payload(config, config.token_buckets()[-1], False, False)
-    return 4 * HEADER + max(_pack(step).nbytes, 2 * 4 * config.max_num_seqs)
+    return 4 * HEADER + max(_pack(step).nbytes, 2 * 4 * config.scheduler.max_num_seqs)
 
 
 def _send(size: int, header: np.ndarray, payload=()) -> None:
@@ -186,7 +186,7 @@ class LeaderRunner(ModelRunner):
         # The penalty table is kept on a device of this process only (its updates are not followers' calls) and
         # sent with the steps that read it
         config = self.config
-        self.input_batch.penalty_history = PenaltyHistory(config.max_num_seqs, config.max_model_len,
+        self.input_batch.penalty_history = PenaltyHistory(config.scheduler.max_num_seqs, config.scheduler.max_model_len,
                                                           SingleDeviceSharding(jax.local_devices()[0]),
                                                           1 + config.num_draft_tokens)
         self._empty_history = empty_history(config)
@@ -215,7 +215,8 @@ class LeaderRunner(ModelRunner):
 
 def empty_history(config) -> jax.Array:
     """The penalty table of steps without penalties (all -1), made by every process alike."""
-    return put(np.full((config.max_num_seqs + 1, config.max_model_len), -1, np.int32), replicated(config))
+    rows = (config.scheduler.max_num_seqs + 1, config.scheduler.max_model_len)
+    return put(np.full(rows, -1, np.int32), replicated(config))
 
 
 def follow(runner: ModelRunner) -> int:
@@ -230,7 +231,7 @@ def follow(runner: ModelRunner) -> int:
             return 0
         if kind == MOVE:
             move_kind, n = MOVE_KINDS[values[0]], values[1]
-            src, dst = _unpack(payload, np.zeros((2, config.max_num_seqs), np.int32))
+            src, dst = _unpack(payload, np.zeros((2, config.scheduler.max_num_seqs), np.int32))
             runner.move(move_kind, src, dst, n)
         elif kind == STEP:
             num_tokens, has_history, has_bitmask, want_top = values

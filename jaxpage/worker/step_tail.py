@@ -47,7 +47,7 @@ def sample_rows(config: EngineConfig, params: dict, rows: jax.Array, sampling: S
 def has_greedy_path(config: EngineConfig) -> bool:
     """Whether the tail may take ``greedy_rows``: not where the step returns each row's distribution (a draft
     model's runner) or samples a vocabulary split over a tensor-parallel mesh."""
-    return not config.sampler_returns_probs and config.tensor_parallel_size == 1
+    return not config.sampler_returns_probs and config.parallel.tensor_parallel_size == 1
 
 
 def choose_sampler(config: EngineConfig, params: dict, rows: jax.Array, sampling: SamplingBatch) -> SamplerOutput:

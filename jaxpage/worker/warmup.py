@@ -71,7 +71,7 @@ def previous_buckets(config: EngineConfig, num_tokens: int) -> list[int]:
     smaller decode step's (the same rows and their drafts, proposed one step late)."""
     if config.speculative_config is None:
         return config.token_buckets()
-    decode = pick_bucket(config.token_buckets(), config.max_num_seqs)
+    decode = pick_bucket(config.token_buckets(), config.scheduler.max_num_seqs)
     return [b for b in config.token_buckets() if b <= min(num_tokens, decode)]
 
 
