@@ -46,7 +46,11 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
-    quantization: str | None = None  # None or "int8" (jaxpage.models.quant): the engine's, not the checkpoint's
+    # None (float weights), "int8" (the engine's own: every Linear made int8 at load, jaxpage.models.quant) or a
+    # checkpoint's quant_method ("compressed-tensors": jaxpage.models.compressed_tensors) with its decoder layers'
+    # stored weights in quantized_weights ("int8" or "fp8"; the LM head as published, float)
+    quantization: str | None = None
+    quantized_weights: str | None = None
     # LoRA adapter slots on the device (the engine's, as quantization): max_loras adapters of rank up to
     # max_lora_rank in every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
     max_loras: int = 0
@@ -66,6 +70,11 @@ class ModelConfig:
         types = self.layer_types or ("full_attention",) * self.num_layers
         return np.asarray([self.sliding_window if t == "sliding_attention" and self.sliding_window else 0
                            for t in types], np.int32)
+
+    @property
+    def layer_weights_kind(self) -> str | None:
+        """The decoder layers' Linear weights: "int8", "fp8" or None (float)."""
+        return "int8" if self.quantization == "int8" else self.quantized_weights
 
     @property
     def every_layer_windowed(self) -> bool:
@@ -355,7 +364,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = (None, "int8")  # the weights': jaxpage.models.quant
+QUANTIZATIONS = (None, "int8", "compressed-tensors")  # the weights': jaxpage.models.quant, models.compressed_tensors
 
 
 def resolve_dtype(dtype: str, cpu_bfloat16: bool = False) -> str:

@@ -253,7 +253,7 @@ class ModelCard(BaseModel):
     parent: str | None = None  # vLLM's: an adapter's base model; None for the base model
     max_model_len: int | None = None
     kv_cache_dtype: str | None = None  # jaxpage's own: "auto", "int8" or "fp8"
-    quantization: str | None = None  # the weights' (jaxpage): None or "int8"
+    quantization: str | None = None  # the weights': None, "int8" (jaxpage's own) or "compressed-tensors"
 
 
 class ModelList(BaseModel):

@@ -118,6 +118,17 @@ def test_int8_kv_step_compiles_for_v5e():
     assert_compiled(check_step("v5e", "smollm2-135m", config.token_buckets()[0], config))
 
 
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_a_quantized_checkpoints_step_compiles_for_v5e_and_v6e(weights):
+    """A compressed-tensors checkpoint's stored weights (int8 W8A8, FP8 dynamic) in SmolLM2's step at the smallest
+    bucket: the kernels' arguments take a byte a weight."""
+    config, stored = ct.checkpoint_quant_config(weights), {"int8": "s8", "fp8": "f8e4m3fn"}[weights]
+    for chip in ("v5e", "v6e"):
+        r = check_step(chip, "smollm2-135m", config.token_buckets()[0], config)
+        assert_compiled(r)
+        assert f"{stored}[30,576,3,5,64]" in r.hlo and f"{stored}[30,1536,576]" in r.hlo
+
+
 def test_xla_path_step_holds_no_pool_copy():
     """The XLA attention path on a TPU writes K/V with the TPU write kernel: XLA's scatter relayouts the pool."""
     check_step("v5e", "smollm2-135m", 8, smollm2("xla"))

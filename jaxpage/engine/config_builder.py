@@ -60,6 +60,10 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
     assert (draft_model is not None) == (speculative_config is not None
                                          and speculative_config.method == "draft_model"), "draft_model: its shapes"
     check_quantization(quantization)
+    if model.quantized_weights is not None:  # a checkpoint published quantized
+        require(quantization in (None, model.quantization), "quantization", quantization,
+                f"differs from the checkpoint's quant_method {model.quantization!r}")
+        quantization = model.quantization
     dtype = resolve_dtype(dtype, cpu_bfloat16=cpu_serves_bfloat16(model, quantization))
     model = dataclasses.replace(model, quantization=quantization)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)

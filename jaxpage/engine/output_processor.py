@@ -125,7 +125,7 @@ class OutputProcessor:
     def output(self, request: RequestState, finished: bool) -> RequestOutput | PoolingRequestOutput:
         group, p = request.group, request.group.params
         if group.pooling is not None and finished:
-            if group.pooling.num_pooled_tokens < len(request.prompt_token_ids):  # aborted before its prompt was computed
+            if group.pooling.num_pooled_tokens < len(request.prompt_token_ids):  # aborted before the prompt's end
                 return PoolingRequestOutput(group.request_id, PoolingOutput(None), request.prompt_token_ids, True,
                                             request.prompt, error="the pooling request was aborted before its "
                                                                   "prompt was computed")

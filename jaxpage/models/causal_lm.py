@@ -33,7 +33,7 @@ from jaxpage.models.weight_packing import packing, unties_lm_head
 
 class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, unrolled: bool = False):
-        with building(cfg.quantization), packing(cfg.onednn_packed_weights):
+        with packing(cfg.onednn_packed_weights):
             self._build(cfg, unrolled)
 
     def _build(self, cfg: ModelConfig, unrolled: bool) -> None:
@@ -41,7 +41,8 @@ class CausalLM(nnx.Module):
         layer_cls = arch.DecoderLayer
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         # with LoRA, every Linear of the decoder layers gets adapter slots (the LM head none)
-        with building_slots(cfg.max_loras + 1 if cfg.max_loras else 0, cfg.max_lora_rank, cfg.cpu_lora_kernel):
+        with (building(cfg.layer_weights_kind),
+              building_slots(cfg.max_loras + 1 if cfg.max_loras else 0, cfg.max_lora_rank, cfg.cpu_lora_kernel)):
             if unrolled:
                 self.layers = nnx.List([layer_cls(cfg) for _ in range(cfg.num_layers)])
             else:
@@ -49,10 +50,13 @@ class CausalLM(nnx.Module):
                                 transform_metadata={nnx.PARTITION_NAME: None})
                 self.layers = make()
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # quantized or packed, a tied head is a Linear of its own (made from the embedding at load): its matmul
-        # is int8, or oneDNN's on packed weights (weight_packing.unties_lm_head)
-        self.lm_head = (None if cfg.tie_word_embeddings and not cfg.quantization and not unties_lm_head(cfg)
-                        else Linear((cfg.hidden_size,), (cfg.vocab_size,), (None, MODEL_AXIS)))
+        # quantized by the engine or packed, a tied head is a Linear of its own (made from the embedding at load):
+        # its matmul is int8, or oneDNN's on packed weights (weight_packing.unties_lm_head); a quantized
+        # checkpoint's head is as published
+        own_int8 = cfg.quantization == "int8"
+        with building("int8" if own_int8 else None):
+            self.lm_head = (None if cfg.tie_word_embeddings and not own_int8 and not unties_lm_head(cfg)
+                            else Linear((cfg.hidden_size,), (cfg.vocab_size,), (None, MODEL_AXIS)))
         self.scale_embeddings = getattr(arch, "SCALE_EMBEDDINGS", False)  # Gemma: x * sqrt(hidden_size)
         self.cfg = cfg
 

@@ -18,7 +18,7 @@ from jaxpage.cpu_kernels import rms_norm as norm_kernel
 from jaxpage.cpu_kernels import silu_and_mul as silu_kernel
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.lora_slots import LoRAMapping, lora_delta, slots_being_built
-from jaxpage.models.quant import int8_dot, quantization_being_built
+from jaxpage.models.quant import STORED, fp8_dot, int8_dot, quantization_being_built
 from jaxpage.models.weight_packing import linear_packs, packing_being_built
 
 
@@ -70,15 +70,16 @@ def dense(x: jax.Array, kernel: jax.Array, num_in: int, *, transposed: bool = Fa
 
 class Linear(nnx.Module):
     """y = x . kernel (+ bias), contracting x's trailing ``in_shape`` axes; kernel [*in_shape, *out_shape].
-    The one place a matmul with weights happens. Built under ``quant.building("int8")``, the kernel is int8 with
-    a float32 ``scale`` [*out_shape] per output channel (sharded as the kernel's output axes). Built under
-    ``lora_slots.building_slots``, it holds adapter slots (``lora_a``, ``lora_b``) for its ``parts``
-    projections, and a call given each token's slot adds that adapter's delta."""
+    The one place a matmul with weights happens. Built under ``quant.building("int8")`` (or "fp8"), the kernel is
+    int8 (float8 e4m3) with a float32 ``scale`` [*out_shape] per output channel (sharded as the kernel's output
+    axes). Built under ``lora_slots.building_slots``, it holds adapter slots (``lora_a``, ``lora_b``) for its
+    ``parts`` projections, and a call given each token's slot adds that adapter's delta."""
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], names: tuple, bias: bool = False,
                  parts: int = 1):
-        quantized = quantization_being_built() is not None
-        self.kernel = param((*in_shape, *out_shape), names, jnp.int8 if quantized else jnp.float32)
+        kind = quantization_being_built()
+        quantized = kind is not None
+        self.kernel = param((*in_shape, *out_shape), names, STORED[kind] if quantized else jnp.float32)
         # bfloat16 packed for oneDNN (weight_packing): pack_params packs exactly the Linears that say so
         self.packed = packing_being_built() and not quantized and linear_packs(in_shape, out_shape)
         in_names, out_names = names[:len(in_shape)], names[len(in_shape):]
@@ -99,6 +100,8 @@ class Linear(nnx.Module):
         kernel = self.kernel[...]
         if kernel.dtype == jnp.int8:
             y = int8_dot(x, kernel, self.scale[...], self.num_in)
+        elif kernel.dtype == STORED["fp8"]:
+            y = fp8_dot(x, kernel, self.scale[...], self.num_in)
         else:
             y = dense(x, kernel, self.num_in, packed=self.packed)
         if self.lora_a is not None and lora is not None:

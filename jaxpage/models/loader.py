@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxpage.config import check_quantization
+from jaxpage.config import check_quantization, require
 from jaxpage.models import config_from_hf, hf_state_from_gguf, params_from_hf_state
 from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
-from jaxpage.models.weights import quantize_params
+from jaxpage.models.weights import quantize_params, stored_quantized_params
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,12 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
         # a base model's checkpoint (an embedding model): no LM head; a pooling model never reads one
         hf_config.tie_word_embeddings = True
         cfg = config_from_hf(hf_config)
-    params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))
+    if cfg.quantized_weights is not None:  # a checkpoint published quantized: its weights as stored
+        require(quantization in (None, cfg.quantization), "quantization", quantization,
+                f"differs from the checkpoint's quant_method {cfg.quantization!r}")
+        params = stored_quantized_params(cfg, state, params_from_hf_state(cfg, state))
+    else:
+        params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))
     if "score.weight" in state:  # a *ForSequenceClassification checkpoint's head: [num_labels, hidden]
         params[CLASSIFIER] = {"weight": np.asarray(state["score.weight"], np.float32)}
     entry.mkdir(parents=True, exist_ok=True)
@@ -215,7 +220,22 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors files")
     state = {}
     for f in tqdm(files, desc="reading safetensors", leave=False):
+        float8 = _float8_tensors(f)
         with safe_open(f, framework="numpy") as st:
             for name in st.keys():
-                state[name] = np.asarray(st.get_tensor(name), dtype=np.float32)
+                state[name] = float8[name] if name in float8 else np.asarray(st.get_tensor(name), dtype=np.float32)
     return state
+
+
+def _float8_tensors(path: Path) -> dict[str, np.ndarray]:
+    """The file's float8 e4m3 tensors (an FP8 checkpoint's weights) as float32: safetensors' numpy reader has no
+    float8 dtype, so they are read off the file's header and offsets (ml_dtypes gives numpy the dtype)."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    found = {name: t for name, t in header.items() if name != "__metadata__" and t["dtype"] == "F8_E4M3"}
+    data = np.memmap(path, np.uint8, "r", offset=8 + size) if found else None
+    return {name: data[t["data_offsets"][0]:t["data_offsets"][1]].view(ml_dtypes.float8_e4m3fn)
+            .reshape(t["shape"]).astype(np.float32) for name, t in found.items()}

@@ -1,4 +1,4 @@
-"""int8 weights: per-output-channel quantization and the quantized matmul.
+"""int8 (and a checkpoint's float8) weights: per-output-channel quantization and the quantized matmuls.
 
 A kernel [*in, *out] becomes int8 values and a float32 scale [*out] (absmax over the input axes / 127, round to
 nearest), so that kernel ~= values * scale. The matmul takes one of two forms:
@@ -35,9 +35,12 @@ def quantization_being_built():
     return _BUILDING.get()
 
 
+STORED = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}  # a quantized Linear's kernel
+
+
 def weight_dtype(path: tuple, leaf, dtype):
-    """The dtype a weight takes in an engine of this dtype: int8 values and their scales keep theirs."""
-    if leaf.dtype == jnp.int8 or getattr(path[-1], "key", None) == SCALE:
+    """The dtype a weight takes in an engine of this dtype: quantized values and their scales keep theirs."""
+    if leaf.dtype in STORED.values() or getattr(path[-1], "key", None) == SCALE:
         return leaf.dtype
     return jnp.dtype(dtype)
 
@@ -74,6 +77,11 @@ def int8_dot_dynamic(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: 
     acc = _contract(xq, kernel, num_in, preferred_element_type=jnp.int32)
     row_scale = row_scale.reshape(x.shape[:x.ndim - num_in] + (1,) * scale.ndim)
     return (acc.astype(jnp.float32) * row_scale * scale).astype(x.dtype)
+
+
+def fp8_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:
+    """x [..., *in] . (kernel * scale): float8 e4m3 weights upcast to x's dtype inside the dot (weight-only)."""
+    return int8_dot_weight_only(x, kernel, scale, num_in)
 
 
 def int8_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:

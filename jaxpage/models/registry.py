@@ -1,10 +1,12 @@
 """Which module implements each architecture (Hugging Face ``model_type`` -> module under jaxpage.models)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 
 from jaxpage.config import ModelConfig
+from jaxpage.models.compressed_tensors import METHOD, quantized_weights
 
 # An architecture module gives: MODEL_TYPES; read_config(hf_config) -> ModelConfig; DecoderLayer (an nnx.Module
 # called as layer(x, pool, LayerConstants, StepContext) -> (x, pool)); layer_weights(cfg) and top_weights(cfg)
@@ -36,4 +38,6 @@ def config_from_hf(hf_config) -> ModelConfig:
             f"unsupported model architecture {model_type!r} "
             f"(architectures={getattr(hf_config, 'architectures', None)}); "
             f"jaxpage supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return architecture(model_type).read_config(hf_config)
+    cfg = architecture(model_type).read_config(hf_config)
+    kind = quantized_weights(getattr(hf_config, "quantization_config", None))
+    return cfg if kind is None else dataclasses.replace(cfg, quantization=METHOD, quantized_weights=kind)

@@ -8,7 +8,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import ModelConfig
-from jaxpage.models.quant import SCALE, quantize_int8
+from jaxpage.models.quant import SCALE, STORED, quantize_int8
 from jaxpage.models.registry import architecture
 
 
@@ -33,7 +33,7 @@ def quantize_params(cfg: ModelConfig, params: dict) -> dict:
     from jaxpage.models.causal_lm import _abstract_model
     from jaxpage.models.layers import Linear
 
-    if cfg.quantization is None:
+    if cfg.quantization != "int8":
         return params
     params = {**params}
     if cfg.tie_word_embeddings:
@@ -43,6 +43,40 @@ def quantize_params(cfg: ModelConfig, params: dict) -> dict:
             linear = _get(params, path)
             linear["kernel"], linear[SCALE] = quantize_int8(linear["kernel"], module.in_axes(linear["kernel"].ndim))
     return params
+
+
+def stored_quantized_params(cfg: ModelConfig, state: dict[str, np.ndarray], params: dict) -> dict:
+    """A quantized checkpoint's weights as stored (jaxpage.models.compressed_tensors): ``params``
+    (``params_from_hf_state`` of the stored values, read as floats) with every decoder Linear's kernel back in its
+    stored dtype and its float32 ``scale`` per output channel. Each checkpoint scale [out, 1], broadcast over its
+    weight's inputs, goes through the weight's own transform, so fused and head-explicit kernels get theirs."""
+    from flax import nnx
+
+    from jaxpage.models.causal_lm import _abstract_model
+    from jaxpage.models.layers import Linear
+
+    linears = {tuple(path): m for path, m in nnx.iter_graph(_abstract_model(cfg)) if isinstance(m, Linear)}
+    for path, (names, fn) in architecture(cfg.model_type).layer_weights(cfg).items():
+        names = names if isinstance(names, tuple) else (names,)
+        module = linears.get(("layers", *path[:-1]))
+        if path[-1] != "kernel" or not names[0].endswith(".weight"):
+            continue
+        if module is None:  # e.g. a MoE layer's experts, which are not Linears
+            raise ValueError(f"quantization_config: the quantized weights {names[0]!r} of a "
+                             f"{cfg.model_type} model are not served quantized")
+        planes = np.stack([fn(*[_scale_plane(state, f"model.layers.{i}.{name}") for name in names])
+                           for i in range(cfg.num_layers)])
+        linear = _get(params, ("layers", *path[:-1]))
+        linear["kernel"] = np.asarray(linear["kernel"]).astype(STORED[cfg.quantized_weights])
+        linear[SCALE] = planes.max(axis=module.in_axes(planes.ndim)).astype(np.float32)
+    return params
+
+
+def _scale_plane(state: dict, weight: str) -> np.ndarray:
+    scale = state.get(weight + "_scale")
+    if scale is None:
+        raise ValueError(f"the checkpoint has no tensor {weight + '_scale'!r} (its weights are not compressed)")
+    return np.broadcast_to(np.asarray(scale, np.float32).reshape(-1, 1), state[weight].shape)
 
 
 def pack_params(cfg: ModelConfig, params: dict) -> dict:

@@ -286,6 +286,14 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     return compile_for(where, chip, f"step {model}", shape, jit_step(config, where), (params, pool, batch, sampling))
 
 
+def checkpoint_quant_config(weights: str):
+    """SmolLM2's engine over a compressed-tensors checkpoint whose decoder Linears store ``weights`` ("int8",
+    "fp8") with a scale per output channel."""
+    config = engine_config("smollm2-135m")
+    model = dataclasses.replace(config.model, quantization="compressed-tensors", quantized_weights=weights)
+    return dataclasses.replace(config, model=model)
+
+
 LORA_OPTIONS = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}  # the compile lanes' multi-LoRA engine
 LORA_TP = 3  # SmolLM2's 9 heads and 3 KV heads over 3 chips
 

@@ -287,6 +287,26 @@ def lora_step_case(tp: int = 1) -> LoweringCase:
                         fn, args, tp)
 
 
+def checkpoint_quant_case(weights: str) -> LoweringCase:
+    """SmolLM2-135M's jitted engine step over a compressed-tensors checkpoint's stored ``weights`` ("int8" or
+    "fp8": every decoder Linear's kernel in that dtype with its scale; bfloat16, smallest bucket)."""
+    import dataclasses
+
+    from jaxpage.testing.random_model import SMOLLM2_135M
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.models import abstract_params
+    from jaxpage.worker.step import abstract_step_inputs, step
+
+    model = dataclasses.replace(SMOLLM2_135M, quantization="compressed-tensors", quantized_weights=weights)
+    config = gpu_engine_config(model, "bfloat16", 2048, 64, 256, 1024)
+    num_tokens = config.token_buckets()[0]
+    batch, sampling = abstract_step_inputs(config, num_tokens)
+    args = (abstract_params(config.model, config.dtype),
+            abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
+    return LoweringCase("step", f"SmolLM2-135M bfloat16 compressed-tensors {weights} T{num_tokens}",
+                        functools.partial(step, config), args)
+
+
 SPEC_TOKENS = 4  # the lanes' speculative engine: SmolLM2's shapes drafting for themselves, 4 drafts a row
 
 
