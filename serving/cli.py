@@ -30,6 +30,7 @@ BENCHMARKS = {
     "engine-host": ("engine_host", "the engine's host time per step, no device work; A/B"),
     "lm-eval": ("lm_eval", "lm-eval scores: jaxpage serve vs transformers"),
     "embeddings": ("embeddings", "embeddings/s at batch 1, 32, 256 vs sentence-transformers"),
+    "quantized": ("quantized", "compressed-tensors checkpoints: memory, agreement, tok/s"),
 }
 ROOT = Path(__file__).resolve().parents[1]  # the checkout `pip install -e .` installed from
 

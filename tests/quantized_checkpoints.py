@@ -31,7 +31,7 @@ def _weight_min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Ten
     raise NotImplementedError(f"weight strategy {args.strategy}")
 
 
-def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` transformers will save: one loaded from a GGUF file is marked quantized (gguf), so its
     weights go into a fresh model of the same config without that mark."""
     if getattr(model.config, "quantization_config", None) is None:
@@ -52,7 +52,7 @@ def save_compressed(model: torch.nn.Module, path, scheme: str) -> None:
     (pack-quantized): compressed-tensors' preset, targets ["Linear"], ignore ["lm_head"], static weight
     scales from min-max over each channel or group, activations (where any) dynamic per token.
     """
-    model = _plain_copy(model)
+    model = plain_copy(model)
     qscheme = preset_name_to_scheme(scheme, ["Linear"])
     if scheme in GROUP_SIZES:
         qscheme.weights = qscheme.weights.model_copy(update={"group_size": GROUP_SIZES[scheme]})
