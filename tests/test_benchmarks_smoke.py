@@ -47,7 +47,7 @@ def test_jaxpage_bench_help_lists_every_benchmark(capsys):
     section = out.split("\nbenchmarks:\n")[1].split("\n\n")[0]
     listed = {m.group(1) for m in re.finditer(r"^  (\S+) +\S", section, re.MULTILINE)}  # one line each
     assert listed == set(BENCHMARKS) == {"latency", "throughput", "serve", "kernels", "device-check", "vs-vllm",
-                                         "multi-turn", "profile", "engine-host", "lm-eval", "embeddings"}
+                                         "multi-turn", "profile", "engine-host", "lm-eval", "embeddings", "quantized"}
     for module, line in BENCHMARKS.values():
         assert (ROOT / "benchmarks" / f"{module}.py").is_file()
         assert " ".join(line.split()[:4]) in " ".join(out.split())
