@@ -48,9 +48,12 @@ class ModelConfig:
     norm_topk_prob: bool = True
     # None (float weights), "int8" (the engine's own: every Linear made int8 at load, jaxpage.models.quant) or a
     # checkpoint's quant_method ("compressed-tensors": jaxpage.models.compressed_tensors) with its decoder layers'
-    # stored weights in quantized_weights ("int8" or "fp8"; the LM head as published, float)
+    # stored weights in quantized_weights ("int8", "fp8" or "int4"; the LM head as published, float), with a scale
+    # per quantization_group_size input columns (None: per output channel) and zero points where asymmetric
     quantization: str | None = None
     quantized_weights: str | None = None
+    quantization_group_size: int | None = None
+    quantization_zero_point: bool = False
     # LoRA adapter slots on the device (the engine's, as quantization): max_loras adapters of rank up to
     # max_lora_rank in every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
     max_loras: int = 0
@@ -73,7 +76,7 @@ class ModelConfig:
 
     @property
     def layer_weights_kind(self) -> str | None:
-        """The decoder layers' Linear weights: "int8", "fp8" or None (float)."""
+        """The decoder layers' Linear weights: "int8", "fp8", "int4" or None (float)."""
         return "int8" if self.quantization == "int8" else self.quantized_weights
 
     @property

@@ -18,7 +18,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-GROUP_SIZES = {"W4A16": 32}
+GROUP_SIZES = {"W4A16": 64, "W4A16_ASYM": 64}  # SmolLM2's 576 columns: not a multiple of the presets' 128
 
 
 def _weight_min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,17 +45,18 @@ def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def save_compressed(model: torch.nn.Module, path, scheme: str) -> None:
+def save_compressed(model: torch.nn.Module, path, scheme: str, group_size: int | None = None) -> None:
     """Save a copy of `model` (left untouched) to the directory `path` as a compressed-tensors checkpoint.
 
-    `scheme` is "W8A8" (int-quantized), "FP8_DYNAMIC" (float-quantized) or "W4A16" with group size 32
-    (pack-quantized): compressed-tensors' preset, targets ["Linear"], ignore ["lm_head"], static weight
-    scales from min-max over each channel or group, activations (where any) dynamic per token.
+    `scheme` is "W8A8" (int-quantized), "FP8_DYNAMIC" (float-quantized), "W4A16" or "W4A16_ASYM" (pack-quantized,
+    groups of `group_size` columns, 64 by default): compressed-tensors' preset, targets ["Linear"], ignore
+    ["lm_head"], static weight scales (and zero points) from min-max over each channel or group, activations
+    (where any) dynamic per token.
     """
     model = plain_copy(model)
     qscheme = preset_name_to_scheme(scheme, ["Linear"])
     if scheme in GROUP_SIZES:
-        qscheme.weights = qscheme.weights.model_copy(update={"group_size": GROUP_SIZES[scheme]})
+        qscheme.weights = qscheme.weights.model_copy(update={"group_size": group_size or GROUP_SIZES[scheme]})
     config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=["lm_head"])
     apply_quantization_config(model, config, show_progress=False)
     for module in model.modules():

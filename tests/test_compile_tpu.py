@@ -118,15 +118,36 @@ def test_int8_kv_step_compiles_for_v5e():
     assert_compiled(check_step("v5e", "smollm2-135m", config.token_buckets()[0], config))
 
 
-@pytest.mark.parametrize("weights", ["int8", "fp8"])
+@pytest.mark.parametrize("weights", ["int8", "fp8", "int4"])
 def test_a_quantized_checkpoints_step_compiles_for_v5e_and_v6e(weights):
-    """A compressed-tensors checkpoint's stored weights (int8 W8A8, FP8 dynamic) in SmolLM2's step at the smallest
-    bucket: the kernels' arguments take a byte a weight."""
-    config, stored = ct.checkpoint_quant_config(weights), {"int8": "s8", "fp8": "f8e4m3fn"}[weights]
+    """A compressed-tensors checkpoint's stored weights (int8 W8A8, FP8 dynamic, W4A16 in groups of 64 with zero
+    points) in SmolLM2's step at the smallest bucket: the kernels' arguments take a byte a weight (int4: a byte
+    two weights)."""
+    config = ct.checkpoint_quant_config(weights)
+    stored, inputs = {"int8": ("s8", 576), "fp8": ("f8e4m3fn", 576), "int4": ("u8", 288)}[weights]
     for chip in ("v5e", "v6e"):
         r = check_step(chip, "smollm2-135m", config.token_buckets()[0], config)
         assert_compiled(r)
-        assert f"{stored}[30,576,3,5,64]" in r.hlo and f"{stored}[30,1536,576]" in r.hlo
+        assert f"{stored}[30,{inputs},3,5,64]" in r.hlo and f"{stored}[30,{inputs * 8 // 3},576]" in r.hlo
+
+
+V5E_HBM = 16 << 30
+
+
+def test_llama3_8b_w4a16_fits_one_v5e_with_a_kv_pool():
+    """Llama-3-8B as a W4A16 checkpoint (int4 in groups of 64 with zero points, head and embeddings bfloat16)
+    compiles for one v5e with a 4 GiB KV pool (2,048 blocks of 16 tokens) and the program's arguments, outputs
+    and temporaries within the chip's 16 GiB; with its bfloat16 weights (16 GB) the same step is refused by the
+    compiler for want of HBM."""
+    config = ct.checkpoint_quant_config("int4", "llama-3-8b", num_kv_blocks=2048)
+    r = check_step("v5e", "llama-3-8b", config.token_buckets()[0], config)
+    assert_compiled(r)
+    m = r.memory
+    assert m["argument"] + m["output"] - m["alias"] + m["temp"] < V5E_HBM, m
+    assert "u8[32,2048,8,6,128]" in r.hlo  # q/k/v: 4,096 inputs packed to 2,048 bytes
+    float_config = ct.engine_config("llama-3-8b", num_kv_blocks=2048)
+    refused = ct.compile_step("v5e", "llama-3-8b", float_config.token_buckets()[0], float_config)
+    assert not refused.ok and "RESOURCE_EXHAUSTED" in refused.error, refused.error
 
 
 def test_xla_path_step_holds_no_pool_copy():

@@ -67,15 +67,17 @@ def test_lora_step_lowers_with_the_triton_kernel():
     assert "tensor<30x5x576x48xbf16>" in text
 
 
-@pytest.mark.parametrize("weights, stored", [("int8", "i8"), ("fp8", "f8E4M3FN")])
-def test_a_quantized_checkpoints_step_lowers_with_its_stored_weights(weights, stored):
-    """SmolLM2's step over a compressed-tensors checkpoint (int8 W8A8, FP8 dynamic): one Triton attention call,
-    the decoder kernels among the arguments in their stored dtype (q/k/v fused [layers, 576, 3, 5, 64])."""
+@pytest.mark.parametrize("weights, stored, inputs", [("int8", "i8", 576), ("fp8", "f8E4M3FN", 576),
+                                                     ("int4", "ui8", 288)])
+def test_a_quantized_checkpoints_step_lowers_with_its_stored_weights(weights, stored, inputs):
+    """SmolLM2's step over a compressed-tensors checkpoint (int8 W8A8, FP8 dynamic, W4A16 packed two a byte):
+    one Triton attention call, the decoder kernels among the arguments in their stored dtype (q/k/v fused
+    [layers, 576, 3, 5, 64]; int4's input axis halved)."""
     from jaxpage.testing.cuda_lowering import checkpoint_quant_case
 
     text = lower_for_cuda(checkpoint_quant_case(weights), TARGET_LIST[-1])
     assert triton_calls(text) == 1
-    assert f"tensor<30x576x3x5x64x{stored}>" in text and f"tensor<30x1536x576x{stored}>" in text
+    assert f"tensor<30x{inputs}x3x5x64x{stored}>" in text and f"tensor<30x{inputs * 8 // 3}x576x{stored}>" in text
 
 
 @pytest.mark.parametrize("case", spec_step_cases(), ids=lambda c: c.shape.split()[2])

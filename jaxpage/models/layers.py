@@ -18,7 +18,15 @@ from jaxpage.cpu_kernels import rms_norm as norm_kernel
 from jaxpage.cpu_kernels import silu_and_mul as silu_kernel
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.lora_slots import LoRAMapping, lora_delta, slots_being_built
-from jaxpage.models.quant import STORED, fp8_dot, int8_dot, quantization_being_built
+from jaxpage.models.quant import (
+    STORED,
+    fp8_dot,
+    grouped_dot,
+    groups_being_built,
+    int8_dot,
+    num_groups,
+    quantization_being_built,
+)
 from jaxpage.models.weight_packing import linear_packs, packing_being_built
 
 
@@ -72,18 +80,26 @@ class Linear(nnx.Module):
     """y = x . kernel (+ bias), contracting x's trailing ``in_shape`` axes; kernel [*in_shape, *out_shape].
     The one place a matmul with weights happens. Built under ``quant.building("int8")`` (or "fp8"), the kernel is
     int8 (float8 e4m3) with a float32 ``scale`` [*out_shape] per output channel (sharded as the kernel's output
-    axes). Built under ``lora_slots.building_slots``, it holds adapter slots (``lora_a``, ``lora_b``) for its
-    ``parts`` projections, and a call given each token's slot adds that adapter's delta."""
+    axes); under a grouped quantization (a checkpoint's int4, packed two to a byte along the last input axis),
+    ``scale`` is [num_groups, *out_shape] over groups of the flattened inputs, with int8 ``zero`` points alike
+    where asymmetric. Built under ``lora_slots.building_slots``, it holds adapter slots (``lora_a``, ``lora_b``)
+    for its ``parts`` projections, and a call given each token's slot adds that adapter's delta."""
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], names: tuple, bias: bool = False,
                  parts: int = 1):
         kind = quantization_being_built()
         quantized = kind is not None
-        self.kernel = param((*in_shape, *out_shape), names, STORED[kind] if quantized else jnp.float32)
+        packed_in = (*in_shape[:-1], in_shape[-1] // 2) if kind == "int4" else in_shape  # two values a byte
+        self.kernel = param((*packed_in, *out_shape), names, STORED[kind] if quantized else jnp.float32)
         # bfloat16 packed for oneDNN (weight_packing): pack_params packs exactly the Linears that say so
         self.packed = packing_being_built() and not quantized and linear_packs(in_shape, out_shape)
         in_names, out_names = names[:len(in_shape)], names[len(in_shape):]
-        if quantized:
+        group_size, zero_point = groups_being_built()
+        self.num_groups = num_groups(in_shape, group_size) if kind == "int4" or group_size else None
+        if self.num_groups:
+            self.scale = param((self.num_groups, *out_shape), (None, *out_names))
+            self.zero = param((self.num_groups, *out_shape), (None, *out_names), jnp.int8) if zero_point else None
+        elif quantized:
             self.scale = param(out_shape, out_names)
         self.bias = param(out_shape, out_names) if bias else None
         self.num_in, self.num_out = len(in_shape), len(out_shape)
@@ -98,7 +114,9 @@ class Linear(nnx.Module):
         """lora: the step's adapter slots and each token's among them (x [T, *in_shape]); None: the base weights
         alone."""
         kernel = self.kernel[...]
-        if kernel.dtype == jnp.int8:
+        if self.num_groups:
+            y = grouped_dot(x, kernel, self.scale[...], None if self.zero is None else self.zero[...], self.num_in)
+        elif kernel.dtype == jnp.int8:
             y = int8_dot(x, kernel, self.scale[...], self.num_in)
         elif kernel.dtype == STORED["fp8"]:
             y = fp8_dot(x, kernel, self.scale[...], self.num_in)

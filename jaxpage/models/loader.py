@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxpage.config import check_quantization, require
 from jaxpage.models import config_from_hf, hf_state_from_gguf, params_from_hf_state
+from jaxpage.models.compressed_tensors import unpacked_state
 from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
 from jaxpage.models.weights import quantize_params, stored_quantized_params
 
@@ -113,6 +114,7 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
     if cfg.quantized_weights is not None:  # a checkpoint published quantized: its weights as stored
         require(quantization in (None, cfg.quantization), "quantization", quantization,
                 f"differs from the checkpoint's quant_method {cfg.quantization!r}")
+        state = unpacked_state(state, cfg.quantized_weights)
         params = stored_quantized_params(cfg, state, params_from_hf_state(cfg, state))
     else:
         params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))
@@ -223,8 +225,13 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         float8 = _float8_tensors(f)
         with safe_open(f, framework="numpy") as st:
             for name in st.keys():
-                state[name] = float8[name] if name in float8 else np.asarray(st.get_tensor(name), dtype=np.float32)
+                state[name] = float8[name] if name in float8 else _as_read(st.get_tensor(name))
     return state
+
+
+def _as_read(tensor: np.ndarray) -> np.ndarray:
+    """Floats as float32; integers (a packed checkpoint's int32 words, shapes) as stored."""
+    return tensor if tensor.dtype.kind in "iu" else np.asarray(tensor, np.float32)
 
 
 def _float8_tensors(path: Path) -> dict[str, np.ndarray]:

@@ -7,10 +7,10 @@ import numpy as np
 
 from jaxpage.distributed.parallel import put
 from jaxpage.models.layers import QKVParallelLinear
-from jaxpage.models.quant import SCALE, weight_dtype
+from jaxpage.models.quant import SCALE, ZERO, weight_dtype
 
 # the fused q/k/v leaves with a KV head axis ([..., kvh, G + 2, hd]): its output side; LoRA's B follows the kernel
-KV_HEAD_LEAVES = ("kernel", "bias", SCALE, "lora_b")
+KV_HEAD_LEAVES = ("kernel", "bias", SCALE, ZERO, "lora_b")
 
 
 def replicate_kv_heads(params: dict, slots: int) -> dict:

@@ -1,4 +1,4 @@
-"""int8 (and a checkpoint's float8) weights: per-output-channel quantization and the quantized matmuls.
+"""int8 (and a checkpoint's float8 and int4) weights: per-output-channel quantization and the quantized matmuls.
 
 A kernel [*in, *out] becomes int8 values and a float32 scale [*out] (absmax over the input axes / 127, round to
 nearest), so that kernel ~= values * scale. The matmul takes one of two forms:
@@ -18,13 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 SCALE = "scale"  # Linear.scale: stays float32 in every engine dtype
-_BUILDING = contextvars.ContextVar("quantization", default=None)
+ZERO = "zero"  # Linear.zero: a grouped kernel's zero points, int8
+_BUILDING = contextvars.ContextVar("quantization", default=(None, None, False))
 
 
 @contextlib.contextmanager
-def building(quantization):
-    """Modules constructed inside take this quantization (the model builds its graph in one of these)."""
-    token = _BUILDING.set(quantization)
+def building(quantization, group_size: int | None = None, zero_point: bool = False):
+    """Modules constructed inside take this quantization (the model builds its graph in one of these): a stored
+    kind, with a scale per ``group_size`` input columns (None: per output channel; int4 is always grouped, one
+    group of every input where None) and zero points."""
+    token = _BUILDING.set((quantization, group_size, zero_point))
     try:
         yield
     finally:
@@ -32,10 +35,43 @@ def building(quantization):
 
 
 def quantization_being_built():
-    return _BUILDING.get()
+    return _BUILDING.get()[0]
 
 
-STORED = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}  # a quantized Linear's kernel
+def groups_being_built() -> tuple[int | None, bool]:
+    """(group_size, zero_point) of the quantization being built."""
+    return _BUILDING.get()[1:]
+
+
+def num_groups(in_shape: tuple[int, ...], group_size: int | None) -> int:
+    """The groups of a kernel's flattened inputs (one where group_size is None)."""
+    size = int(np.prod(in_shape))
+    if group_size is not None and size % group_size:
+        raise ValueError(f"quantization_config.config_groups.weights.group_size: {group_size} does not divide a "
+                         f"Linear's {size} input columns")
+    return 1 if group_size is None else size // group_size
+
+
+# a quantized Linear's kernel; int4 values two to a byte along the last input axis (pack_int4): XLA:CPU keeps a
+# byte per jnp.int4 value, and an int4 array placed from the host disagrees with the compiled layout
+STORED = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn), "int4": jnp.dtype(jnp.uint8)}
+
+
+def pack_int4(values: np.ndarray, axis: int) -> np.ndarray:
+    """Signed int4 values (int8 in [-8, 7]) two to a uint8 along ``axis`` (even-sized): value 2i in the low
+    nibble, 2i + 1 in the high one, each offset by 8."""
+    v = np.moveaxis(np.asarray(values, np.int16) + 8, axis, -1).astype(np.uint8)
+    if v.shape[-1] % 2:
+        raise ValueError(f"int4 weights: a Linear's last input axis ({v.shape[-1]}) must be even to pack")
+    return np.moveaxis(v[..., 0::2] | (v[..., 1::2] << 4), -1, axis)
+
+
+def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
+    """pack_int4 undone on the device: int8 values, ``axis`` twice as long."""
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1).astype(jnp.int8) - 8
+    shape = list(packed.shape)
+    shape[axis] *= 2
+    return pairs.reshape(shape)
 
 
 def weight_dtype(path: tuple, leaf, dtype):
@@ -89,6 +125,21 @@ def int8_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> 
     the platform it is lowered for."""
     return jax.lax.platform_dependent(x, kernel, scale, cpu=lambda *a: CPU_DOT(*a, num_in),
                                       default=lambda *a: int8_dot_weight_only(*a, num_in))
+
+
+def grouped_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, zero: jax.Array | None,
+                num_in: int) -> jax.Array:
+    """x [..., *in] . dequantized kernel: kernel [*in, *out] (int8, or int4 packed by pack_int4) whose flattened
+    inputs fall in scale.shape[0] groups, w = (kernel - zero) * scale per (group, output); dequantized to x's
+    dtype in the product (XLA fuses it into the dot's operand on GPU and TPU)."""
+    if kernel.dtype == STORED["int4"]:
+        kernel = unpack_int4(kernel, num_in - 1)
+    out_shape = kernel.shape[num_in:]
+    w = kernel.astype(jnp.float32).reshape(scale.shape[0], -1, *out_shape)
+    if zero is not None:
+        w = w - zero.astype(jnp.float32)[:, None]
+    w = (w * scale[:, None]).reshape(kernel.shape).astype(x.dtype)
+    return _contract(x, w, num_in)
 
 
 CPU_DOT = int8_dot_dynamic  # faster than the weight-only form on XLA:CPU (docs/DESIGN.md §14)

@@ -39,5 +39,5 @@ def config_from_hf(hf_config) -> ModelConfig:
             f"(architectures={getattr(hf_config, 'architectures', None)}); "
             f"jaxpage supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
     cfg = architecture(model_type).read_config(hf_config)
-    kind = quantized_weights(getattr(hf_config, "quantization_config", None))
-    return cfg if kind is None else dataclasses.replace(cfg, quantization=METHOD, quantized_weights=kind)
+    stored = quantized_weights(getattr(hf_config, "quantization_config", None))
+    return cfg if stored is None else dataclasses.replace(cfg, quantization=METHOD, **stored)

@@ -8,7 +8,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import ModelConfig
-from jaxpage.models.quant import SCALE, STORED, quantize_int8
+from jaxpage.models.quant import SCALE, STORED, ZERO, pack_int4, quantize_int8
 from jaxpage.models.registry import architecture
 
 
@@ -48,8 +48,9 @@ def quantize_params(cfg: ModelConfig, params: dict) -> dict:
 def stored_quantized_params(cfg: ModelConfig, state: dict[str, np.ndarray], params: dict) -> dict:
     """A quantized checkpoint's weights as stored (jaxpage.models.compressed_tensors): ``params``
     (``params_from_hf_state`` of the stored values, read as floats) with every decoder Linear's kernel back in its
-    stored dtype and its float32 ``scale`` per output channel. Each checkpoint scale [out, 1], broadcast over its
-    weight's inputs, goes through the weight's own transform, so fused and head-explicit kernels get theirs."""
+    stored dtype, its float32 ``scale`` per output channel or group, and its zero points where asymmetric. Each
+    checkpoint scale [out, 1] or [out, groups], spread over its weight's inputs, goes through the weight's own
+    transform, so fused and head-explicit kernels get theirs."""
     from flax import nnx
 
     from jaxpage.models.causal_lm import _abstract_model
@@ -64,19 +65,38 @@ def stored_quantized_params(cfg: ModelConfig, state: dict[str, np.ndarray], para
         if module is None:  # e.g. a MoE layer's experts, which are not Linears
             raise ValueError(f"quantization_config: the quantized weights {names[0]!r} of a "
                              f"{cfg.model_type} model are not served quantized")
-        planes = np.stack([fn(*[_scale_plane(state, f"model.layers.{i}.{name}") for name in names])
-                           for i in range(cfg.num_layers)])
         linear = _get(params, ("layers", *path[:-1]))
-        linear["kernel"] = np.asarray(linear["kernel"]).astype(STORED[cfg.quantized_weights])
-        linear[SCALE] = planes.max(axis=module.in_axes(planes.ndim)).astype(np.float32)
+        linear["kernel"] = (pack_int4(linear["kernel"], module.num_in) if cfg.quantized_weights == "int4"
+                            else np.asarray(linear["kernel"]).astype(STORED[cfg.quantized_weights]))
+        linear[SCALE] = _per_output(module, _planes(state, cfg, names, fn, "_scale"))
+        if module.num_groups and cfg.quantization_zero_point:
+            linear[ZERO] = _per_output(module, _planes(state, cfg, names, fn, "_zero_point")).astype(np.int8)
     return params
 
 
-def _scale_plane(state: dict, weight: str) -> np.ndarray:
-    scale = state.get(weight + "_scale")
-    if scale is None:
-        raise ValueError(f"the checkpoint has no tensor {weight + '_scale'!r} (its weights are not compressed)")
-    return np.broadcast_to(np.asarray(scale, np.float32).reshape(-1, 1), state[weight].shape)
+def _planes(state: dict, cfg: ModelConfig, names: tuple, fn, suffix: str) -> np.ndarray:
+    """Each layer's ``weight + suffix`` tensors spread over their weights' shape, through the weights' transform:
+    [layers, *in, *out], each element its own scale (zero point)."""
+    return np.stack([fn(*[_spread(state, f"model.layers.{i}.{name}", suffix) for name in names])
+                     for i in range(cfg.num_layers)])
+
+
+def _spread(state: dict, weight: str, suffix: str) -> np.ndarray:
+    """A weight's [out, 1] or [out, groups] tensor repeated over the group's columns: the weight's [out, in]."""
+    values = state.get(weight + suffix)
+    if values is None:
+        raise ValueError(f"the checkpoint has no tensor {weight + suffix!r} (its weights are not compressed)")
+    values = np.asarray(values, np.float32).reshape(state[weight].shape[0], -1)
+    return np.repeat(values, state[weight].shape[1] // values.shape[1], axis=1)
+
+
+def _per_output(module, planes: np.ndarray) -> np.ndarray:
+    """A Linear's scale (zero points) out of their spread planes: one per output channel, or per group of the
+    flattened inputs [layers, groups, *out] (the inputs' order is the checkpoint's, so its groups stay whole)."""
+    if not module.num_groups:
+        return planes.max(axis=module.in_axes(planes.ndim)).astype(np.float32)
+    out = planes.shape[1 + module.num_in:]  # planes [layers, *in, *out]
+    return planes.reshape(planes.shape[0], module.num_groups, -1, *out)[:, :, 0].astype(np.float32)
 
 
 def pack_params(cfg: ModelConfig, params: dict) -> dict:

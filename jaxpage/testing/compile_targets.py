@@ -286,11 +286,13 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     return compile_for(where, chip, f"step {model}", shape, jit_step(config, where), (params, pool, batch, sampling))
 
 
-def checkpoint_quant_config(weights: str):
-    """SmolLM2's engine over a compressed-tensors checkpoint whose decoder Linears store ``weights`` ("int8",
-    "fp8") with a scale per output channel."""
-    config = engine_config("smollm2-135m")
-    model = dataclasses.replace(config.model, quantization="compressed-tensors", quantized_weights=weights)
+def checkpoint_quant_config(weights: str, model_name: str = "smollm2-135m", **engine_options):
+    """``model_name``'s engine over a compressed-tensors checkpoint whose decoder Linears store ``weights``:
+    "int8" or "fp8" with a scale per output channel, "int4" (W4A16) in groups of 64 columns with zero points."""
+    config = engine_config(model_name, **engine_options)
+    grouped = {"quantization_group_size": 64, "quantization_zero_point": True} if weights == "int4" else {}
+    model = dataclasses.replace(config.model, quantization="compressed-tensors", quantized_weights=weights,
+                                **grouped)
     return dataclasses.replace(config, model=model)
 
 

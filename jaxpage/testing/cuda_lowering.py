@@ -289,7 +289,8 @@ def lora_step_case(tp: int = 1) -> LoweringCase:
 
 def checkpoint_quant_case(weights: str) -> LoweringCase:
     """SmolLM2-135M's jitted engine step over a compressed-tensors checkpoint's stored ``weights`` ("int8" or
-    "fp8": every decoder Linear's kernel in that dtype with its scale; bfloat16, smallest bucket)."""
+    "fp8": every decoder Linear's kernel in that dtype with its scale; "int4": two values a byte, scales and zero
+    points per 64 columns; bfloat16, smallest bucket)."""
     import dataclasses
 
     from jaxpage.testing.random_model import SMOLLM2_135M
@@ -297,7 +298,8 @@ def checkpoint_quant_case(weights: str) -> LoweringCase:
     from jaxpage.models import abstract_params
     from jaxpage.worker.step import abstract_step_inputs, step
 
-    model = dataclasses.replace(SMOLLM2_135M, quantization="compressed-tensors", quantized_weights=weights)
+    grouped = {"quantization_group_size": 64, "quantization_zero_point": True} if weights == "int4" else {}
+    model = dataclasses.replace(SMOLLM2_135M, quantization="compressed-tensors", quantized_weights=weights, **grouped)
     config = gpu_engine_config(model, "bfloat16", 2048, 64, 256, 1024)
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
