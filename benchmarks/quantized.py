@@ -5,13 +5,14 @@
 
 SmolLM2-135M-Instruct (the embedded GGUF file, read by transformers in float32) saved as a float directory and
 as compressed-tensors checkpoints of compressed-tensors' presets (tests/quantized_checkpoints.py: W8A8 int8 and
-FP8 dynamic, weights per output channel, the tied head float). For each: the weights' bytes as stored (the
-safetensors files) and on the device (the engine's parameters), the KV blocks a ``--budget-gib`` device would
+FP8 dynamic, weights per output channel; W4A16, int4 in groups of 64 columns; the tied head float). For each: the
+weights' bytes as stored (the safetensors files) and on the device (the engine's parameters, and those of its
+decoder layers alone, where the quantized weights are), the KV blocks a ``--budget-gib`` device would
 have left after the weights, teacher-forced top-1 agreement with float32 transformers over held-out chat text, and
 output tok/s at each stream count (greedy, ``--tokens`` tokens each, distinct prompts), each round running every
 engine in turn (the order rotated), the median over rounds. Float is served in bfloat16 (the CPU default for this
 bfloat16 checkpoint) and in float32; the quantized checkpoints with float32 activations (the CPU's int8 product
-quantizes them per token; FP8 weights are upcast in the product).
+quantizes them per token; FP8 and int4 weights are dequantized in the product).
 """
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ def checkpoints(root: Path) -> tuple[dict[str, tuple[Path, str]], object, object
     gguf = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    for scheme in ("NONE", "W8A8", "FP8_DYNAMIC"):
+    for scheme in ("NONE", "W8A8", "FP8_DYNAMIC", "W4A16"):
         save_compressed(model, root / scheme, scheme) if scheme != "NONE" else _save_float(model, root / scheme)
         tokenizer.save_pretrained(root / scheme)
     return {"float bf16": (root / "NONE", "bfloat16"), "float f32": (root / "NONE", "float32"),
-            "W8A8 int8": (root / "W8A8", "auto"), "FP8 dynamic": (root / "FP8_DYNAMIC", "auto")}, model, tokenizer
+            "W8A8 int8": (root / "W8A8", "auto"), "FP8 dynamic": (root / "FP8_DYNAMIC", "auto"),
+            "W4A16 int4": (root / "W4A16", "auto")}, model, tokenizer
 
 
 def _save_float(model, path: Path) -> None:
@@ -91,9 +93,11 @@ def memory(llm, path: Path, budget: int) -> dict:
     from jaxpage.attention.kv_cache import bytes_per_block
 
     cfg = llm.engine.config
-    device = sum(a.nbytes for a in jax.tree.leaves(llm.engine.runner.params))
+    params = llm.engine.runner.params
+    device = sum(a.nbytes for a in jax.tree.leaves(params))
     per_block = bytes_per_block(cfg.model, cfg.cache.block_size, cfg.kv_dtype)
     return {"stored_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")), "device_bytes": device,
+            "decoder_layer_bytes": sum(a.nbytes for a in jax.tree.leaves(params["layers"])),
             "kv_blocks_left": max(0, budget - device) // per_block, "kv_dtype": cfg.kv_dtype}
 
 
@@ -123,15 +127,18 @@ def run(streams: list[int], rounds: int, tokens: int, budget_gib: float) -> dict
 
 def table(out: dict) -> str:
     base = out["engines"]["float bf16"]
-    lines = ["| checkpoint | served as | stored MB | on device MB | KV blocks left of "
+    lines = ["| checkpoint | served as | stored MB | on device MB | decoder layers MB | KV blocks left of "
              f"{out['budget_gib']:g} GiB | top-1 vs float32 | " + " | ".join(f"tok/s at {n}" for n in out["streams"])
-             + " |", "|---" * (6 + len(out["streams"])) + "|"]
+             + " |", "|---" * (7 + len(out["streams"])) + "|"]
     for name, r in out["engines"].items():
         speeds = " | ".join(f"{r['tok_per_s_median'][str(n)]:.0f} "
                             f"({r['tok_per_s_median'][str(n)] / base['tok_per_s_median'][str(n)]:.2f}x)"
                             for n in out["streams"])
+        layers = r["decoder_layer_bytes"]
         lines.append(f"| {name} | {r['dtype']}{', ' + r['quantization'] if r['quantization'] else ''} | "
-                     f"{r['stored_bytes'] / 1e6:.0f} | {r['device_bytes'] / 1e6:.0f} | {r['kv_blocks_left']} | "
+                     f"{r['stored_bytes'] / 1e6:.0f} | {r['device_bytes'] / 1e6:.0f} | "
+                     f"{layers / 1e6:.0f} ({layers / base['decoder_layer_bytes']:.2f}x) | "
+                     f"{r['kv_blocks_left']} | "
                      f"{r['top1_agreement']:.3f} | {speeds} |")
     return "\n".join(lines)
 
