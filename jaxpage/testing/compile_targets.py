@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -108,9 +109,13 @@ def _cost(compiled) -> dict:
 
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
-    for line in text.splitlines():
-        if "Mosaic" in line or "rror" in line:
-            return line.strip()[:300]
+    lines = [line.strip() for line in text.splitlines()]
+    for line in lines:  # an XLA status such as RESOURCE_EXHAUSTED names the cause best
+        if re.match(r"[A-Z_]{6,}: ", line):
+            return line[:300]
+    for line in lines:  # newer XLA adds "See https://openxla.org/xla/errors/..." lines, which say nothing here
+        if ("Mosaic" in line or "rror" in line) and "openxla.org/xla/errors" not in line:
+            return line[:300]
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
