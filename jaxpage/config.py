@@ -47,9 +47,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     # None (float weights), "int8" (the engine's own: every Linear made int8 at load, jaxpage.models.quant) or a
-    # checkpoint's quant_method ("compressed-tensors": jaxpage.models.compressed_tensors) with its decoder layers'
-    # stored weights in quantized_weights ("int8", "fp8" or "int4"; the LM head as published, float), with a scale
-    # per quantization_group_size input columns (None: per output channel) and zero points where asymmetric
+    # checkpoint's quant_method ("compressed-tensors", "gptq", "awq": jaxpage.models.quant_methods) with its
+    # decoder layers' stored weights in quantized_weights ("int8", "fp8" or "int4"; the LM head as published,
+    # float), with a scale per quantization_group_size input columns (None: per output channel) and zero points
+    # where asymmetric
     quantization: str | None = None
     quantized_weights: str | None = None
     quantization_group_size: int | None = None
@@ -367,7 +368,8 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = (None, "int8", "compressed-tensors")  # the weights': jaxpage.models.quant, models.compressed_tensors
+# the weights': jaxpage.models.quant, then the checkpoints' quant_methods (jaxpage.models.quant_methods)
+QUANTIZATIONS = (None, "int8", "compressed-tensors", "gptq", "awq")
 
 
 def resolve_dtype(dtype: str, cpu_bfloat16: bool = False) -> str:

@@ -6,6 +6,7 @@ preset scheme, min-max weight scales, and compressed-tensors' ModelCompressor, w
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
@@ -77,3 +78,94 @@ def load_reference(path) -> torch.nn.Module:
         path, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
     )
     return model.eval()
+
+
+# ------------------------------------------------------------------------------------------- GPTQ and AWQ
+# The published formats (GPTQ: AutoGPTQ / GPTQModel's QuantLinear; AWQ: AutoAWQ's GEMM layout) written from a
+# pack-quantized checkpoint's integers, so transformers loading that checkpoint is the reference for both.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ word position j holds column 8w + AWQ_ORDER[j]
+
+
+def _pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned ``values`` packed 32 / bits to an int32 along ``dim``, value j of a word in bits [j*bits, ...)."""
+    per = 32 // bits
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, per) << (torch.arange(per) * bits)
+    words = v.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim)
+
+
+def _stored_integers(path):
+    """Every quantized Linear of the compressed-tensors checkpoint at ``path`` (pack-quantized, or int-quantized
+    with a scale per channel): name -> (unsigned weights
+    [out, in], unsigned zero points [out, groups] or None, scales [out, groups]), with the other tensors and the
+    quantization's bits and group size."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    weights = next(iter(json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
+                        .values()))["weights"]
+    bits, offset = weights["num_bits"], 2 ** (weights["num_bits"] - 1)
+    linears = {}
+    for name in [n[:-len(".weight_packed")] for n in state if n.endswith(".weight_packed")]:
+        shape = torch.Size(state.pop(name + ".weight_shape").tolist())
+        q = unpack_from_int32(state.pop(name + ".weight_packed"), bits, shape).to(torch.int64) + offset
+        zero = state.pop(name + ".weight_zero_point", None)
+        scale = state.pop(name + ".weight_scale")
+        zero = (None if zero is None else
+                unpack_from_int32(zero, bits, torch.Size(scale.shape), packed_dim=0).to(torch.int64) + offset)
+        linears[name] = (q, zero, scale)
+    for name in [n[:-len(".weight_scale")] for n in state if n.endswith(".weight_scale")]:  # int-quantized
+        linears[name] = (state.pop(name + ".weight").to(torch.int64) + offset, None, state.pop(name + ".weight_scale"))
+    return linears, state, bits, weights.get("group_size") or -1
+
+
+def _save_with(path, source, state: dict, quantization_config: dict) -> None:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json", "recipe.yaml"):
+            shutil.copy(f, path / f.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def save_gptq(source, path, checkpoint_format: str = "gptq") -> None:
+    """The pack-quantized checkpoint at ``source`` rewritten as GPTQ (desc_act off): qweight int32 [in / per,
+    out] packed along the inputs, qzeros int32 [groups, out / per] packed along the outputs (format "gptq" stores
+    each zero minus one, "gptq_v2" the zero), scales [groups, out] in the source's dtype, g_idx [in]."""
+    linears, state, bits, group_size = _stored_integers(source)
+    sym = all(zero is None for _, zero, _ in linears.values())
+    for name, (q, zero, scale) in linears.items():
+        zero = torch.full_like(scale, 2 ** (bits - 1), dtype=torch.int64) if zero is None else zero
+        stored_zero = (zero - 1) & (2**bits - 1) if checkpoint_format == "gptq" else zero
+        state[name + ".qweight"] = _pack_words(q.T, bits, dim=0)
+        state[name + ".qzeros"] = _pack_words(stored_zero.T, bits, dim=1)
+        state[name + ".scales"] = scale.T  # the source's dtype (published: float16), so the reference is exact
+        state[name + ".g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // (
+            q.shape[1] if group_size == -1 else group_size)
+    _save_with(path, source, state, {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": sym,
+        "checkpoint_format": checkpoint_format, "damp_percent": 0.01, "true_sequential": True})
+
+
+def save_awq(source, path) -> None:
+    """The pack-quantized 4-bit checkpoint with zero points at ``source`` rewritten as AWQ's GEMM layout: qweight
+    int32 [in, out / 8] and qzeros int32 [groups, out / 8], both packed along the outputs in AWQ's order,
+    scales [groups, out]."""
+    linears, state, bits, group_size = _stored_integers(source)
+    order = torch.tensor(AWQ_ORDER)
+    for name, (q, zero, scale) in linears.items():
+        interleave = (torch.arange(q.shape[0]).reshape(-1, 8)[:, order]).reshape(-1)
+        state[name + ".qweight"] = _pack_words(q.T[:, interleave], bits, dim=1)
+        state[name + ".qzeros"] = _pack_words(zero.T[:, interleave], bits, dim=1)
+        state[name + ".scales"] = scale.T  # the source's dtype (published: float16), so the reference is exact
+    _save_with(path, source, state, {"quant_method": "awq", "bits": bits, "group_size": group_size,
+                                     "zero_point": True, "version": "gemm", "modules_to_not_convert": None})

@@ -99,7 +99,7 @@ class EngineArgs(CliArgs):
         "auto: the Pallas kernel of the platform, XLA on the CPU", choices=BACKENDS))
     quantization: str | None = dataclasses.field(default=None, metadata=_option(
         "int8: int8 weights with a float32 scale per output channel, made at load and cached (on the CPU the "
-        "activations are quantized per token too); a checkpoint published quantized (compressed-tensors) is "
+        "activations are quantized per token too); a checkpoint published quantized (compressed-tensors, gptq, awq) is "
         "served in its own scheme, whatever is given here but another scheme", choices=QUANTIZATIONS[1:]))
     scan_layers: bool = dataclasses.field(default=True, metadata=_option(
         "one compiled decoder layer, run by a lax.scan (on the CPU: called once per layer from the host, each "

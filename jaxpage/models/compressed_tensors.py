@@ -26,17 +26,11 @@ SERVED = ("int8 or float8 weights of 8 bits, symmetric, one scale per output cha
           "W4A16, W4A16_ASYM); targets ['Linear'], the LM head alone ignored")
 
 
-def quantized_weights(quantization_config) -> dict | None:
-    """The decoder Linears' stored weights of a checkpoint's quantization_config, as ModelConfig's fields
+def quantized_weights(qc: dict) -> dict:
+    """The decoder Linears' stored weights of a compressed-tensors quantization_config, as ModelConfig's fields
     (quantized_weights: "int8", "fp8" or "int4"; quantization_group_size: input columns a scale covers, None for
-    one per output channel of the int-/float-quantized formats; quantization_zero_point); None: a float
-    checkpoint. A ValueError naming the field for anything not served."""
-    if quantization_config is None:
-        return None
-    qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
-    method = qc.get("quant_method")
-    require(method == METHOD, "quantization_config.quant_method", method,
-            f"is not served (jaxpage serves {METHOD!r} checkpoints: {SERVED})")
+    one per output channel of the int-/float-quantized formats; quantization_zero_point). A ValueError naming
+    the field for anything not served."""
     fmt = qc.get("format")
     require(fmt in FORMATS, "quantization_config.format", fmt, f"is not served (served: {SERVED})")
     groups = list((qc.get("config_groups") or {}).values())
@@ -86,15 +80,20 @@ def _is_lm_head(name: str) -> bool:
     return name == "lm_head" or name.startswith("re:") and re.fullmatch(name[3:], "lm_head") is not None
 
 
-def unpack_int32(packed: np.ndarray, num_bits: int, length: int, axis: int) -> np.ndarray:
-    """compressed-tensors' pack_to_int32 undone: int32 words along ``axis`` holding 32 / num_bits values each,
-    value i in bits [i * num_bits, (i + 1) * num_bits) of its word, stored with an offset of 2**(num_bits - 1);
-    the first ``length`` signed values along ``axis``, as int8."""
+def unpack_words(packed: np.ndarray, num_bits: int, axis: int) -> np.ndarray:
+    """Unsigned values out of int32 words along ``axis``, 32 / num_bits a word, value i in bits
+    [i * num_bits, (i + 1) * num_bits) of its word (the packing of compressed-tensors, GPTQ and AWQ), as int16."""
     words = np.moveaxis(np.asarray(packed, np.int32), axis, -1).astype(np.uint32)
     shifts = np.arange(0, 32, num_bits, dtype=np.uint32)
     values = (words[..., None] >> shifts) & np.uint32((1 << num_bits) - 1)
-    values = values.reshape(*words.shape[:-1], -1)[..., :length].astype(np.int16) - (1 << (num_bits - 1))
-    return np.moveaxis(values.astype(np.int8), -1, axis)
+    return np.moveaxis(values.reshape(*words.shape[:-1], -1).astype(np.int16), -1, axis)
+
+
+def unpack_int32(packed: np.ndarray, num_bits: int, length: int, axis: int) -> np.ndarray:
+    """compressed-tensors' pack_to_int32 undone: the first ``length`` values along ``axis``, stored with an
+    offset of 2**(num_bits - 1), as signed int8."""
+    values = np.take(unpack_words(packed, num_bits, axis), np.arange(length), axis=axis)
+    return (values - (1 << (num_bits - 1))).astype(np.int8)
 
 
 def unpacked_state(state: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:

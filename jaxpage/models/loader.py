@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxpage.config import check_quantization, require
 from jaxpage.models import config_from_hf, hf_state_from_gguf, params_from_hf_state
-from jaxpage.models.compressed_tensors import unpacked_state
+from jaxpage.models.quant_methods import unpacked_state
 from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
 from jaxpage.models.weights import quantize_params, stored_quantized_params
 
@@ -114,7 +114,7 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
     if cfg.quantized_weights is not None:  # a checkpoint published quantized: its weights as stored
         require(quantization in (None, cfg.quantization), "quantization", quantization,
                 f"differs from the checkpoint's quant_method {cfg.quantization!r}")
-        state = unpacked_state(state, cfg.quantized_weights)
+        state = unpacked_state(hf_config.quantization_config, state, cfg.quantized_weights)
         params = stored_quantized_params(cfg, state, params_from_hf_state(cfg, state))
     else:
         params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))

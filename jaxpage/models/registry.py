@@ -6,7 +6,7 @@ import importlib
 from types import ModuleType
 
 from jaxpage.config import ModelConfig
-from jaxpage.models.compressed_tensors import METHOD, quantized_weights
+from jaxpage.models.quant_methods import quantized_weights
 
 # An architecture module gives: MODEL_TYPES; read_config(hf_config) -> ModelConfig; DecoderLayer (an nnx.Module
 # called as layer(x, pool, LayerConstants, StepContext) -> (x, pool)); layer_weights(cfg) and top_weights(cfg)
@@ -40,4 +40,4 @@ def config_from_hf(hf_config) -> ModelConfig:
             f"jaxpage supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
     cfg = architecture(model_type).read_config(hf_config)
     stored = quantized_weights(getattr(hf_config, "quantization_config", None))
-    return cfg if stored is None else dataclasses.replace(cfg, quantization=METHOD, **stored)
+    return cfg if stored is None else dataclasses.replace(cfg, **stored)
