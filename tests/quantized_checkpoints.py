@@ -145,7 +145,9 @@ def save_gptq(source, path, checkpoint_format: str = "gptq") -> None:
     sym = all(zero is None for _, zero, _ in linears.values())
     for name, (q, zero, scale) in linears.items():
         zero = torch.full_like(scale, 2 ** (bits - 1), dtype=torch.int64) if zero is None else zero
-        stored_zero = (zero - 1) & (2**bits - 1) if checkpoint_format == "gptq" else zero
+        if checkpoint_format == "gptq" and bool((zero == 0).any()):
+            raise ValueError(f"{name}: a zero point of 0 cannot be stored in format gptq (zero minus one)")
+        stored_zero = zero - 1 if checkpoint_format == "gptq" else zero
         state[name + ".qweight"] = _pack_words(q.T, bits, dim=0)
         state[name + ".qzeros"] = _pack_words(stored_zero.T, bits, dim=1)
         state[name + ".scales"] = scale.T  # the source's dtype (published: float16), so the reference is exact

@@ -1,0 +1,158 @@
+"""GPTQ and AWQ checkpoints served with their weights as stored. tests/quantized_checkpoints.py writes each format
+from a compressed-tensors checkpoint's integers (the layouts as GPTQModel and AutoAWQ define them), so transformers
+loading that compressed-tensors checkpoint is the reference. (The writers were checked once against GPTQModel 7.7.0
+under transformers 5.25, which loads all four formats here: dequantized weights equal to float16's rounding of the
+scales, 5.5e-4; GPTQModel is not a test dependency, as it asks for torch >= 2.14.1.)"""
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxpage import LLM
+from jaxpage.models import quant
+from tests.factories import SEED, engine_options, tiny_llama
+from tests.quantized_checkpoints import load_reference, save_awq, save_compressed, save_gptq
+from tests.reference import assert_logits_close, paged_logits, save_random_model
+
+OPTIONS = engine_options(num_kv_blocks=12, max_model_len=64)
+# published form -> (the compressed-tensors scheme its integers come from, a writer, jaxpage's stored kind, zeros)
+FORMS = {
+    "gptq-4bit-sym": ("W4A16", lambda src, dst: save_gptq(src, dst), "int4", False),
+    "gptq-4bit-asym": ("W4A16_ASYM", lambda src, dst: save_gptq(src, dst), "int4", True),
+    "gptq_v2-4bit-asym": ("W4A16_ASYM", lambda src, dst: save_gptq(src, dst, "gptq_v2"), "int4", True),
+    "gptq-8bit-channel": ("W8A8", lambda src, dst: save_gptq(src, dst), "int8", False),
+    "awq-gemm": ("W4A16_ASYM", save_awq, "int4", True),
+}
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=True)
+
+
+ARCHS = {"llama": tiny_llama, "qwen2": _qwen2}  # qwen2: q/k/v biases beside the packed weights, a tied head
+
+
+def _reference_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].double().numpy()
+
+
+def _published(root, form: str, model) -> tuple:
+    scheme, write, _, _ = FORMS[form]
+    save_compressed(model, root / scheme, scheme, group_size=32)
+    write(root / scheme, root / form)
+    return root / form, load_reference(root / scheme)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("form", list(FORMS))
+def test_published_weights_stay_quantized_and_the_logits_are_transformers(form, arch, tmp_path, monkeypatch):
+    """Each decoder Linear keeps the checkpoint's integers on the device (int4 two a byte, or int8), a scale per
+    group of 32 inputs (per channel for GPTQ's group_size -1) and zero points where asymmetric; with the
+    weight-only product the logits are transformers' on the compressed-tensors checkpoint of the same integers."""
+    model = save_random_model(ARCHS[arch](), tmp_path / "float", SEED % 2**31)
+    path, reference = _published(tmp_path, form, model)
+    monkeypatch.setattr(quant, "CPU_DOT", quant.int8_dot_weight_only)
+    llm = LLM(str(path), cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    cfg = llm.engine.config.model
+    _, _, kind, zeros = FORMS[form]
+    assert (cfg.quantization, cfg.quantized_weights, cfg.quantization_zero_point) == (
+        form.split("-")[0].removesuffix("_v2"), kind, zeros)
+    linears = {}
+    for p, leaf in jax.tree_util.tree_leaves_with_path(llm.engine.runner.params["layers"]):
+        linears.setdefault(p[:-1], {})[p[-1].key] = leaf
+    linears = [leaves for leaves in linears.values() if "kernel" in leaves]
+    assert linears and all(m["kernel"].dtype == quant.STORED[kind] for m in linears)
+    for m in linears:
+        assert ("zero" in m) == zeros
+        assert (m["scale"].size * 16 == m["kernel"].size if kind == "int4"  # 32 inputs: 16 bytes a scale
+                else m["scale"].size * 64 <= m["kernel"].size), {k: v.shape for k, v in m.items()}
+    tokens = np.random.default_rng(SEED).integers(0, 256, 40).tolist()
+    assert_logits_close(paged_logits(llm, tokens), _reference_logits(reference, tokens), 1e-4, form)
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+REFUSALS = {  # (form, edit of quantization_config) -> the field the refusal names
+    ("gptq-4bit-sym", "desc_act", True): "quantization_config.desc_act",
+    ("gptq-4bit-sym", "bits", 3): "quantization_config.bits",
+    ("gptq-4bit-asym", "group_size", -1): "quantization_config.sym",
+    ("gptq-4bit-sym", "checkpoint_format", "marlin"): "quantization_config.checkpoint_format",
+    ("gptq-4bit-sym", "lm_head", True): "quantization_config.lm_head",
+    ("awq-gemm", "version", "gemv"): "quantization_config.version",
+    ("awq-gemm", "zero_point", False): "quantization_config.zero_point",
+    ("awq-gemm", "quant_method", "bitsandbytes"): "quantization_config.quant_method",
+}
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    root = tmp_path_factory.mktemp("published")
+    model = save_random_model(tiny_llama(), root / "float", SEED % 2**31)
+    return root, {form: _published(root, form, model)[0] for form in ("gptq-4bit-sym", "gptq-4bit-asym", "awq-gemm")}
+
+
+@pytest.mark.parametrize("form,field,value", list(REFUSALS), ids=lambda v: str(v))
+def test_schemes_not_served_are_refused_naming_the_field(form, field, value, published, tmp_path):
+    """A GPTQ or AWQ scheme not served is refused at load naming its quantization_config field; an unknown
+    quant_method is refused with the methods served."""
+    _, paths = published
+    config_file = paths[form] / "config.json"
+    published_text = config_file.read_text()
+    config = json.loads(published_text)
+    config["quantization_config"][field] = value
+    config_file.write_text(json.dumps(config))
+    try:
+        with pytest.raises(ValueError, match=re.escape(REFUSALS[(form, field, value)])) as refused:
+            LLM(str(paths[form]), cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    finally:
+        config_file.write_text(published_text)
+    if field == "quant_method":
+        assert all(m in str(refused.value) for m in ("compressed-tensors", "gptq", "awq")), refused.value
+
+
+def test_gptq_tensors_that_contradict_the_config_are_refused(tmp_path):
+    """Inputs assigned to groups out of their order (g_idx of an activation-ordered checkpoint) and zero points
+    other than 2**(bits - 1) under sym=True are refused naming the tensor, not served wrong."""
+    from safetensors.torch import load_file, save_file
+
+    model = save_random_model(tiny_llama(), tmp_path / "float", SEED % 2**31)
+    path, _ = _published(tmp_path, "gptq-4bit-sym", model)
+    state = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    for tensor, edit, message in ((".g_idx", lambda t: t.flip(0), "g_idx"),
+                                  (".qzeros", lambda t: t ^ 1, "qzeros")):
+        edited = dict(state, **{name + tensor: edit(state[name + tensor]).contiguous()})
+        save_file(edited, str(path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=re.escape(name + tensor[:0]) + ".*" + message):
+            LLM(str(path), cache_dir=str(tmp_path / f"cache{tensor}"), **OPTIONS)
+
+
+@pytest.mark.parametrize("form", ["gptq-4bit-sym", "awq-gemm"])
+def test_smollm2_as_gptq_and_awq_gives_transformers_logits(form, hf_smollm2, tmp_path, monkeypatch):
+    """SmolLM2 in groups of 64 (its 576 columns are not a multiple of the usual 128) as GPTQ and AWQ checkpoints:
+    a chat prompt's logits are transformers' on the compressed-tensors checkpoint of the same integers, and the
+    greedy choices mostly the float model's."""
+    model, tokenizer = hf_smollm2
+    scheme, write, _, _ = FORMS[form]
+    save_compressed(model, tmp_path / scheme, scheme)
+    write(tmp_path / scheme, tmp_path / form)
+    tokenizer.save_pretrained(tmp_path / form)
+    llm = LLM(str(tmp_path / form), cache_dir=str(tmp_path / "cache"), dtype="float32", max_model_len=256,
+              kv_cache_memory=32 << 20, progress=False)
+    assert llm.engine.config.model.quantized_weights == "int4"
+    tokens = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    monkeypatch.setattr(quant, "CPU_DOT", quant.int8_dot_weight_only)
+    got = paged_logits(llm, tokens)
+    assert_logits_close(got, _reference_logits(load_reference(tmp_path / scheme), tokens), 1e-4, form)
+    agreement = (got.argmax(-1) == _reference_logits(model, tokens).argmax(-1)).mean()
+    assert agreement >= 0.5, f"{form}: top-1 agreement with float {agreement:.3f}"
