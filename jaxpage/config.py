@@ -80,6 +80,15 @@ class ModelConfig:
         """The decoder layers' Linear weights: "int8", "fp8", "int4" or None (float)."""
         return "int8" if self.quantization == "int8" else self.quantized_weights
 
+    def weights_scheme(self) -> dict:
+        """How the weights are stored, as /v1/models and GetModelInfo report it: quantization (None, "int8" or
+        the checkpoint's quant_method), quantized_weights (the decoder Linears' "int8", "fp8", "int4" or None),
+        quantization_group_size (input columns a scale covers; None: one per output channel) and
+        quantization_zero_point."""
+        return {"quantization": self.quantization, "quantized_weights": self.layer_weights_kind,
+                "quantization_group_size": self.quantization_group_size,
+                "quantization_zero_point": self.quantization_zero_point}
+
     @property
     def every_layer_windowed(self) -> bool:
         """Every layer slides (Mistral): blocks that no future token can see can go back to the pool."""

@@ -170,7 +170,7 @@ class LoRAAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "dtype", "vocab_size", "kv_cache_dtype", "quantization", "lora_adapters")
+    __slots__ = ("model_name", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "dtype", "vocab_size", "kv_cache_dtype", "quantization", "quantized_weights", "quantization_group_size", "quantization_zero_point", "lora_adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,9 @@ class GetModelInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_ZERO_POINT_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
@@ -192,8 +195,11 @@ class GetModelInfoResponse(_message.Message):
     vocab_size: int
     kv_cache_dtype: str
     quantization: str
+    quantized_weights: str
+    quantization_group_size: int
+    quantization_zero_point: bool
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., quantized_weights: _Optional[str] = ..., quantization_group_size: _Optional[int] = ..., quantization_zero_point: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
 
 class EmbedInput(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -207,13 +207,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         except NotServingError as e:
             await self._reject(context, *_status(e))
         cfg = engine.engine.config
+        scheme = cfg.model.weights_scheme()
         return pb.GetModelInfoResponse(
             model_name=engine.engine.model_name, max_model_len=cfg.scheduler.max_model_len,
             block_size=cfg.cache.block_size,
             num_kv_blocks=cfg.cache.num_kv_blocks, max_num_seqs=cfg.scheduler.max_num_seqs,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, dtype=str(cfg.dtype),
             vocab_size=cfg.model.vocab_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
-            quantization=cfg.model.quantization or "", lora_adapters=[
+            quantization=scheme["quantization"] or "", quantized_weights=scheme["quantized_weights"] or "",
+            quantization_group_size=scheme["quantization_group_size"] or 0,
+            quantization_zero_point=scheme["quantization_zero_point"], lora_adapters=[
                 pb.LoRAAdapter(name=name, path=adapter.lora_request.lora_path,
                                base_model_name=self.serving_models.parent(adapter))
                 for name, adapter in list(self.serving_models.adapters.items())])

@@ -480,7 +480,7 @@ class OpenAIServing:
         """The base model under each of its names, then each LoRA adapter with the base as its parent (vLLM's)."""
         cfg = self._engine().engine.config
         common = {"max_model_len": cfg.scheduler.max_model_len, "kv_cache_dtype": cfg.cache.kv_cache_dtype,
-                  "quantization": cfg.model.quantization}
+                  **cfg.model.weights_scheme()}
         base = [oai.ModelCard(id=name, **common) for name in self.model_names()]
         models = self.serving_models
         return oai.ModelList(data=base + [

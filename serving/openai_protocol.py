@@ -253,7 +253,12 @@ class ModelCard(BaseModel):
     parent: str | None = None  # vLLM's: an adapter's base model; None for the base model
     max_model_len: int | None = None
     kv_cache_dtype: str | None = None  # jaxpage's own: "auto", "int8" or "fp8"
-    quantization: str | None = None  # the weights': None, "int8" (jaxpage's own) or "compressed-tensors"
+    # the weights' (jaxpage's own, as GetModelInfo): quantization None, "int8" or the checkpoint's quant_method;
+    # quantized_weights "int8", "fp8", "int4"; a scale per quantization_group_size inputs (None: per channel)
+    quantization: str | None = None
+    quantized_weights: str | None = None
+    quantization_group_size: int | None = None
+    quantization_zero_point: bool | None = None
 
 
 class ModelList(BaseModel):

@@ -8,16 +8,21 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import jax
 import numpy as np
 import pytest
 import torch
 
-from jaxpage import LLM
+from jaxpage import LLM, SamplingParams
 from jaxpage.models import quant
+from jaxpage.testing.launch import wait_serving
+from serving import generation_pb2 as pb
+from serving.generation_pb2_grpc import GenerationStub
 from tests.factories import SEED, engine_options, tiny_llama
 from tests.quantized_checkpoints import load_reference, save_awq, save_compressed, save_gptq
 from tests.reference import assert_logits_close, paged_logits, save_random_model
+from tests.servers import ENGINE_FLAGS, START_TIMEOUT, start_http
 
 OPTIONS = engine_options(num_kv_blocks=12, max_model_len=64)
 # published form -> (the compressed-tensors scheme its integers come from, a writer, jaxpage's stored kind, zeros)
@@ -136,23 +141,60 @@ def test_gptq_tensors_that_contradict_the_config_are_refused(tmp_path):
             LLM(str(path), cache_dir=str(tmp_path / f"cache{tensor}"), **OPTIONS)
 
 
-@pytest.mark.parametrize("form", ["gptq-4bit-sym", "awq-gemm"])
-def test_smollm2_as_gptq_and_awq_gives_transformers_logits(form, hf_smollm2, tmp_path, monkeypatch):
-    """SmolLM2 in groups of 64 (its 576 columns are not a multiple of the usual 128) as GPTQ and AWQ checkpoints:
-    a chat prompt's logits are transformers' on the compressed-tensors checkpoint of the same integers, and the
-    greedy choices mostly the float model's."""
+@pytest.fixture(scope="module")
+def smollm2_published(hf_smollm2, tmp_path_factory):
+    """SmolLM2 in groups of 64 (its 576 columns are not a multiple of the usual 128) as GPTQ and AWQ directories
+    (with its tokenizer), beside the compressed-tensors checkpoints of their integers."""
     model, tokenizer = hf_smollm2
-    scheme, write, _, _ = FORMS[form]
-    save_compressed(model, tmp_path / scheme, scheme)
-    write(tmp_path / scheme, tmp_path / form)
-    tokenizer.save_pretrained(tmp_path / form)
-    llm = LLM(str(tmp_path / form), cache_dir=str(tmp_path / "cache"), dtype="float32", max_model_len=256,
+    root = tmp_path_factory.mktemp("smollm2")
+    for form in ("gptq-4bit-sym", "awq-gemm"):
+        scheme, write, _, _ = FORMS[form]
+        if not (root / scheme).exists():
+            save_compressed(model, root / scheme, scheme)
+        write(root / scheme, root / form)
+        tokenizer.save_pretrained(root / form)
+    return root
+
+
+@pytest.mark.parametrize("form", ["gptq-4bit-sym", "awq-gemm"])
+def test_smollm2_as_gptq_and_awq_gives_transformers_logits(form, smollm2_published, hf_smollm2, monkeypatch):
+    """SmolLM2 as GPTQ and AWQ checkpoints: a chat prompt's logits are transformers' on the compressed-tensors
+    checkpoint of the same integers, and the greedy choices mostly the float model's."""
+    model, tokenizer = hf_smollm2
+    root = smollm2_published
+    llm = LLM(str(root / form), cache_dir=str(root / f"cache-{form}"), dtype="float32", max_model_len=256,
               kv_cache_memory=32 << 20, progress=False)
     assert llm.engine.config.model.quantized_weights == "int4"
     tokens = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
     monkeypatch.setattr(quant, "CPU_DOT", quant.int8_dot_weight_only)
     got = paged_logits(llm, tokens)
-    assert_logits_close(got, _reference_logits(load_reference(tmp_path / scheme), tokens), 1e-4, form)
+    reference = load_reference(root / FORMS[form][0])
+    assert_logits_close(got, _reference_logits(reference, tokens), 1e-4, form)
     agreement = (got.argmax(-1) == _reference_logits(model, tokens).argmax(-1)).mean()
     assert agreement >= 0.5, f"{form}: top-1 agreement with float {agreement:.3f}"
+
+
+def test_a_server_of_an_awq_checkpoint_reports_its_scheme_and_serves_it(smollm2_published, tmp_path):
+    """`jaxpage serve` of SmolLM2 as AWQ: /v1/models and GetModelInfo say awq, int4 weights in groups of 64 with
+    zero points; a greedy completion through the OpenAI client is the offline engine's on the same directory."""
+    path = smollm2_published / "awq-gemm"
+    server = start_http(["-m", "serving.cli", "serve", "--model", str(path), *ENGINE_FLAGS, "--num-kv-blocks", "64"],
+                        tmp_path / "server.log")
+    try:
+        wait_serving(server.target, server.proc, START_TIMEOUT, server.log)
+        card = server.client().models.list().data[0].model_extra
+        assert (card["quantization"], card["quantized_weights"], card["quantization_group_size"],
+                card["quantization_zero_point"]) == ("awq", "int4", 64, True), card
+        with grpc.insecure_channel(server.target) as channel:
+            info = GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert (info.quantization, info.quantized_weights, info.quantization_group_size,
+                info.quantization_zero_point) == ("awq", "int4", 64, True), info
+        got = server.client().completions.create(model=server.client().models.list().data[0].id,
+                                                 prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert server.all_blocks_free()
+    finally:
+        server.stop()
+    llm = LLM(str(path), cache_dir=str(tmp_path / "cache"), dtype="float32", max_model_len=512, progress=False)
+    want = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert got.choices[0].text == want.outputs[0].text
