@@ -171,3 +171,29 @@ def save_awq(source, path) -> None:
         state[name + ".scales"] = scale.T  # the source's dtype (published: float16), so the reference is exact
     _save_with(path, source, state, {"quant_method": "awq", "bits": bits, "group_size": group_size,
                                      "zero_point": True, "version": "gemm", "modules_to_not_convert": None})
+
+
+@torch.no_grad()
+def save_fp8_blocks(model: torch.nn.Module, path, block: tuple[int, int] = (128, 128)) -> None:
+    """A copy of ``model`` saved as transformers' block-scaled FP8 checkpoint (quant_method "fp8", what Qwen3-FP8
+    publishes): every decoder Linear's weight float8 e4m3 with ``weight_scale_inv`` [out / block[0], in /
+    block[1]], each block's absmax over 448 (e4m3's largest value)."""
+    from safetensors.torch import load_file, save_file
+
+    plain_copy(model).save_pretrained(path)
+    state = load_file(str(path / "model.safetensors"))
+    bo, bi = block
+    for name in [n for n in state if ".layers." in n and n.endswith("proj.weight")]:
+        w = state[name].float()
+        out, num_in = w.shape
+        padded = torch.nn.functional.pad(w, (0, -num_in % bi, 0, -out % bo))
+        blocks = padded.unflatten(1, (-1, bi)).unflatten(0, (-1, bo))
+        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448
+        spread = scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :num_in]
+        state[name] = (w / spread).to(torch.float8_e4m3fn)
+        state[name[:-len("weight")] + "weight_scale_inv"] = scale
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block), "modules_to_not_convert": None}
+    (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -64,6 +64,9 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
         require(quantization in (None, model.quantization), "quantization", quantization,
                 f"differs from the checkpoint's quant_method {model.quantization!r}")
         quantization = model.quantization
+    else:
+        require(quantization in (None, "int8"), "quantization", quantization,
+                "is a checkpoint's quant_method, and this checkpoint's weights are float (made at load: 'int8')")
     dtype = resolve_dtype(dtype, cpu_bfloat16=cpu_serves_bfloat16(model, quantization))
     model = dataclasses.replace(model, quantization=quantization)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)

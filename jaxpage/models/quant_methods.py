@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpage.config import require
-from jaxpage.models import awq, compressed_tensors, gptq
+from jaxpage.models import awq, compressed_tensors, fp8, gptq
 
-METHODS = {m.METHOD: m for m in (compressed_tensors, gptq, awq)}
+METHODS = {m.METHOD: m for m in (compressed_tensors, gptq, awq, fp8)}
 
 
 def _as_dict(quantization_config) -> dict:

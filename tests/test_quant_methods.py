@@ -1,8 +1,10 @@
-"""GPTQ and AWQ checkpoints served with their weights as stored. tests/quantized_checkpoints.py writes each format
-from a compressed-tensors checkpoint's integers (the layouts as GPTQModel and AutoAWQ define them), so transformers
-loading that compressed-tensors checkpoint is the reference. (The writers were checked once against GPTQModel 7.7.0
-under transformers 5.25, which loads all four formats here: dequantized weights equal to float16's rounding of the
-scales, 5.5e-4; GPTQModel is not a test dependency, as it asks for torch >= 2.14.1.)"""
+"""GPTQ, AWQ and block-scaled FP8 checkpoints served with their weights as stored. tests/quantized_checkpoints.py
+writes GPTQ and AWQ from a compressed-tensors checkpoint's integers (the layouts as GPTQModel and AutoAWQ define
+them), so transformers loading that compressed-tensors checkpoint is the reference. (The writers were checked once
+against GPTQModel 7.7.0 under transformers 5.25, which loads all four formats here: dequantized weights equal to
+float16's rounding of the scales, 5.5e-4; GPTQModel is not a test dependency, as it asks for torch >= 2.14.1.)
+FP8 with block scales is written from the float model (absmax per block), and transformers dequantizing it on the
+CPU is its reference."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,7 @@ from jaxpage.testing.launch import wait_serving
 from serving import generation_pb2 as pb
 from serving.generation_pb2_grpc import GenerationStub
 from tests.factories import SEED, engine_options, tiny_llama
-from tests.quantized_checkpoints import load_reference, save_awq, save_compressed, save_gptq
+from tests.quantized_checkpoints import load_reference, save_awq, save_compressed, save_fp8_blocks, save_gptq
 from tests.reference import assert_logits_close, paged_logits, save_random_model
 from tests.servers import ENGINE_FLAGS, START_TIMEOUT, start_http
 
@@ -95,6 +97,8 @@ REFUSALS = {  # (form, edit of quantization_config) -> the field the refusal nam
     ("awq-gemm", "version", "gemv"): "quantization_config.version",
     ("awq-gemm", "zero_point", False): "quantization_config.zero_point",
     ("awq-gemm", "quant_method", "bitsandbytes"): "quantization_config.quant_method",
+    ("fp8-block", "weight_block_size", None): "quantization_config.weight_block_size",
+    ("fp8-block", "activation_scheme", "static"): "quantization_config.activation_scheme",
 }
 
 
@@ -102,7 +106,9 @@ REFUSALS = {  # (form, edit of quantization_config) -> the field the refusal nam
 def published(tmp_path_factory):
     root = tmp_path_factory.mktemp("published")
     model = save_random_model(tiny_llama(), root / "float", SEED % 2**31)
-    return root, {form: _published(root, form, model)[0] for form in ("gptq-4bit-sym", "gptq-4bit-asym", "awq-gemm")}
+    paths = {form: _published(root, form, model)[0] for form in ("gptq-4bit-sym", "gptq-4bit-asym", "awq-gemm")}
+    save_fp8_blocks(model, root / "fp8-block", (32, 32))
+    return root, dict(paths, **{"fp8-block": root / "fp8-block"})
 
 
 @pytest.mark.parametrize("form,field,value", list(REFUSALS), ids=lambda v: str(v))
@@ -141,10 +147,30 @@ def test_gptq_tensors_that_contradict_the_config_are_refused(tmp_path):
             LLM(str(path), cache_dir=str(tmp_path / f"cache{tensor}"), **OPTIONS)
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_fp8_with_block_scales_stays_float8_and_the_logits_are_transformers(arch, tmp_path):
+    """Block-scaled FP8 (blocks of 32 x 32): each decoder Linear keeps its float8 e4m3 weights and a scale per
+    (group of 32 inputs, output channel); the logits are transformers' dequantizing the same directory."""
+    from transformers import AutoModelForCausalLM
+
+    model = save_random_model(ARCHS[arch](), tmp_path / "float", SEED % 2**31)
+    save_fp8_blocks(model, tmp_path / "fp8", (32, 32))
+    llm = LLM(str(tmp_path / "fp8"), cache_dir=str(tmp_path / "cache"), **OPTIONS)
+    cfg = llm.engine.config.model
+    assert (cfg.quantization, cfg.quantized_weights, cfg.quantization_group_size) == ("fp8", "fp8", 32)
+    kernels = [leaf for p, leaf in jax.tree_util.tree_leaves_with_path(llm.engine.runner.params["layers"])
+               if p[-1].key == "kernel"]
+    assert kernels and all(k.dtype == quant.STORED["fp8"] for k in kernels)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()
+    tokens = np.random.default_rng(SEED).integers(0, 256, 40).tolist()
+    assert_logits_close(paged_logits(llm, tokens), _reference_logits(reference, tokens), 1e-4, arch)
+
+
 @pytest.fixture(scope="module")
 def smollm2_published(hf_smollm2, tmp_path_factory):
-    """SmolLM2 in groups of 64 (its 576 columns are not a multiple of the usual 128) as GPTQ and AWQ directories
-    (with its tokenizer), beside the compressed-tensors checkpoints of their integers."""
+    """SmolLM2 as GPTQ and AWQ directories in groups of 64 (its 576 columns are not a multiple of the usual 128),
+    beside the compressed-tensors checkpoints of their integers, and as FP8 in blocks of 64 x 64; each with its
+    tokenizer."""
     model, tokenizer = hf_smollm2
     root = tmp_path_factory.mktemp("smollm2")
     for form in ("gptq-4bit-sym", "awq-gemm"):
@@ -152,27 +178,37 @@ def smollm2_published(hf_smollm2, tmp_path_factory):
         if not (root / scheme).exists():
             save_compressed(model, root / scheme, scheme)
         write(root / scheme, root / form)
+    save_fp8_blocks(model, root / "fp8-block", (64, 64))
+    for form in ("gptq-4bit-sym", "awq-gemm", "fp8-block"):
         tokenizer.save_pretrained(root / form)
     return root
 
 
-@pytest.mark.parametrize("form", ["gptq-4bit-sym", "awq-gemm"])
-def test_smollm2_as_gptq_and_awq_gives_transformers_logits(form, smollm2_published, hf_smollm2, monkeypatch):
-    """SmolLM2 as GPTQ and AWQ checkpoints: a chat prompt's logits are transformers' on the compressed-tensors
-    checkpoint of the same integers, and the greedy choices mostly the float model's."""
+SMOLLM2_FORMS = {"gptq-4bit-sym": ("int4", 0.5), "awq-gemm": ("int4", 0.5), "fp8-block": ("fp8", 0.75)}
+
+
+@pytest.mark.parametrize("form", list(SMOLLM2_FORMS))
+def test_smollm2_as_gptq_awq_and_fp8_gives_transformers_logits(form, smollm2_published, hf_smollm2, monkeypatch):
+    """SmolLM2 as GPTQ, AWQ and block-scaled FP8 checkpoints: a chat prompt's logits are transformers' (on the
+    compressed-tensors checkpoint of the same integers; FP8: dequantizing the directory itself), and the greedy
+    choices mostly the float model's (data-free 4-bit min-max weights lose more than 8-bit ones)."""
+    from transformers import AutoModelForCausalLM
+
     model, tokenizer = hf_smollm2
     root = smollm2_published
     llm = LLM(str(root / form), cache_dir=str(root / f"cache-{form}"), dtype="float32", max_model_len=256,
               kv_cache_memory=32 << 20, progress=False)
-    assert llm.engine.config.model.quantized_weights == "int4"
+    kind, floor = SMOLLM2_FORMS[form]
+    assert llm.engine.config.model.quantized_weights == kind
     tokens = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
     monkeypatch.setattr(quant, "CPU_DOT", quant.int8_dot_weight_only)
     got = paged_logits(llm, tokens)
-    reference = load_reference(root / FORMS[form][0])
+    reference = (AutoModelForCausalLM.from_pretrained(root / form, dtype=torch.float32).eval() if kind == "fp8"
+                 else load_reference(root / FORMS[form][0]))
     assert_logits_close(got, _reference_logits(reference, tokens), 1e-4, form)
     agreement = (got.argmax(-1) == _reference_logits(model, tokens).argmax(-1)).mean()
-    assert agreement >= 0.5, f"{form}: top-1 agreement with float {agreement:.3f}"
+    assert agreement >= floor, f"{form}: top-1 agreement with float {agreement:.3f}"
 
 
 def test_a_server_of_an_awq_checkpoint_reports_its_scheme_and_serves_it(smollm2_published, tmp_path):
