@@ -292,13 +292,13 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
 
 
 def checkpoint_quant_config(weights: str, model_name: str = "smollm2-135m", **engine_options):
-    """``model_name``'s engine over a compressed-tensors checkpoint whose decoder Linears store ``weights``:
-    "int8" or "fp8" with a scale per output channel, "int4" (W4A16) in groups of 64 columns with zero points."""
+    """``model_name``'s engine over a quantized checkpoint whose decoder Linears store ``weights``
+    (random_model.PUBLISHED_SCHEMES: "int8" or "fp8" with a scale per output channel, "int4" (W4A16, GPTQ, AWQ)
+    in groups of 64 columns with zero points, "fp8-block" float8 with a scale per 64 columns)."""
+    from jaxpage.testing.random_model import published_quantized
+
     config = engine_config(model_name, **engine_options)
-    grouped = {"quantization_group_size": 64, "quantization_zero_point": True} if weights == "int4" else {}
-    model = dataclasses.replace(config.model, quantization="compressed-tensors", quantized_weights=weights,
-                                **grouped)
-    return dataclasses.replace(config, model=model)
+    return dataclasses.replace(config, model=published_quantized(config.model, weights))
 
 
 LORA_OPTIONS = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}  # the compile lanes' multi-LoRA engine

@@ -288,24 +288,22 @@ def lora_step_case(tp: int = 1) -> LoweringCase:
 
 
 def checkpoint_quant_case(weights: str) -> LoweringCase:
-    """SmolLM2-135M's jitted engine step over a compressed-tensors checkpoint's stored ``weights`` ("int8" or
-    "fp8": every decoder Linear's kernel in that dtype with its scale; "int4": two values a byte, scales and zero
-    points per 64 columns; bfloat16, smallest bucket)."""
-    import dataclasses
-
-    from jaxpage.testing.random_model import SMOLLM2_135M
+    """SmolLM2-135M's jitted engine step over a quantized checkpoint's stored ``weights`` (random_model's
+    PUBLISHED_SCHEMES: "int8" or "fp8", every decoder Linear's kernel in that dtype with its scale; "int4", two
+    values a byte, scales and zero points per 64 columns; "fp8-block", float8 with a scale per 64 columns;
+    bfloat16, smallest bucket)."""
+    from jaxpage.testing.random_model import SMOLLM2_135M, published_quantized
     from jaxpage.attention.kv_cache import abstract_kv_pool
     from jaxpage.models import abstract_params
     from jaxpage.worker.step import abstract_step_inputs, step
 
-    grouped = {"quantization_group_size": 64, "quantization_zero_point": True} if weights == "int4" else {}
-    model = dataclasses.replace(SMOLLM2_135M, quantization="compressed-tensors", quantized_weights=weights, **grouped)
+    model = published_quantized(SMOLLM2_135M, weights)
     config = gpu_engine_config(model, "bfloat16", 2048, 64, 256, 1024)
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
     args = (abstract_params(config.model, config.dtype),
             abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
-    return LoweringCase("step", f"SmolLM2-135M bfloat16 compressed-tensors {weights} T{num_tokens}",
+    return LoweringCase("step", f"SmolLM2-135M bfloat16 {model.quantization} {weights} T{num_tokens}",
                         functools.partial(step, config), args)
 
 

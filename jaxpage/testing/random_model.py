@@ -31,6 +31,23 @@ TINY = dataclasses.replace(SMOLLM2_135M, vocab_size=512, hidden_size=128, interm
                            num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024)
 
 
+# Checkpoints published quantized, by the decoder Linears' stored form (ModelConfig's fields): compressed-tensors'
+# W8A8 and FP8 dynamic (a scale per output channel), W4A16 (GPTQ and AWQ load into the same) in groups of 64 with
+# zero points, and block-scaled FP8 (quant_method fp8) in blocks of 64 inputs
+PUBLISHED_SCHEMES = {
+    "int8": {"quantization": "compressed-tensors", "quantized_weights": "int8"},
+    "fp8": {"quantization": "compressed-tensors", "quantized_weights": "fp8"},
+    "int4": {"quantization": "compressed-tensors", "quantized_weights": "int4", "quantization_group_size": 64,
+             "quantization_zero_point": True},
+    "fp8-block": {"quantization": "fp8", "quantized_weights": "fp8", "quantization_group_size": 64},
+}
+
+
+def published_quantized(cfg: ModelConfig, scheme: str) -> ModelConfig:
+    """``cfg`` as a checkpoint published in ``scheme`` (PUBLISHED_SCHEMES) holds it."""
+    return dataclasses.replace(cfg, **PUBLISHED_SCHEMES[scheme])
+
+
 def param_shapes(cfg: ModelConfig, dtype) -> dict:
     """The weights' pytree (stacked layers) as ShapeDtypeStructs."""
     return abstract_params(cfg, dtype)
