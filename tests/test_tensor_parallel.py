@@ -18,6 +18,9 @@ a Gemma 2 with a sliding window and soft caps) and SmolLM2 at TP 3 (9 heads, 3 K
 - the LM head and the sampler work on each device's slice of the vocabulary (no array spans all of it), and the
   sampler so split gives the one-device sampler's tokens for every sampling setting; SmolLM2's prompt logprobs
   at TP 3 are TP 1's;
+- checkpoints published quantized (compressed-tensors W4A16 with zero points, AWQ, block-scaled FP8, in groups of
+  16 inputs) at TP 2 and 4: TP 1's greedy tokens, each device holding its share of the packed weights and of their
+  scales (row-parallel: its groups);
 - sizes that cannot work are refused by name.
 """
 from __future__ import annotations
@@ -80,6 +83,10 @@ if IN_CHILD:
              ("llama-8h-4kv-kv-int8", 4, "xla"), ("llama-8h-4kv-kv-int8", 2, "pallas_gpu"),
              ("qwen3moe-4h-2kv-qknorm", 2, "xla")]
     GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+    # checkpoints published quantized: name -> (the float model it is made of, its form); groups of 16 inputs
+    PUBLISHED = {"llama-8h-4kv-w4a16-asym": ("llama-8h-4kv", "W4A16_ASYM"), "llama-8h-4kv-awq": ("llama-8h-4kv", "awq"),
+                 "llama-8h-4kv-fp8-block": ("llama-8h-4kv", "fp8")}
+    PUBLISHED_CASES = [("llama-8h-4kv-w4a16-asym", 4), ("llama-8h-4kv-awq", 2), ("llama-8h-4kv-fp8-block", 4)]
 
     @functools.cache
     def model_dir(name: str) -> str:
@@ -88,7 +95,23 @@ if IN_CHILD:
         return str(path)
 
     @functools.cache
+    def published_dir(name: str) -> str:
+        from tests.quantized_checkpoints import save_awq, save_compressed, save_fp8_blocks
+
+        base, form = PUBLISHED[name]
+        path = Path(model_dir(base)).parent / name
+        float_model = save_random_model(CONFIGS[base][0], path.parent / f"{name}-float", seed=sum(map(ord, base)))
+        if form == "fp8":
+            save_fp8_blocks(float_model, path, (16, 16))
+        else:
+            save_compressed(float_model, path.parent / f"{name}-ct", "W4A16_ASYM", group_size=16)
+            (save_awq if form == "awq" else lambda src, dst: dst.symlink_to(src))(path.parent / f"{name}-ct", path)
+        return str(path)
+
+    @functools.cache
     def engine(name: str, tp: int, backend: str) -> LLM:
+        if name in PUBLISHED:
+            return LLM(model=published_dir(name), tensor_parallel_size=tp, attention_backend=backend, **OPTIONS)
         if name == "smollm2":
             return LLM(tensor_parallel_size=tp, attention_backend=backend,
                        **{**SMOLLM2_OPTIONS, "max_num_batched_tokens": 16, "max_num_seqs": 8, "max_model_len": 128})
@@ -112,6 +135,26 @@ if IN_CHILD:
         ids = prompts(CONFIGS[name][0].vocab_size, (40,))[0]["prompt_token_ids"]
         ours, ref = paged_logits(engine(name, tp, "xla"), ids), paged_logits(engine(name, 1, "xla"), ids)
         assert_logits_close(ours, ref, rtol=1e-5, context=f"{name} tp{tp}")
+
+    @pytest.mark.parametrize("name,tp", PUBLISHED_CASES, ids=[f"{n}-tp{t}" for n, t in PUBLISHED_CASES])
+    def test_published_quantized_checkpoints_split_and_give_tp1_tokens(name, tp):
+        """The packed kernels and their scales are split as the float kernels are (column-parallel: outputs;
+        row-parallel o_proj and down_proj: inputs, so each device holds its groups); greedy tokens are TP 1's."""
+        llm = engine(name, tp, "xla")
+        cfg = llm.engine.config.model
+        assert cfg.quantization_group_size == 16 and cfg.quantized_weights in ("int4", "fp8"), cfg
+        layers = llm.engine.runner.params["layers"]
+        leaves = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(layers)}
+        quantized = {k: v for k, v in leaves.items() if k.endswith("['kernel']") and v.dtype.itemsize == 1}
+        assert len(quantized) >= 4, list(leaves)
+        for key, kernel in quantized.items():
+            scale = leaves[key.replace("['kernel']", "['scale']")]
+            for array in (kernel, scale):
+                shards = array.addressable_shards
+                assert len({s.device for s in shards}) == tp and all(
+                    s.data.size * tp == array.size for s in shards), (key, array.shape, array.sharding)
+        batch = prompts(CONFIGS[PUBLISHED[name][0]][0].vocab_size)
+        assert tokens(llm, batch) == tokens(engine(name, 1, "xla"), batch)
 
     def test_swap_prefix_caching_and_forks_give_tp1_tokens():
         """More work than the 9-block pool holds (swap preemption), prompts sharing a prefix (prefix caching)

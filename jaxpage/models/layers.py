@@ -96,9 +96,10 @@ class Linear(nnx.Module):
         in_names, out_names = names[:len(in_shape)], names[len(in_shape):]
         group_size, zero_point = groups_being_built()
         self.num_groups = num_groups(in_shape, group_size) if kind == "int4" or group_size else None
-        if self.num_groups:
-            self.scale = param((self.num_groups, *out_shape), (None, *out_names))
-            self.zero = param((self.num_groups, *out_shape), (None, *out_names), jnp.int8) if zero_point else None
+        if self.num_groups:  # groups split as the first input axis is (row-parallel): a device holds its own
+            grouped = (in_names[0], *out_names)
+            self.scale = param((self.num_groups, *out_shape), grouped)
+            self.zero = param((self.num_groups, *out_shape), grouped, jnp.int8) if zero_point else None
         elif quantized:
             self.scale = param(out_shape, out_names)
         self.bias = param(out_shape, out_names) if bias else None
