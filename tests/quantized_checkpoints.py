@@ -29,6 +29,10 @@ def _weight_min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Ten
     if args.strategy == QuantizationStrategy.GROUP:
         grouped = weight.unflatten(-1, (-1, args.group_size))
         return grouped.amin(dim=-1), grouped.amax(dim=-1)
+    if args.strategy == QuantizationStrategy.BLOCK:
+        bo, bi = args.block_structure
+        blocks = weight.unflatten(1, (-1, bi)).unflatten(0, (-1, bo))
+        return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
     raise NotImplementedError(f"weight strategy {args.strategy}")
 
 
@@ -49,8 +53,8 @@ def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
 def save_compressed(model: torch.nn.Module, path, scheme: str, group_size: int | None = None) -> None:
     """Save a copy of `model` (left untouched) to the directory `path` as a compressed-tensors checkpoint.
 
-    `scheme` is "W8A8" (int-quantized), "FP8_DYNAMIC" (float-quantized), "W4A16" or "W4A16_ASYM" (pack-quantized,
-    groups of `group_size` columns, 64 by default): compressed-tensors' preset, targets ["Linear"], ignore
+    `scheme` is "W8A8" (int-quantized), "FP8_DYNAMIC" or "FP8_BLOCK" (float-quantized; blocks of `group_size`
+    squared, 64 by default), "W4A16" or "W4A16_ASYM" (pack-quantized, groups of `group_size` columns, 64 by default): compressed-tensors' preset, targets ["Linear"], ignore
     ["lm_head"], static weight scales (and zero points) from min-max over each channel or group, activations
     (where any) dynamic per token.
     """
@@ -58,6 +62,9 @@ def save_compressed(model: torch.nn.Module, path, scheme: str, group_size: int |
     qscheme = preset_name_to_scheme(scheme, ["Linear"])
     if scheme in GROUP_SIZES:
         qscheme.weights = qscheme.weights.model_copy(update={"group_size": group_size or GROUP_SIZES[scheme]})
+    if scheme == "FP8_BLOCK":  # blocks of group_size x group_size (64 by default: SmolLM2's 576 columns)
+        size = group_size or 64
+        qscheme.weights = qscheme.weights.model_copy(update={"block_structure": [size, size]})
     config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=["lm_head"])
     apply_quantization_config(model, config, show_progress=False)
     for module in model.modules():

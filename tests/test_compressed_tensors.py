@@ -21,8 +21,9 @@ from tests.reference import assert_logits_close, paged_logits, save_random_model
 
 OPTIONS = engine_options(num_kv_blocks=12, max_model_len=64)
 # the kernels' dtype on the device (int4: two values a byte)
-STORED = {"W8A8": jnp.int8, "FP8_DYNAMIC": jnp.float8_e4m3fn, "W4A16": jnp.uint8, "W4A16_ASYM": jnp.uint8}
-KINDS = {"W8A8": "int8", "FP8_DYNAMIC": "fp8", "W4A16": "int4", "W4A16_ASYM": "int4"}
+STORED = {"W8A8": jnp.int8, "FP8_DYNAMIC": jnp.float8_e4m3fn, "W4A16": jnp.uint8, "W4A16_ASYM": jnp.uint8,
+          "FP8_BLOCK": jnp.float8_e4m3fn}
+KINDS = {"W8A8": "int8", "FP8_DYNAMIC": "fp8", "W4A16": "int4", "W4A16_ASYM": "int4", "FP8_BLOCK": "fp8"}
 ARCHS = {"llama": lambda: tiny_llama(), "qwen2": lambda: _qwen2()}  # qwen2: q/k/v biases, a tied head
 
 
@@ -39,7 +40,7 @@ def checkpoint(request, tmp_path_factory):
     scheme, arch = request.param
     root = tmp_path_factory.mktemp(f"{scheme}-{arch}")
     model = save_random_model(ARCHS[arch](), root / "float", SEED % 2**31)
-    save_compressed(model, root / "quantized", scheme, group_size=32)  # two groups or more in every Linear
+    save_compressed(model, root / "quantized", scheme, group_size=32)  # two groups (blocks) or more a Linear
     return scheme, root / "quantized", load_reference(root / "quantized"), root
 
 
@@ -50,7 +51,8 @@ def _reference_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
 
 def test_weights_stay_quantized_and_the_logits_are_transformers(checkpoint, monkeypatch):
     """The decoder Linears keep the checkpoint's int8, float8 or int4 values on the device, each with its scales
-    (per channel, or per group of 32 columns with int8 zero points where asymmetric); with the weight-only product
+    (per channel, or per group of 32 columns with int8 zero points where asymmetric; FP8_BLOCK: per block of
+    32 x 32, held per output channel); with the weight-only product
     (the GPU/TPU form) the logits are transformers' on the decompressed weights."""
     scheme, path, reference, root = checkpoint
     monkeypatch.setattr(quant, "CPU_DOT", quant.int8_dot_weight_only)
@@ -63,7 +65,8 @@ def test_weights_stay_quantized_and_the_logits_are_transformers(checkpoint, monk
     linears = [leaves for leaves in linears.values() if "kernel" in leaves]
     assert linears and all(m["kernel"].dtype == STORED[scheme] for m in linears)
     for m in linears:  # grouped: a scale per 32 inputs (16 packed bytes); else one per output, inputs >= 64
-        assert (m["scale"].size * 16 == m["kernel"].size if scheme.startswith("W4A16")
+        per_scale = {"W4A16": 16, "W4A16_ASYM": 16, "FP8_BLOCK": 32}.get(scheme)
+        assert (m["scale"].size * per_scale == m["kernel"].size if per_scale
                 else m["scale"].size * 64 <= m["kernel"].size), {k: v.shape for k, v in m.items()}
         assert ("zero" in m) == (scheme == "W4A16_ASYM")
         assert "zero" not in m or (m["zero"].dtype == jnp.int8 and m["zero"].shape == m["scale"].shape)
@@ -149,9 +152,10 @@ def test_packed_values_unpack_as_compressed_tensors_does():
         np.testing.assert_array_equal(got, values.numpy())
 
 
-@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "W4A16"])
+@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "W4A16", "FP8_BLOCK"])
 def test_smollm2_as_published_gives_transformers_logits(scheme, hf_smollm2, tmp_path, monkeypatch):
-    """SmolLM2 quantized by compressed-tensors' preset (W8A8 int8, FP8 dynamic, W4A16 in groups of 64), its tied
+    """SmolLM2 quantized by compressed-tensors' preset (W8A8 int8, FP8 dynamic, W4A16 in groups of 64, FP8 in
+    blocks of 64 x 64), its tied
     head left float: with the weight-only product a chat prompt's logits are transformers' on the same directory;
     the CPU's product keeps most greedy choices of the float model (W8A8's per-token activations are lossy on
     SmolLM2's outliers; data-free 4-bit min-max weights lose more, as in transformers). (Two W8A8

@@ -4,7 +4,7 @@
 
 Served, in every decoder Linear with the LM head left float:
   int8 weights with a scale per output channel, symmetric ("int-quantized": W8A8 int8, or W8A16);
-  float8 e4m3 weights with a scale per output channel ("float-quantized": FP8 dynamic);
+  float8 e4m3 weights with a scale per output channel or per block ("float-quantized": FP8 dynamic, FP8_BLOCK);
   int4 or int8 weights packed eight (four) to an int32 ("pack-quantized": W4A16, W4A16_ASYM, W8A16 packed), with a
   scale per group of input columns or per output channel, and a zero point per group where asymmetric.
 Anything else is refused at load, naming the field and what is served."""
@@ -15,15 +15,17 @@ import re
 import numpy as np
 
 from jaxpage.config import require
+from jaxpage.models.fp8 import per_output_channel
 
 METHOD = "compressed-tensors"
 FORMATS = {"int-quantized": ("int", "int8"), "float-quantized": ("float", "fp8"),
            "pack-quantized": ("int", None)}  # format -> (type, stored kind; packed: by num_bits)
 PACKED_KINDS = {4: "int4", 8: "int8"}
 SERVED = ("int8 or float8 weights of 8 bits, symmetric, one scale per output channel (format int-quantized or "
-          "float-quantized: W8A8 int8, W8A16, FP8 dynamic); int4 or int8 weights packed in int32 with a scale per "
-          "group or channel, symmetric or with zero points, no activation quantization (format pack-quantized: "
-          "W4A16, W4A16_ASYM); targets ['Linear'], the LM head alone ignored")
+          "float-quantized: W8A8 int8, W8A16, FP8 dynamic) or float8 weights with a scale per block (FP8_BLOCK); "
+          "int4 or int8 weights packed in int32 with a scale per group or channel, symmetric or with zero points, "
+          "no activation quantization (format pack-quantized: W4A16, W4A16_ASYM); targets ['Linear'], the LM head "
+          "alone ignored")
 
 
 def quantized_weights(qc: dict) -> dict:
@@ -43,13 +45,22 @@ def quantized_weights(qc: dict) -> dict:
     weights = group.get("weights") or {}
     if fmt == "pack-quantized":
         return _packed_weights(weights, group.get("input_activations"))
-    for key, want in (("num_bits", 8), ("type", FORMATS[fmt][0]), ("symmetric", True), ("strategy", "channel"),
-                      ("dynamic", False)):
+    block = _block(weights) if fmt == "float-quantized" and weights.get("strategy") == "block" else None
+    for key, want in (("num_bits", 8), ("type", FORMATS[fmt][0]), ("symmetric", True),
+                      ("strategy", "block" if block else "channel"), ("dynamic", False)):
         _require_weights(weights, key, want)
     acts = group.get("input_activations")
     require(acts is None or acts.get("dynamic") is True, "quantization_config.config_groups.input_activations",
             acts, "must be dynamic (or absent): static activation scales are not served")
-    return {"quantized_weights": FORMATS[fmt][1], "quantization_group_size": None, "quantization_zero_point": False}
+    return {"quantized_weights": FORMATS[fmt][1], "quantization_group_size": block[1] if block else None,
+            "quantization_zero_point": False}
+
+
+def _block(weights: dict) -> list:
+    block = weights.get("block_structure")
+    require(isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block),
+            "quantization_config.config_groups.weights.block_structure", block, "must be two positive integers")
+    return block
 
 
 def _packed_weights(weights: dict, acts) -> dict:
@@ -96,10 +107,14 @@ def unpack_int32(packed: np.ndarray, num_bits: int, length: int, axis: int) -> n
     return (values - (1 << (num_bits - 1))).astype(np.int8)
 
 
-def unpacked_state(state: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
+def unpacked_state(state: dict[str, np.ndarray], qc: dict, kind: str) -> dict[str, np.ndarray]:
     """A pack-quantized checkpoint's tensors (weights of ``kind``, "int4" or "int8") with every ``X.weight_packed``
     (int32 [out, in / words]) read into ``X.weight`` (its signed values [out, in], as float32, exact) and every
-    packed zero point (int32 [out / words, groups]) into its values [out, groups]; other checkpoints' unchanged."""
+    packed zero point (int32 [out / words, groups]) into its values [out, groups]; a block-scaled one's scales
+    [out blocks, in blocks] held per output channel; other checkpoints' unchanged."""
+    weights = next(iter(qc["config_groups"].values())).get("weights") or {}
+    if weights.get("strategy") == "block":
+        return per_output_channel(state, "_scale", *weights["block_structure"])
     num_bits = {k: bits for bits, k in PACKED_KINDS.items()}.get(kind)
     state = dict(state)
     for name in [n for n in state if n.endswith(".weight_packed")]:

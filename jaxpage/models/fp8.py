@@ -32,14 +32,19 @@ def quantized_weights(qc: dict) -> dict:
 def unpacked_state(state: dict[str, np.ndarray], qc: dict) -> dict[str, np.ndarray]:
     """The checkpoint's tensors with every ``X.weight_scale_inv`` [out blocks, in blocks] as ``X.weight_scale``
     [out, in blocks] (each block's scale on each of its output channels)."""
-    block_out, block_in = qc["weight_block_size"]
+    return per_output_channel(state, "_scale_inv", *qc["weight_block_size"])
+
+
+def per_output_channel(state: dict[str, np.ndarray], suffix: str, block_out: int, block_in: int) -> dict:
+    """``state`` with every ``X.weight + suffix`` block scale [out blocks, in blocks] as ``X.weight_scale``
+    [out, in blocks] (each block's scale on each of its output channels)."""
     state = dict(state)
-    for name in [n for n in state if n.endswith(".weight_scale_inv")]:
-        base = name[:-len("_scale_inv")]
+    for name in [n for n in state if n.endswith(".weight" + suffix)]:
+        base = name[:-len(suffix)]
         out, num_in = state[base].shape
         if num_in % block_in:
-            raise ValueError(f"quantization_config.weight_block_size: {base} has {num_in} inputs, not a multiple "
-                             f"of {block_in} (partial blocks are not served)")
+            raise ValueError(f"quantization_config: the block size {block_in} does not divide {base}'s {num_in} "
+                             f"inputs (partial blocks are not served)")
         scale = np.asarray(state.pop(name), np.float32)
         state[base + "_scale"] = np.repeat(scale, block_out, axis=0)[:out]
     return state

@@ -32,5 +32,5 @@ def unpacked_state(quantization_config, state: dict[str, np.ndarray], kind: str)
     as float32, ``X.weight_scale``, ``X.weight_zero_point``), whatever its quant_method."""
     qc = _as_dict(quantization_config)
     if qc["quant_method"] == compressed_tensors.METHOD:
-        return compressed_tensors.unpacked_state(state, kind)
+        return compressed_tensors.unpacked_state(state, qc, kind)
     return METHODS[qc["quant_method"]].unpacked_state(state, qc)
