@@ -49,8 +49,9 @@ class ModelConfig:
     # None (float weights), "int8" (the engine's own: every Linear made int8 at load, jaxpage.models.quant) or a
     # checkpoint's quant_method ("compressed-tensors", "gptq", "awq", "fp8": jaxpage.models.quant_methods) with its
     # decoder layers' stored weights in quantized_weights ("int8", "fp8" or "int4"; the LM head as published,
-    # float), with a scale per quantization_group_size input columns (None: per output channel) and zero points
-    # where asymmetric
+    # float), with a scale per quantization_group_size input columns (None: per output channel; -1: per output
+    # channel too, weight-only, in the grouped product where the CPU's int8 one would quantize activations) and
+    # zero points where asymmetric
     quantization: str | None = None
     quantized_weights: str | None = None
     quantization_group_size: int | None = None
@@ -83,7 +84,8 @@ class ModelConfig:
     def weights_scheme(self) -> dict:
         """How the weights are stored, as /v1/models and GetModelInfo report it: quantization (None, "int8" or
         the checkpoint's quant_method), quantized_weights (the decoder Linears' "int8", "fp8", "int4" or None),
-        quantization_group_size (input columns a scale covers; None: one per output channel) and
+        quantization_group_size (input columns a scale covers; None or -1: one per output channel, -1 where the
+        activations stay unquantized on every backend) and
         quantization_zero_point."""
         return {"quantization": self.quantization, "quantized_weights": self.layer_weights_kind,
                 "quantization_group_size": self.quantization_group_size,

@@ -52,7 +52,9 @@ def quantized_weights(qc: dict) -> dict:
     acts = group.get("input_activations")
     require(acts is None or acts.get("dynamic") is True, "quantization_config.config_groups.input_activations",
             acts, "must be dynamic (or absent): static activation scales are not served")
-    return {"quantized_weights": FORMATS[fmt][1], "quantization_group_size": block[1] if block else None,
+    weight_only = FORMATS[fmt][1] == "int8" and acts is None  # W8A16: no per-token int8 product on the CPU
+    return {"quantized_weights": FORMATS[fmt][1], "quantization_group_size": block[1] if block else (
+            -1 if weight_only else None),
             "quantization_zero_point": False}
 
 
@@ -73,7 +75,7 @@ def _packed_weights(weights: dict, acts) -> dict:
     strategy = weights.get("strategy")
     require(strategy in ("group", "channel"), "quantization_config.config_groups.weights.strategy", strategy,
             "must be 'group' or 'channel' for format pack-quantized")
-    size = weights.get("group_size") if strategy == "group" else None
+    size = weights.get("group_size") if strategy == "group" else -1  # -1: per channel, weight-only
     require(strategy == "channel" or (isinstance(size, int) and size > 0),
             "quantization_config.config_groups.weights.group_size", size, "must be a positive integer")
     require(weights.get("actorder") in (None, "weight"), "quantization_config.config_groups.weights.actorder",

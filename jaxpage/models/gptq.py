@@ -37,7 +37,7 @@ def quantized_weights(qc: dict) -> dict:
             "must be false (a quantized LM head is not served)")
     require(not qc.get("dynamic"), "quantization_config.dynamic", qc.get("dynamic"),
             "must be empty (per-module overrides are not served)")
-    return {"quantized_weights": PACKED_KINDS[qc["bits"]], "quantization_group_size": None if size == -1 else size,
+    return {"quantized_weights": PACKED_KINDS[qc["bits"]], "quantization_group_size": size,  # -1: weight-only
             "quantization_zero_point": asymmetric}
 
 

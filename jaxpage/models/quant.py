@@ -44,8 +44,10 @@ def groups_being_built() -> tuple[int | None, bool]:
 
 
 def num_groups(in_shape: tuple[int, ...], group_size: int | None) -> int:
-    """The groups of a kernel's flattened inputs (one where group_size is None)."""
+    """The groups of a kernel's flattened inputs (one where group_size is None or -1)."""
     size = int(np.prod(in_shape))
+    if group_size == -1:
+        return 1
     if group_size is not None and size % group_size:
         raise ValueError(f"quantization_config.config_groups.weights.group_size: {group_size} does not divide a "
                          f"Linear's {size} input columns")
