@@ -47,7 +47,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     # None (float weights), "int8" (the engine's own: every Linear made int8 at load, jaxpage.models.quant) or a
-    # checkpoint's quant_method ("compressed-tensors", "gptq", "awq", "fp8": jaxpage.models.quant_methods) with its
+    # checkpoint's quant_method ("compressed-tensors", "gptq", "awq", "fp8", "gguf": models.quant_methods) with its
     # decoder layers' stored weights in quantized_weights ("int8", "fp8" or "int4"; the LM head as published,
     # float), with a scale per quantization_group_size input columns (None: per output channel; -1: per output
     # channel too, weight-only, in the grouped product where the CPU's int8 one would quantize activations) and
@@ -380,7 +380,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # the weights': jaxpage.models.quant, then the checkpoints' quant_methods (jaxpage.models.quant_methods)
-QUANTIZATIONS = (None, "int8", "compressed-tensors", "gptq", "awq", "fp8")
+QUANTIZATIONS = (None, "int8", "compressed-tensors", "gptq", "awq", "fp8", "gguf")
 
 
 def resolve_dtype(dtype: str, cpu_bfloat16: bool = False) -> str:

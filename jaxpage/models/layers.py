@@ -81,7 +81,7 @@ class Linear(nnx.Module):
     The one place a matmul with weights happens. Built under ``quant.building("int8")`` (or "fp8"), the kernel is
     int8 (float8 e4m3) with a float32 ``scale`` [*out_shape] per output channel (sharded as the kernel's output
     axes); under a grouped quantization (a checkpoint's int4, packed two to a byte along the last input axis),
-    ``scale`` is [num_groups, *out_shape] over groups of the flattened inputs, with int8 ``zero`` points alike
+    ``scale`` is [num_groups, *out_shape] over groups of the flattened inputs, with float32 ``zero`` points alike
     where asymmetric. Built under ``lora_slots.building_slots``, it holds adapter slots (``lora_a``, ``lora_b``)
     for its ``parts`` projections, and a call given each token's slot adds that adapter's delta."""
 
@@ -99,7 +99,7 @@ class Linear(nnx.Module):
         if self.num_groups:  # groups split as the first input axis is (row-parallel): a device holds its own
             grouped = (in_names[0], *out_names)
             self.scale = param((self.num_groups, *out_shape), grouped)
-            self.zero = param((self.num_groups, *out_shape), grouped, jnp.int8) if zero_point else None
+            self.zero = param((self.num_groups, *out_shape), grouped) if zero_point else None
         elif quantized:
             self.scale = param(out_shape, out_names)
         self.bias = param(out_shape, out_names) if bias else None

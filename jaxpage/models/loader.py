@@ -14,10 +14,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import check_quantization, require
-from jaxpage.models import config_from_hf, hf_state_from_gguf, params_from_hf_state
+from jaxpage.models import config_from_hf, gguf_quant, hf_state_from_gguf, params_from_hf_state
 from jaxpage.models.quant_methods import unpacked_state
 from jaxpage.models.gguf_metadata import gguf_config, use_without_torch
-from jaxpage.models.weights import quantize_params, stored_quantized_params
+from jaxpage.models.weights import gguf_linear_types, quantize_params, stored_quantized_params
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,11 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
         use_without_torch()  # for the tokenizer
     hf_config = gguf_config(str(path)) if is_gguf else AutoConfig.from_pretrained(src)
     cfg = config_from_hf(hf_config)  # refuses unsupported architectures before any heavy work
+    if quantization == gguf_quant.METHOD:  # a GGUF file's decoder Linears kept as stored
+        require(is_gguf, "quantization", quantization, f"needs a .gguf file (got {str(path)!r})")
+        hf_config.quantization_config = {"quant_method": gguf_quant.METHOD,
+                                         "ggml_type": gguf_quant.linear_type(gguf_linear_types(path, cfg))}
+        cfg = config_from_hf(hf_config)
     pooler = None if is_gguf else sentence_transformers_pooler(src)
     state = hf_state_from_gguf(path, cfg) if is_gguf else _as_causal_lm(_read_safetensors(path))
     if not cfg.tie_word_embeddings and "lm_head.weight" not in state:

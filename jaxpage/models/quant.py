@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SCALE = "scale"  # Linear.scale: stays float32 in every engine dtype
-ZERO = "zero"  # Linear.zero: a grouped kernel's zero points, int8
+ZERO = "zero"  # Linear.zero: a grouped kernel's zero points, float32 (GGUF's are fractional)
 _BUILDING = contextvars.ContextVar("quantization", default=(None, None, False))
 
 
@@ -78,7 +78,7 @@ def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
 
 def weight_dtype(path: tuple, leaf, dtype):
     """The dtype a weight takes in an engine of this dtype: quantized values and their scales keep theirs."""
-    if leaf.dtype in STORED.values() or getattr(path[-1], "key", None) == SCALE:
+    if leaf.dtype in STORED.values() or getattr(path[-1], "key", None) in (SCALE, ZERO):
         return leaf.dtype
     return jnp.dtype(dtype)
 

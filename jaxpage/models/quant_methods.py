@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpage.config import require
-from jaxpage.models import awq, compressed_tensors, fp8, gptq
+from jaxpage.models import awq, compressed_tensors, fp8, gguf_quant, gptq
 
-METHODS = {m.METHOD: m for m in (compressed_tensors, gptq, awq, fp8)}
+METHODS = {m.METHOD: m for m in (compressed_tensors, gptq, awq, fp8, gguf_quant)}
 
 
 def _as_dict(quantization_config) -> dict:

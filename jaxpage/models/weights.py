@@ -8,6 +8,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpage.config import ModelConfig
+from jaxpage.models import gguf_quant
 from jaxpage.models.quant import SCALE, STORED, ZERO, pack_int4, quantize_int8
 from jaxpage.models.registry import architecture
 
@@ -70,7 +71,7 @@ def stored_quantized_params(cfg: ModelConfig, state: dict[str, np.ndarray], para
                             else np.asarray(linear["kernel"]).astype(STORED[cfg.quantized_weights]))
         linear[SCALE] = _per_output(module, _planes(state, cfg, names, fn, "_scale"))
         if module.num_groups and cfg.quantization_zero_point:
-            linear[ZERO] = _per_output(module, _planes(state, cfg, names, fn, "_zero_point")).astype(np.int8)
+            linear[ZERO] = _per_output(module, _planes(state, cfg, names, fn, "_zero_point"))
     return params
 
 
@@ -156,28 +157,48 @@ _GGUF_TOP_NAMES = {
 def hf_state_from_gguf(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Dequantizes every tensor and renames it to transformers' names, undoing llama.cpp's q/k row permutation
     where its converter applied one. A merged experts' tensor ([E, ...], named with ``{}`` for the expert in the
-    architecture's GGUF_LAYER_NAMES) becomes one tensor per expert."""
+    architecture's GGUF_LAYER_NAMES) becomes one tensor per expert. Kept quantized (``cfg.quantization`` "gguf"),
+    the decoder Linears' weights are read as stored instead (jaxpage.models.gguf_quant: ``X.weight`` signed values,
+    ``X.weight_scale``, ``X.weight_zero_point``)."""
     import gguf
 
     arch = architecture(cfg.model_type)
     permuted = arch.gguf_permuted(cfg)
     reader = gguf.GGUFReader(path)
     state = {}
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", leave=False):
-        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        array = array.reshape([int(d) for d in reversed(t.shape)])
+    for t in tqdm(reader.tensors, desc="reading GGUF", leave=False):
         name = gguf_to_hf_name(t.name, arch.GGUF_LAYER_NAMES)
-        if permuted and ".q_proj." in name:
-            array = _unpermute_rope_rows(array, cfg.num_heads)
-        elif permuted and ".k_proj." in name:
-            array = _unpermute_rope_rows(array, cfg.num_kv_heads)
-        if hasattr(arch, "from_gguf"):
-            array = arch.from_gguf(name, array)
-        if "{}" in name:
-            state.update((name.format(e), a) for e, a in enumerate(array))
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if cfg.quantization == gguf_quant.METHOD and is_decoder_linear(name):
+            parts = gguf_quant.stored_values(t.data, t.tensor_type.name, shape)
         else:
-            state[name] = array
+            parts = {"": gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)}
+        for suffix, array in parts.items():
+            if permuted and ".q_proj." in name:
+                array = _unpermute_rope_rows(array, cfg.num_heads)
+            elif permuted and ".k_proj." in name:
+                array = _unpermute_rope_rows(array, cfg.num_kv_heads)
+            if hasattr(arch, "from_gguf"):
+                array = arch.from_gguf(name, array)
+            if "{}" in name:
+                state.update((name.format(e) + suffix, a) for e, a in enumerate(array))
+            else:
+                state[name + suffix] = array
     return state
+
+
+def is_decoder_linear(hf_name: str) -> bool:
+    """A decoder layer's projection weight (what a quantized checkpoint quantizes), not an expert's."""
+    return hf_name.startswith("model.layers.") and hf_name.endswith("_proj.weight") and "{}" not in hf_name
+
+
+def gguf_linear_types(path: Path, cfg: ModelConfig) -> dict[str, str]:
+    """Each decoder Linear weight's ggml type name in the GGUF file at ``path`` (transformers' names)."""
+    import gguf
+
+    names = architecture(cfg.model_type).GGUF_LAYER_NAMES
+    types = {gguf_to_hf_name(t.name, names): t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    return {name: kind for name, kind in types.items() if is_decoder_linear(name)}
 
 
 def gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str:
