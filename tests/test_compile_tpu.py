@@ -118,14 +118,14 @@ def test_int8_kv_step_compiles_for_v5e():
     assert_compiled(check_step("v5e", "smollm2-135m", config.token_buckets()[0], config))
 
 
-@pytest.mark.parametrize("weights", ["int8", "fp8", "int4", "fp8-block"])
+@pytest.mark.parametrize("weights", ["int8", "fp8", "int4", "fp8-block", "gguf-q4_1"])
 def test_a_quantized_checkpoints_step_compiles_for_v5e_and_v6e(weights):
     """A quantized checkpoint's stored weights (int8 W8A8, FP8 dynamic, W4A16 / GPTQ / AWQ in groups of 64 with
-    zero points, FP8 in blocks of 64 inputs) in SmolLM2's step at the smallest bucket: the kernels' arguments
+    zero points, FP8 in blocks of 64 inputs, GGUF Q4_1 in blocks of 32) in SmolLM2's step at the smallest bucket: the kernels' arguments
     take a byte a weight (int4: a byte two weights)."""
     config = ct.checkpoint_quant_config(weights)
     stored, inputs = {"int8": ("s8", 576), "fp8": ("f8e4m3fn", 576), "int4": ("u8", 288),
-                      "fp8-block": ("f8e4m3fn", 576)}[weights]
+                      "fp8-block": ("f8e4m3fn", 576), "gguf-q4_1": ("u8", 288)}[weights]
     for chip in ("v5e", "v6e"):
         r = check_step(chip, "smollm2-135m", config.token_buckets()[0], config)
         assert_compiled(r)

@@ -68,10 +68,11 @@ def test_lora_step_lowers_with_the_triton_kernel():
 
 
 @pytest.mark.parametrize("weights, stored, inputs", [("int8", "i8", 576), ("fp8", "f8E4M3FN", 576),
-                                                     ("int4", "ui8", 288), ("fp8-block", "f8E4M3FN", 576)])
+                                                     ("int4", "ui8", 288), ("fp8-block", "f8E4M3FN", 576),
+                                                     ("gguf-q4_1", "ui8", 288)])
 def test_a_quantized_checkpoints_step_lowers_with_its_stored_weights(weights, stored, inputs):
     """SmolLM2's step over a quantized checkpoint (int8 W8A8, FP8 dynamic, W4A16 packed two a byte, FP8 in
-    blocks of 64 inputs):
+    blocks of 64 inputs, a GGUF's Q4_1 kept):
     one Triton attention call, the decoder kernels among the arguments in their stored dtype (q/k/v fused
     [layers, 576, 3, 5, 64]; int4's input axis halved)."""
     from jaxpage.testing.cuda_lowering import checkpoint_quant_case

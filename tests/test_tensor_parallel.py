@@ -112,8 +112,9 @@ if IN_CHILD:
     def engine(name: str, tp: int, backend: str) -> LLM:
         if name in PUBLISHED:
             return LLM(model=published_dir(name), tensor_parallel_size=tp, attention_backend=backend, **OPTIONS)
-        if name == "smollm2":
+        if name in ("smollm2", "smollm2-gguf-q4_1"):  # the latter: its GGUF's Q4_1 Linears kept as stored
             return LLM(tensor_parallel_size=tp, attention_backend=backend,
+                       quantization="gguf" if name == "smollm2-gguf-q4_1" else None,
                        **{**SMOLLM2_OPTIONS, "max_num_batched_tokens": 16, "max_num_seqs": 8, "max_model_len": 128})
         return LLM(model=model_dir(name), tensor_parallel_size=tp, attention_backend=backend,
                    **{**OPTIONS, **CONFIGS[name][1]})
@@ -239,6 +240,16 @@ if IN_CHILD:
             SamplingParams(prompt_logprobs=3, max_tokens=1, temperature=0)]
         ids = llm.get_tokenizer()("The printing press spread across Europe. " * 8)["input_ids"][:40]
         return llm.generate(GREEDY_PROMPTS + SAMPLED_PROMPTS + [{"prompt_token_ids": ids}], params)
+
+    def test_smollm2_gguf_kept_as_q4_1_at_tp3_gives_tp1_tokens():
+        """SmolLM2's Q4_1 Linears kept as stored at TP 3: a row-parallel projection's device holds its 6 (o) and
+        16 (down) of the 18 and 48 blocks of 32 inputs, with their scales and zero points; TP 1's greedy tokens."""
+        llm = engine("smollm2-gguf-q4_1", 3, "xla")
+        down = llm.engine.runner.params["layers"]["mlp"]["down"]
+        for leaf in ("kernel", "scale", "zero"):
+            assert all(s.data.shape[1] * 3 == down[leaf].shape[1] for s in down[leaf].addressable_shards), leaf
+        ours, ref = (tokens(engine("smollm2-gguf-q4_1", tp, "xla"), GREEDY_PROMPTS) for tp in (3, 1))
+        assert ours == ref and all(len(t[0]) == GREEDY.max_tokens for t in ours)
 
     def test_smollm2_tp3_greedy_tokens_equal_tp1():
         llm = engine("smollm2", 3, "xla")

@@ -33,13 +33,15 @@ TINY = dataclasses.replace(SMOLLM2_135M, vocab_size=512, hidden_size=128, interm
 
 # Checkpoints published quantized, by the decoder Linears' stored form (ModelConfig's fields): compressed-tensors'
 # W8A8 and FP8 dynamic (a scale per output channel), W4A16 (GPTQ and AWQ load into the same) in groups of 64 with
-# zero points, and block-scaled FP8 (quant_method fp8) in blocks of 64 inputs
+# zero points, block-scaled FP8 (quant_method fp8) in blocks of 64 inputs, and a GGUF file's Q4_1 kept as stored
 PUBLISHED_SCHEMES = {
     "int8": {"quantization": "compressed-tensors", "quantized_weights": "int8"},
     "fp8": {"quantization": "compressed-tensors", "quantized_weights": "fp8"},
     "int4": {"quantization": "compressed-tensors", "quantized_weights": "int4", "quantization_group_size": 64,
              "quantization_zero_point": True},
     "fp8-block": {"quantization": "fp8", "quantized_weights": "fp8", "quantization_group_size": 64},
+    "gguf-q4_1": {"quantization": "gguf", "quantized_weights": "int4", "quantization_group_size": 32,
+                  "quantization_zero_point": True},
 }
 
 
