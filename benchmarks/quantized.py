@@ -5,10 +5,12 @@
 
 SmolLM2-135M-Instruct (the embedded GGUF file, read by transformers in float32) saved as a float directory and
 as compressed-tensors checkpoints of compressed-tensors' presets (tests/quantized_checkpoints.py: W8A8 int8 and
-FP8 dynamic, weights per output channel; W4A16, int4 in groups of 64 columns; the tied head float). For each: the
-weights' bytes as stored (the safetensors files) and on the device (the engine's parameters, and those of its
-decoder layers alone, where the quantized weights are), the KV blocks a ``--budget-gib`` device would
-have left after the weights, teacher-forced top-1 agreement with float32 transformers over held-out chat text, and
+FP8 dynamic, weights per output channel; W4A16, int4 in groups of 64 columns; the tied head float), as AWQ (the
+W4A16_ASYM integers, zero points per group of 64), as block-scaled FP8 (quant_method fp8, blocks of 64 x 64), and
+the GGUF file itself with its Q4_1 Linears kept (quantization="gguf", blocks of 32). For each: the weights'
+bytes as stored (the safetensors files, or the GGUF file) and on the device (the engine's parameters, and those of
+its decoder layers alone, where the quantized weights are), the KV blocks a ``--budget-gib`` device would have
+left after the weights, teacher-forced top-1 agreement with float32 transformers over held-out chat text, and
 output tok/s at each stream count (greedy, ``--tokens`` tokens each, distinct prompts), each round running every
 engine in turn (the order rotated), the median over rounds. Float is served in bfloat16 (the CPU default for this
 bfloat16 checkpoint) and in float32; the quantized checkpoints with float32 activations (the CPU's int8 product
@@ -36,17 +38,21 @@ def checkpoints(root: Path) -> tuple[dict[str, tuple[Path, str]], object, object
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from jaxpage.models.loader import default_model_path
-    from tests.quantized_checkpoints import save_compressed
+    from tests.quantized_checkpoints import save_awq, save_compressed, save_fp8_blocks
 
     gguf = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    for scheme in ("NONE", "W8A8", "FP8_DYNAMIC", "W4A16"):
+    for scheme in ("NONE", "W8A8", "FP8_DYNAMIC", "W4A16", "W4A16_ASYM"):
         save_compressed(model, root / scheme, scheme) if scheme != "NONE" else _save_float(model, root / scheme)
-        tokenizer.save_pretrained(root / scheme)
-    return {"float bf16": (root / "NONE", "bfloat16"), "float f32": (root / "NONE", "float32"),
-            "W8A8 int8": (root / "W8A8", "auto"), "FP8 dynamic": (root / "FP8_DYNAMIC", "auto"),
-            "W4A16 int4": (root / "W4A16", "auto")}, model, tokenizer
+    save_awq(root / "W4A16_ASYM", root / "AWQ")
+    save_fp8_blocks(model, root / "FP8_BLOCK", (64, 64))
+    for name in ("NONE", "W8A8", "FP8_DYNAMIC", "W4A16", "AWQ", "FP8_BLOCK"):
+        tokenizer.save_pretrained(root / name)
+    return {"float bf16": (root / "NONE", "bfloat16", None), "float f32": (root / "NONE", "float32", None),
+            "W8A8 int8": (root / "W8A8", "auto", None), "FP8 dynamic": (root / "FP8_DYNAMIC", "auto", None),
+            "FP8 blocks": (root / "FP8_BLOCK", "auto", None), "W4A16 int4": (root / "W4A16", "auto", None),
+            "AWQ int4": (root / "AWQ", "auto", None), "GGUF Q4_1 kept": (gguf, "auto", "gguf")}, model, tokenizer
 
 
 def _save_float(model, path: Path) -> None:
@@ -96,7 +102,8 @@ def memory(llm, path: Path, budget: int) -> dict:
     params = llm.engine.runner.params
     device = sum(a.nbytes for a in jax.tree.leaves(params))
     per_block = bytes_per_block(cfg.model, cfg.cache.block_size, cfg.kv_dtype)
-    return {"stored_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")), "device_bytes": device,
+    stored = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return {"stored_bytes": stored, "device_bytes": device,
             "decoder_layer_bytes": sum(a.nbytes for a in jax.tree.leaves(params["layers"])),
             "kv_blocks_left": max(0, budget - device) // per_block, "kv_dtype": cfg.kv_dtype}
 
@@ -106,8 +113,8 @@ def run(streams: list[int], rounds: int, tokens: int, budget_gib: float) -> dict
 
     root = Path(tempfile.mkdtemp(prefix="jaxpage-quantized-"))
     engines, reference, tokenizer = checkpoints(root)
-    llms = {name: LLM(str(path), cache_dir=str(root / "cache"), dtype=dtype, **ENGINE)
-            for name, (path, dtype) in engines.items()}
+    llms = {name: LLM(str(path), cache_dir=str(root / "cache"), dtype=dtype, quantization=quantization, **ENGINE)
+            for name, (path, dtype, quantization) in engines.items()}
     results = {name: {**memory(llm, engines[name][0], int(budget_gib * 2**30)),
                       "dtype": llm.engine.config.dtype, "quantization": llm.engine.config.model.quantization,
                       "top1_agreement": agreement(llm, reference, tokenizer), "tok_per_s": {}}
