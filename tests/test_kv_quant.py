@@ -137,3 +137,22 @@ def test_teacher_forced_quality_against_float32(smollm2_quality, name):
     print(f"{name}: {result}")
     assert result["tokens"] >= 2000
     assert result["top1"] >= min_top1 and result["kl"] <= max_kl, (name, result)
+
+
+def test_int8_kv_over_weights_kept_quantized(tmp_path):
+    """The int8 KV pool over SmolLM2's GGUF with its Q4_1 Linears kept as stored (quantization="gguf"): against
+    the same weights with a float32 pool, the int8 pool's thresholds hold (KV and weight quantization combine)."""
+    from jaxpage.models.loader import load_model
+    from jaxpage.testing import quality
+
+    loaded = load_model(None, tmp_path, quantization="gguf")
+    config = engine_config(config_from_hf(loaded.hf_config), num_kv_blocks=64, block_size=64,
+                           max_model_len=quality.SEGMENT)
+    assert config.model.quantized_weights == "int4"
+    params = jax.tree.map(jnp.asarray, loaded.params)
+    segments = quality.varied_segments(loaded.tokenizer)
+    reference = quality.teacher_forced_hidden(config, params, segments, {})
+    options, min_top1, max_kl = VARIANTS["int8_kv"]
+    result = quality.quality(config, params, segments, options, reference)
+    assert result["tokens"] >= 2000
+    assert result["top1"] >= min_top1 and result["kl"] <= max_kl, result
