@@ -54,9 +54,9 @@ def save_compressed(model: torch.nn.Module, path, scheme: str, group_size: int |
     """Save a copy of `model` (left untouched) to the directory `path` as a compressed-tensors checkpoint.
 
     `scheme` is "W8A8" (int-quantized), "FP8_DYNAMIC" or "FP8_BLOCK" (float-quantized; blocks of `group_size`
-    squared, 64 by default), "W4A16" or "W4A16_ASYM" (pack-quantized, groups of `group_size` columns, 64 by default): compressed-tensors' preset, targets ["Linear"], ignore
-    ["lm_head"], static weight scales (and zero points) from min-max over each channel or group, activations
-    (where any) dynamic per token.
+    squared, 64 by default), "W4A16" or "W4A16_ASYM" (pack-quantized, groups of `group_size` columns, 64 by
+    default): compressed-tensors' preset, targets ["Linear"], ignore ["lm_head"], static weight scales (and zero
+    points) from min-max over each channel, group or block, activations (where any) dynamic.
     """
     model = plain_copy(model)
     qscheme = preset_name_to_scheme(scheme, ["Linear"])
@@ -204,3 +204,29 @@ def save_fp8_blocks(model: torch.nn.Module, path, block: tuple[int, int] = (128,
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "weight_block_size": list(block), "modules_to_not_convert": None}
     (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def requantized_gguf(source, path, ggml_type: str):
+    """The GGUF file at ``source`` written to ``path`` with every decoder layer's 2-D tensor requantized by
+    gguf-py to ``ggml_type`` (from its dequantized values); metadata, tokenizer and other tensors copied."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    kind = gguf.GGMLQuantizationType[ggml_type]
+    for t in reader.tensors:
+        data, raw_type = np.asarray(t.data), t.tensor_type
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            data, raw_type = gguf.quants.quantize(w.reshape([int(d) for d in reversed(t.shape)]), kind), kind
+        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -68,6 +68,28 @@ def test_smollm2_kept_as_q4_1_gives_transformers_logits(hf_smollm2, tmp_path):
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0"])
+def test_smollm2_requantized_to_q8_0_and_q4_0_gives_transformers_logits(ggml_type, tmp_path):
+    """SmolLM2's GGUF with its decoder layers requantized by gguf-py to Q8_0 (int8 kept) and Q4_0 (int4, no zero
+    points), served kept: the logits are transformers' dequantizing the same file (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpage.models.loader import default_model_path
+    from tests.quantized_checkpoints import requantized_gguf
+
+    path = requantized_gguf(default_model_path(), tmp_path / f"smollm2-{ggml_type}.gguf", ggml_type)
+    llm = LLM(str(path), quantization="gguf", cache_dir=str(tmp_path / "cache"), dtype="float32",
+              max_model_len=256, kv_cache_memory=32 << 20, progress=False)
+    cfg = llm.engine.config.model
+    assert (cfg.quantized_weights, cfg.quantization_zero_point) == gguf_quant.TYPES[ggml_type]
+    tokens = llm.get_tokenizer()("The printing press spread across Europe in the")["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    assert_logits_close(paged_logits(llm, tokens), want, 1e-4, ggml_type)
+
+
 def test_gguf_kept_quantized_needs_a_gguf_file(tmp_path):
     from tests.factories import tiny_llama
     from tests.reference import save_random_model
