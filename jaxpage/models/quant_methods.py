@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
+import jaxpage.models.awq as awq
+import jaxpage.models.compressed_tensors as compressed_tensors
+import jaxpage.models.fp8 as fp8
+import jaxpage.models.gguf_quant as gguf_quant
+import jaxpage.models.gptq as gptq
 from jaxpage.config import require
-from jaxpage.models import awq, compressed_tensors, fp8, gguf_quant, gptq
 
 METHODS = {m.METHOD: m for m in (compressed_tensors, gptq, awq, fp8, gguf_quant)}
 

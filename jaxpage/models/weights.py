@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+import jaxpage.models.gguf_quant as gguf_quant
 from jaxpage.config import ModelConfig
-from jaxpage.models import gguf_quant
 from jaxpage.models.quant import SCALE, STORED, ZERO, pack_int4, quantize_int8
 from jaxpage.models.registry import architecture
 
