@@ -85,8 +85,7 @@ class ModelConfig:
         """How the weights are stored, as /v1/models and GetModelInfo report it: quantization (None, "int8" or
         the checkpoint's quant_method), quantized_weights (the decoder Linears' "int8", "fp8", "int4" or None),
         quantization_group_size (input columns a scale covers; None or -1: one per output channel, -1 where the
-        activations stay unquantized on every backend) and
-        quantization_zero_point."""
+        activations stay unquantized on every backend) and quantization_zero_point."""
         return {"quantization": self.quantization, "quantized_weights": self.layer_weights_kind,
                 "quantization_group_size": self.quantization_group_size,
                 "quantization_zero_point": self.quantization_zero_point}

@@ -53,8 +53,8 @@ def quantized_weights(qc: dict) -> dict:
     require(acts is None or acts.get("dynamic") is True, "quantization_config.config_groups.input_activations",
             acts, "must be dynamic (or absent): static activation scales are not served")
     weight_only = FORMATS[fmt][1] == "int8" and acts is None  # W8A16: no per-token int8 product on the CPU
-    return {"quantized_weights": FORMATS[fmt][1], "quantization_group_size": block[1] if block else (
-            -1 if weight_only else None),
+    group_size = block[1] if block else -1 if weight_only else None
+    return {"quantized_weights": FORMATS[fmt][1], "quantization_group_size": group_size,
             "quantization_zero_point": False}
 
 
@@ -109,15 +109,15 @@ def unpack_int32(packed: np.ndarray, num_bits: int, length: int, axis: int) -> n
     return (values - (1 << (num_bits - 1))).astype(np.int8)
 
 
-def unpacked_state(state: dict[str, np.ndarray], qc: dict, kind: str) -> dict[str, np.ndarray]:
-    """A pack-quantized checkpoint's tensors (weights of ``kind``, "int4" or "int8") with every ``X.weight_packed``
+def unpacked_state(state: dict[str, np.ndarray], qc: dict) -> dict[str, np.ndarray]:
+    """A pack-quantized checkpoint's tensors (int4 or int8 weights) with every ``X.weight_packed``
     (int32 [out, in / words]) read into ``X.weight`` (its signed values [out, in], as float32, exact) and every
     packed zero point (int32 [out / words, groups]) into its values [out, groups]; a block-scaled one's scales
     [out blocks, in blocks] held per output channel; other checkpoints' unchanged."""
     weights = next(iter(qc["config_groups"].values())).get("weights") or {}
     if weights.get("strategy") == "block":
         return per_output_channel(state, "_scale", *weights["block_structure"])
-    num_bits = {k: bits for bits, k in PACKED_KINDS.items()}.get(kind)
+    num_bits = weights.get("num_bits")
     state = dict(state)
     for name in [n for n in state if n.endswith(".weight_packed")]:
         base = name[:-len("_packed")]

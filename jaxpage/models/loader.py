@@ -119,7 +119,7 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
     if cfg.quantized_weights is not None:  # a checkpoint published quantized: its weights as stored
         require(quantization in (None, cfg.quantization), "quantization", quantization,
                 f"differs from the checkpoint's quant_method {cfg.quantization!r}")
-        state = unpacked_state(hf_config.quantization_config, state, cfg.quantized_weights)
+        state = unpacked_state(hf_config.quantization_config, state)
         params = stored_quantized_params(cfg, state, params_from_hf_state(cfg, state))
     else:
         params = quantize_params(dataclasses.replace(cfg, quantization=quantization), params_from_hf_state(cfg, state))

@@ -31,10 +31,8 @@ def quantized_weights(quantization_config) -> dict | None:
     return {"quantization": method, **METHODS[method].quantized_weights(qc)}
 
 
-def unpacked_state(quantization_config, state: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
+def unpacked_state(quantization_config, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A quantized checkpoint's tensors in the stored form jaxpage.models.weights reads (``X.weight`` signed values
     as float32, ``X.weight_scale``, ``X.weight_zero_point``), whatever its quant_method."""
     qc = _as_dict(quantization_config)
-    if qc["quant_method"] == compressed_tensors.METHOD:
-        return compressed_tensors.unpacked_state(state, qc, kind)
     return METHODS[qc["quant_method"]].unpacked_state(state, qc)
