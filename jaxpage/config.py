@@ -56,6 +56,9 @@ class ModelConfig:
     quantized_weights: str | None = None
     quantization_group_size: int | None = None
     quantization_zero_point: bool = False
+    # decoder Linears stored otherwise than the above (a GGUF file's mix of types, jaxpage.models.gguf_quant):
+    # sorted (linear, stored kind, group size, zero points), linear one of "qkv", "o", "gate_up", "down"
+    quantized_projections: tuple = ()
     # LoRA adapter slots on the device (the engine's, as quantization): max_loras adapters of rank up to
     # max_lora_rank in every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
     max_loras: int = 0
@@ -85,10 +88,15 @@ class ModelConfig:
         """How the weights are stored, as /v1/models and GetModelInfo report it: quantization (None, "int8" or
         the checkpoint's quant_method), quantized_weights (the decoder Linears' "int8", "fp8", "int4" or None),
         quantization_group_size (input columns a scale covers; None or -1: one per output channel, -1 where the
-        activations stay unquantized on every backend) and quantization_zero_point."""
+        activations stay unquantized on every backend) and quantization_zero_point; where the projections differ
+        (a GGUF file's mix of types), those three are the widest kind, the smallest group and any zero points, and
+        quantized_projections gives each decoder Linear's."""
         return {"quantization": self.quantization, "quantized_weights": self.layer_weights_kind,
                 "quantization_group_size": self.quantization_group_size,
-                "quantization_zero_point": self.quantization_zero_point}
+                "quantization_zero_point": self.quantization_zero_point,
+                "quantized_projections": {name: {"quantized_weights": kind, "quantization_group_size": group,
+                                                 "quantization_zero_point": zero}
+                                          for name, kind, group, zero in self.quantized_projections}}
 
     @property
     def every_layer_windowed(self) -> bool:

@@ -206,11 +206,15 @@ def save_fp8_blocks(model: torch.nn.Module, path, block: tuple[int, int] = (128,
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def requantized_gguf(source, path, ggml_type: str):
-    """The GGUF file at ``source`` written to ``path`` with every decoder layer's 2-D tensor requantized by
-    gguf-py to ``ggml_type`` (from its dequantized values); metadata, tokenizer and other tensors copied."""
+def requantized_gguf(source, path, ggml_type):
+    """The GGUF file at ``source`` written to ``path`` with every decoder layer's 2-D tensor requantized to
+    ``ggml_type`` (a type name, or a function of the tensor's name and row length giving one, as llama.cpp's
+    mixes choose) from its dequantized values: by gguf-py, the K-quants by tests/gguf_k_quants.py; metadata,
+    tokenizer and other tensors copied."""
     import gguf
     import numpy as np
+
+    from tests import gguf_k_quants
 
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
@@ -218,12 +222,16 @@ def requantized_gguf(source, path, ggml_type: str):
         if not field.name.startswith("GGUF.") and field.name != "general.architecture":
             sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    kind = gguf.GGMLQuantizationType[ggml_type]
+    choose = ggml_type if callable(ggml_type) else lambda name, cols: ggml_type
     for t in reader.tensors:
         data, raw_type = np.asarray(t.data), t.tensor_type
         if t.name.startswith("blk.") and len(t.shape) == 2:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-            data, raw_type = gguf.quants.quantize(w.reshape([int(d) for d in reversed(t.shape)]), kind), kind
+            w = w.reshape([int(d) for d in reversed(t.shape)])
+            kind = choose(t.name, w.shape[1])
+            raw_type = gguf.GGMLQuantizationType[kind]
+            data = (gguf_k_quants.quantize(w, kind) if kind in gguf_k_quants.QUANTIZERS
+                    else gguf.quants.quantize(w, raw_type))
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=raw_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -18,6 +18,7 @@ from jaxpage.config import ModelConfig
 from jaxpage.distributed.parallel import MODEL_AXIS
 from jaxpage.models.batch import TokenBatch
 from jaxpage.models.layers import Linear, QKVParallelLinear, RMSNorm
+from jaxpage.models.quant import projection
 from jaxpage.models.rope import apply_rope, rope_inv_freq, rope_tables
 
 
@@ -96,8 +97,10 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv = QKVParallelLinear(d, h, kvh, hd, bias=qkv_bias)
-        self.o = Linear((h, hd), (d,), (MODEL_AXIS, None, None), bias=o_bias)
+        with projection("qkv"):
+            self.qkv = QKVParallelLinear(d, h, kvh, hd, bias=qkv_bias)
+        with projection("o"):
+            self.o = Linear((h, hd), (d,), (MODEL_AXIS, None, None), bias=o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if qk_norm else None
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5

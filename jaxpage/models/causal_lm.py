@@ -41,7 +41,8 @@ class CausalLM(nnx.Module):
         layer_cls = arch.DecoderLayer
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         # with LoRA, every Linear of the decoder layers gets adapter slots (the LM head none)
-        with (building(cfg.layer_weights_kind, cfg.quantization_group_size, cfg.quantization_zero_point),
+        with (building(cfg.layer_weights_kind, cfg.quantization_group_size, cfg.quantization_zero_point,
+                       cfg.quantized_projections),
               building_slots(cfg.max_loras + 1 if cfg.max_loras else 0, cfg.max_lora_rank, cfg.cpu_lora_kernel)):
             if unrolled:
                 self.layers = nnx.List([layer_cls(cfg) for _ in range(cfg.num_layers)])

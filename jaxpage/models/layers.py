@@ -25,6 +25,7 @@ from jaxpage.models.quant import (
     groups_being_built,
     int8_dot,
     num_groups,
+    projection,
     quantization_being_built,
 )
 from jaxpage.models.weight_packing import linear_packs, packing_being_built
@@ -87,7 +88,7 @@ class Linear(nnx.Module):
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], names: tuple, bias: bool = False,
                  parts: int = 1):
-        kind = quantization_being_built()
+        self.kind = kind = quantization_being_built()  # the stored kind: "int8", "fp8", "int4" or None (float)
         quantized = kind is not None
         packed_in = (*in_shape[:-1], in_shape[-1] // 2) if kind == "int4" else in_shape  # two values a byte
         self.kernel = param((*packed_in, *out_shape), names, STORED[kind] if quantized else jnp.float32)
@@ -100,8 +101,10 @@ class Linear(nnx.Module):
             grouped = (in_names[0], *out_names)
             self.scale = param((self.num_groups, *out_shape), grouped)
             self.zero = param((self.num_groups, *out_shape), grouped) if zero_point else None
-        elif quantized:
-            self.scale = param(out_shape, out_names)
+        else:
+            self.zero = None
+            if quantized:
+                self.scale = param(out_shape, out_names)
         self.bias = param(out_shape, out_names) if bias else None
         self.num_in, self.num_out = len(in_shape), len(out_shape)
         num_slots, rank, self.lora_grouped = slots_being_built()
@@ -247,8 +250,10 @@ class MLP(nnx.Module):
     the model axis."""
 
     def __init__(self, dim: int, hidden: int, act: str):
-        self.gate_up = MergedColumnParallelLinear(dim, hidden, 2)
-        self.down = Linear((hidden,), (dim,), (MODEL_AXIS, None))
+        with projection("gate_up"):
+            self.gate_up = MergedColumnParallelLinear(dim, hidden, 2)
+        with projection("down"):
+            self.down = Linear((hidden,), (dim,), (MODEL_AXIS, None))
         self.act = act
 
     def __call__(self, x: jax.Array, lora: LoRAMapping | None = None) -> jax.Array:

@@ -108,7 +108,7 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
     if quantization == gguf_quant.METHOD:  # a GGUF file's decoder Linears kept as stored
         require(is_gguf, "quantization", quantization, f"needs a .gguf file (got {str(path)!r})")
         hf_config.quantization_config = {"quant_method": gguf_quant.METHOD,
-                                         "ggml_type": gguf_quant.linear_type(gguf_linear_types(path, cfg))}
+                                         "ggml_types": gguf_quant.types_by_projection(gguf_linear_types(path, cfg))}
         cfg = config_from_hf(hf_config)
     pooler = None if is_gguf else sentence_transformers_pooler(src)
     state = hf_state_from_gguf(path, cfg) if is_gguf else _as_causal_lm(_read_safetensors(path))

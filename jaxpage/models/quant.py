@@ -19,19 +19,33 @@ import numpy as np
 
 SCALE = "scale"  # Linear.scale: stays float32 in every engine dtype
 ZERO = "zero"  # Linear.zero: a grouped kernel's zero points, float32 (GGUF's are fractional)
-_BUILDING = contextvars.ContextVar("quantization", default=(None, None, False))
+_BUILDING = contextvars.ContextVar("quantization", default=(None, None, False, ()))
 
 
 @contextlib.contextmanager
-def building(quantization, group_size: int | None = None, zero_point: bool = False):
+def building(quantization, group_size: int | None = None, zero_point: bool = False, projections: tuple = ()):
     """Modules constructed inside take this quantization (the model builds its graph in one of these): a stored
     kind, with a scale per ``group_size`` input columns (None: per output channel; int4 is always grouped, one
-    group of every input where None) and zero points."""
-    token = _BUILDING.set((quantization, group_size, zero_point))
+    group of every input where None) and zero points; ``projections`` (ModelConfig.quantized_projections): the
+    decoder Linears stored otherwise, by name, each built inside ``projection(name)``."""
+    token = _BUILDING.set((quantization, group_size, zero_point, projections))
     try:
         yield
     finally:
         _BUILDING.reset(token)
+
+
+@contextlib.contextmanager
+def projection(name: str):
+    """The decoder Linear ``name`` ("qkv", "o", "gate_up", "down") is built inside: its own stored kind, group
+    size and zero points where the quantization being built gives it one."""
+    projections = _BUILDING.get()[3]
+    scheme = next((tuple(p[1:]) for p in projections if p[0] == name), None)
+    if scheme is None:
+        yield
+        return
+    with building(*scheme, projections=projections):
+        yield
 
 
 def quantization_being_built():
@@ -40,7 +54,7 @@ def quantization_being_built():
 
 def groups_being_built() -> tuple[int | None, bool]:
     """(group_size, zero_point) of the quantization being built."""
-    return _BUILDING.get()[1:]
+    return _BUILDING.get()[1:3]
 
 
 def num_groups(in_shape: tuple[int, ...], group_size: int | None) -> int:

@@ -67,10 +67,10 @@ def stored_quantized_params(cfg: ModelConfig, state: dict[str, np.ndarray], para
             raise ValueError(f"quantization_config: the quantized weights {names[0]!r} of a "
                              f"{cfg.model_type} model are not served quantized")
         linear = _get(params, ("layers", *path[:-1]))
-        linear["kernel"] = (pack_int4(linear["kernel"], module.num_in) if cfg.quantized_weights == "int4"
-                            else np.asarray(linear["kernel"]).astype(STORED[cfg.quantized_weights]))
+        linear["kernel"] = (pack_int4(linear["kernel"], module.num_in) if module.kind == "int4"
+                            else np.asarray(linear["kernel"]).astype(STORED[module.kind]))
         linear[SCALE] = _per_output(module, _planes(state, cfg, names, fn, "_scale"))
-        if module.num_groups and cfg.quantization_zero_point:
+        if module.zero is not None:
             linear[ZERO] = _per_output(module, _planes(state, cfg, names, fn, "_zero_point"))
     return params
 
