@@ -132,6 +132,18 @@ def test_a_quantized_checkpoints_step_compiles_for_v5e_and_v6e(weights):
         assert f"{stored}[30,{inputs},3,5,64]" in r.hlo and f"{stored}[30,{inputs * 8 // 3},576]" in r.hlo
 
 
+def test_a_gguf_q4_k_m_step_compiles_with_each_projection_as_stored():
+    """A GGUF Q4_K_M file kept (random_model's "gguf-q4_k_m": q/k/v and down int8 in groups of 16, o and gate/up
+    int4 in groups of 32, zero points throughout) in SmolLM2's step at the smallest bucket on a v5e: each kernel
+    among the arguments in its own stored form."""
+    config = ct.checkpoint_quant_config("gguf-q4_k_m")
+    r = check_step("v5e", "smollm2-135m", config.token_buckets()[0], config)
+    assert_compiled(r)
+    for kernel in ("s8[30,576,3,5,64]", "s8[30,1536,576]", "u8[30,288,2,1536]", "u8[30,9,32,576]",
+                   "f32[30,36,3,5,64]", "f32[30,96,576]", "f32[30,18,2,1536]"):
+        assert kernel in r.hlo, kernel
+
+
 V5E_HBM = 16 << 30
 
 
@@ -149,6 +161,18 @@ def test_llama3_8b_w4a16_fits_one_v5e_with_a_kv_pool():
     float_config = ct.engine_config("llama-3-8b", num_kv_blocks=2048)
     refused = ct.compile_step("v5e", "llama-3-8b", float_config.token_buckets()[0], float_config)
     assert not refused.ok and "RESOURCE_EXHAUSTED" in refused.error, refused.error
+
+
+def test_llama3_8b_gguf_q4_k_m_kept_fits_one_v5e_with_a_kv_pool():
+    """Llama-3-8B as a GGUF Q4_K_M file kept as stored (int8 and int4 by projection, float32 scales and zero
+    points per group; embeddings and head bfloat16) compiles for one v5e with a 4 GiB KV pool (2,048 blocks of 16
+    tokens), arguments, outputs and temporaries within the chip's 16 GiB."""
+    config = ct.checkpoint_quant_config("gguf-q4_k_m", "llama-3-8b", num_kv_blocks=2048)
+    r = check_step("v5e", "llama-3-8b", config.token_buckets()[0], config)
+    assert_compiled(r)
+    m = r.memory
+    assert m["argument"] + m["output"] - m["alias"] + m["temp"] < V5E_HBM, m
+    assert "u8[32,2048,2,14336]" in r.hlo and "s8[32,14336,4096]" in r.hlo  # gate/up int4, down int8
 
 
 def test_xla_path_step_holds_no_pool_copy():

@@ -82,6 +82,17 @@ def test_a_quantized_checkpoints_step_lowers_with_its_stored_weights(weights, st
     assert f"tensor<30x{inputs}x3x5x64x{stored}>" in text and f"tensor<30x{inputs * 8 // 3}x576x{stored}>" in text
 
 
+def test_a_gguf_q4_k_m_step_lowers_with_each_projection_as_stored():
+    """SmolLM2's step over a GGUF Q4_K_M file kept (q/k/v and down int8 in groups of 16, o and gate/up int4 in
+    groups of 32): one Triton attention call, each kernel among the arguments in its own stored form."""
+    from jaxpage.testing.cuda_lowering import checkpoint_quant_case
+
+    text = lower_for_cuda(checkpoint_quant_case("gguf-q4_k_m"), TARGET_LIST[-1])
+    assert triton_calls(text) == 1
+    for kernel in ("30x576x3x5x64xi8", "30x1536x576xi8", "30x288x2x1536xui8", "30x9x32x576xui8"):
+        assert f"tensor<{kernel}>" in text, kernel
+
+
 @pytest.mark.parametrize("case", spec_step_cases(), ids=lambda c: c.shape.split()[2])
 def test_speculative_verify_and_draft_steps_lower_with_the_triton_kernel(case):
     """A draft model's target (rejection sampling: the drafts' q [S, vocab] float32 among its inputs) and the

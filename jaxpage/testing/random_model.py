@@ -33,7 +33,8 @@ TINY = dataclasses.replace(SMOLLM2_135M, vocab_size=512, hidden_size=128, interm
 
 # Checkpoints published quantized, by the decoder Linears' stored form (ModelConfig's fields): compressed-tensors'
 # W8A8 and FP8 dynamic (a scale per output channel), W4A16 (GPTQ and AWQ load into the same) in groups of 64 with
-# zero points, block-scaled FP8 (quant_method fp8) in blocks of 64 inputs, and a GGUF file's Q4_1 kept as stored
+# zero points, block-scaled FP8 (quant_method fp8) in blocks of 64 inputs, a GGUF file's Q4_1 kept as stored, and
+# a Q4_K_M file whose rows are multiples of 256 (Llama-3-8B's): Q6_K beside Q4_K in v and down, Q4_K elsewhere
 PUBLISHED_SCHEMES = {
     "int8": {"quantization": "compressed-tensors", "quantized_weights": "int8"},
     "fp8": {"quantization": "compressed-tensors", "quantized_weights": "fp8"},
@@ -42,6 +43,10 @@ PUBLISHED_SCHEMES = {
     "fp8-block": {"quantization": "fp8", "quantized_weights": "fp8", "quantization_group_size": 64},
     "gguf-q4_1": {"quantization": "gguf", "quantized_weights": "int4", "quantization_group_size": 32,
                   "quantization_zero_point": True},
+    "gguf-q4_k_m": {"quantization": "gguf", "quantized_weights": "int8", "quantization_group_size": 16,
+                    "quantization_zero_point": True,
+                    "quantized_projections": (("down", "int8", 16, True), ("gate_up", "int4", 32, True),
+                                              ("o", "int4", 32, True), ("qkv", "int8", 16, True))},
 }
 
 
