@@ -1,13 +1,16 @@
 """Checkpoints published quantized: weight memory, the KV pool they leave, agreement with float and tok/s.
 
     python -m benchmarks.quantized [--streams 1 8 32] [--rounds 2] [--tokens 64] [--budget-gib 1] [--json F]
+                                   [--only NAME ...]
     jaxpage bench quantized [...]
 
 SmolLM2-135M-Instruct (the embedded GGUF file, read by transformers in float32) saved as a float directory and
 as compressed-tensors checkpoints of compressed-tensors' presets (tests/quantized_checkpoints.py: W8A8 int8 and
 FP8 dynamic, weights per output channel; W4A16, int4 in groups of 64 columns; the tied head float), as AWQ (the
 W4A16_ASYM integers, zero points per group of 64), as block-scaled FP8 (quant_method fp8, blocks of 64 x 64), and
-the GGUF file itself with its Q4_1 Linears kept (quantization="gguf", blocks of 32). For each: the weights'
+the GGUF file itself with its Q4_1 Linears kept (quantization="gguf", blocks of 32), and that file requantized as
+llama.cpp's Q4_K_M lays SmolLM2 out (tests/gguf_k_quants.q4_k_m: Q5_0 / Q8_0 where a row is not a multiple of
+256, Q4_K and Q6_K in ffn_down), kept. ``--only`` runs the named engines beside float bf16. For each: the weights'
 bytes as stored (the safetensors files, or the GGUF file) and on the device (the engine's parameters, and those of
 its decoder layers alone, where the quantized weights are), the KV blocks a ``--budget-gib`` device would have
 left after the weights, teacher-forced top-1 agreement with float32 transformers over held-out chat text, and
@@ -38,7 +41,8 @@ def checkpoints(root: Path) -> tuple[dict[str, tuple[Path, str]], object, object
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from jaxpage.models.loader import default_model_path
-    from tests.quantized_checkpoints import save_awq, save_compressed, save_fp8_blocks
+    from tests.gguf_k_quants import q4_k_m
+    from tests.quantized_checkpoints import requantized_gguf, save_awq, save_compressed, save_fp8_blocks
 
     gguf = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -49,10 +53,12 @@ def checkpoints(root: Path) -> tuple[dict[str, tuple[Path, str]], object, object
     save_fp8_blocks(model, root / "FP8_BLOCK", (64, 64))
     for name in ("NONE", "W8A8", "FP8_DYNAMIC", "W4A16", "AWQ", "FP8_BLOCK"):
         tokenizer.save_pretrained(root / name)
+    q4_k_m_file = requantized_gguf(gguf, root / "smollm2-q4_k_m.gguf", q4_k_m(30))
     return {"float bf16": (root / "NONE", "bfloat16", None), "float f32": (root / "NONE", "float32", None),
             "W8A8 int8": (root / "W8A8", "auto", None), "FP8 dynamic": (root / "FP8_DYNAMIC", "auto", None),
             "FP8 blocks": (root / "FP8_BLOCK", "auto", None), "W4A16 int4": (root / "W4A16", "auto", None),
-            "AWQ int4": (root / "AWQ", "auto", None), "GGUF Q4_1 kept": (gguf, "auto", "gguf")}, model, tokenizer
+            "AWQ int4": (root / "AWQ", "auto", None), "GGUF Q4_1 kept": (gguf, "auto", "gguf"),
+            "GGUF Q4_K_M kept": (q4_k_m_file, "auto", "gguf")}, model, tokenizer
 
 
 def _save_float(model, path: Path) -> None:
@@ -108,11 +114,15 @@ def memory(llm, path: Path, budget: int) -> dict:
             "kv_blocks_left": max(0, budget - device) // per_block, "kv_dtype": cfg.kv_dtype}
 
 
-def run(streams: list[int], rounds: int, tokens: int, budget_gib: float) -> dict:
+def run(streams: list[int], rounds: int, tokens: int, budget_gib: float, only: list[str] | None = None) -> dict:
     from jaxpage import LLM
 
     root = Path(tempfile.mkdtemp(prefix="jaxpage-quantized-"))
     engines, reference, tokenizer = checkpoints(root)
+    unknown = set(only or ()) - set(engines)
+    if unknown:
+        raise SystemExit(f"--only: unknown engines {sorted(unknown)}; known: {', '.join(engines)}")
+    engines = {name: e for name, e in engines.items() if only is None or name in {"float bf16", *only}}
     llms = {name: LLM(str(path), cache_dir=str(root / "cache"), dtype=dtype, quantization=quantization, **ENGINE)
             for name, (path, dtype, quantization) in engines.items()}
     results = {name: {**memory(llm, engines[name][0], int(budget_gib * 2**30)),
@@ -157,8 +167,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--budget-gib", type=float, default=1.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", nargs="+", help="these engines (the table's names) beside float bf16")
     args = parser.parse_args(argv)
-    out = run(args.streams, args.rounds, args.tokens, args.budget_gib)
+    out = run(args.streams, args.rounds, args.tokens, args.budget_gib, args.only)
     print(table(out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -12,7 +12,8 @@ from jaxpage.cpu_kernels import kv_write, onednn
 from jaxpage.models.layers import dense
 from jaxpage.attention.kv_write import write_kv
 
-needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN or a C++ compiler is missing")
+needs_onednn = pytest.mark.skipif(not onednn.bfloat16_matmul(), reason="oneDNN or a C++ compiler is missing, or "
+                                  "the CPU has no ISA for its bfloat16 matmul (AVX-512, AMX)")
 needs_kernels = pytest.mark.skipif(not kv_write.available(), reason="no C++ compiler")
 
 CASES = [  # x shape, kernel shape, contracted axes, transposed
@@ -250,7 +251,7 @@ def test_smollm2_bfloat16_teacher_forced_quality_against_float32(hf_smollm2):
 
     model, tokenizer = hf_smollm2
     loaded = load_model(None, default_cache_dir(), None)
-    cfg = dataclasses.replace(config_from_hf(loaded.hf_config), onednn_packed_weights=onednn.available())
+    cfg = dataclasses.replace(config_from_hf(loaded.hf_config), onednn_packed_weights=onednn.bfloat16_matmul())
     params = cast_weights(pack_params(cfg, loaded.params), "bfloat16")
     top1, kl, top1s, kls = agreement_with_transformers(model, tokenizer, cfg, params, jnp.bfloat16)
     print(f"bfloat16 vs float32 over {SEGMENT * len(SOURCES)} tokens: top-1 {top1:.4f}, mean KL {kl:.5f} "
@@ -292,7 +293,7 @@ def _pool_of(kind: str, values: np.ndarray):
     return jnp.asarray(values, kind)
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 @pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 4, 1, 8), (16, 2, 2, 4),
                                                              (48, 12, 2, 32)])
@@ -323,7 +324,7 @@ def test_paged_attention_kernel_equals_the_dense_reference(pool_dtype, head_dim,
                                atol=tolerance)
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (96, 8, 1), (128, 4, 2)])
 def test_paged_attention_over_shared_prefix_pages_equals_the_dense_reference(head_dim, heads, kv_heads):
     """bfloat16 decodes of several sequences over the same leading blocks (vLLM's cascade attention), one of them
@@ -372,7 +373,7 @@ LORA_CASES = [  # x shape, a shape, b shape, contracted axes: the Linears' forms
 ]
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("x_shape,a_shape,b_shape,num_in", LORA_CASES)
 def test_lora_delta_kernel_equals_the_one_hot_form(x_shape, a_shape, b_shape, num_in, dtype):
@@ -401,7 +402,7 @@ def test_lora_delta_kernel_equals_the_one_hot_form(x_shape, a_shape, b_shape, nu
     assert "jaxpage_lora_delta" not in cuda
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,vocab,cap", [(1, 49152, None), (33, 1000, None), (5, 77, 30.0)])
 def test_greedy_pick_kernel_equals_the_numpy_argmax_and_log_softmax(dtype, rows, vocab, cap):
@@ -430,7 +431,7 @@ def test_greedy_pick_kernel_equals_the_numpy_argmax_and_log_softmax(dtype, rows,
     assert "jaxpage_greedy_pick" in jax.jit(lambda x: plain_greedy(x, cap)).lower(raw).as_text()
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(32, 2, 1536), (384, 2, 1536), (3, 5, 2, 48), (0, 2, 16)])
 def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
@@ -459,7 +460,7 @@ def test_silu_and_mul_kernel_equals_the_float64_gated_silu(dtype, shape):
         assert "jaxpage_silu_and_mul" not in cuda.as_text()
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens,kv_heads,group,head_dim", [(5, 3, 3, 64), (600, 3, 3, 64), (4, 2, 1, 32),
                                                             (0, 3, 3, 64)])
@@ -506,7 +507,7 @@ def test_rotary_embedding_kernel_splits_qkv_and_equals_the_float64_rope(dtype, t
         np.testing.assert_array_equal(np.asarray(got_v, np.float64), y64[:, :, group + 1])
 
 
-@needs_onednn
+@needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(0, 64), (1, 576), (96, 576), (1024, 576), (3, 9, 128)])
 def test_rms_norm_kernels_equal_the_float64_norm(dtype, shape):

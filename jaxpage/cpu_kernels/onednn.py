@@ -19,7 +19,7 @@ import numpy as np
 from jaxpage.cpu_kernels.custom_op import CustomOp
 from jaxpage.cpu_kernels.library import ONEDNN, cpu_flags, ffi_call, library
 
-__all__ = ["DENSE", "available", "dense", "fast_bfloat16", "matmul", "pack", "packs"]
+__all__ = ["DENSE", "available", "bfloat16_matmul", "dense", "fast_bfloat16", "matmul", "pack", "packs"]
 
 
 def available() -> bool:
@@ -71,12 +71,24 @@ def fast_bfloat16() -> bool:
     return available() and bool(set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
 
 
+BFLOAT16_ISAS = ({"avx512_bf16"}, {"amx_bf16"}, {"avx_ne_convert"}, {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+@functools.cache
+def bfloat16_matmul() -> bool:
+    """Whether oneDNN's bfloat16 matmul runs here: the library available on a CPU of an ISA its bfloat16 kernels
+    take (AVX-512 core and up, AMX, AVX2 with avx_ne_convert). On an AVX2-only CPU it cannot make the primitive,
+    so bfloat16 products stay XLA's."""
+    flags = set(cpu_flags().split())
+    return available() and any(isa <= flags for isa in BFLOAT16_ISAS)
+
+
 @functools.cache
 def packs(k: int, n: int, dtype) -> bool:
     """Whether [k, n] weights of ``dtype`` are packed: bfloat16, where the library is available and the packed
     layout pads nothing (so a packed kernel keeps its array's shape and dtype)."""
     lib = library(ONEDNN)
-    if lib is None or np.dtype(dtype) != jax.numpy.bfloat16:
+    if lib is None or np.dtype(dtype) != jax.numpy.bfloat16 or not bfloat16_matmul():
         return False
     lib.jaxpage_onednn_packed_bytes.restype = ctypes.c_int64
     size = lib.jaxpage_onednn_packed_bytes(ctypes.c_int64(k), ctypes.c_int64(n))
@@ -108,4 +120,5 @@ def dense(x: jax.Array, kernel: jax.Array, *, num_in: int, transposed: bool = Fa
     return y.reshape(*x.shape[:x.ndim - num_in], *out_shape)
 
 
-DENSE = CustomOp("dense", dense, lambda x, kernel, **params: x.dtype == kernel.dtype == jnp.bfloat16, library=ONEDNN)
+DENSE = CustomOp("dense", dense, lambda x, kernel, **params: x.dtype == kernel.dtype == jnp.bfloat16
+                 and bfloat16_matmul(), library=ONEDNN)

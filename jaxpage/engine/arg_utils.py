@@ -101,7 +101,8 @@ class EngineArgs(CliArgs):
         "int8: int8 weights with a float32 scale per output channel, made at load and cached (on the CPU the "
         "activations are quantized per token too); a checkpoint published quantized (compressed-tensors, gptq, "
         "awq, fp8) is served in its own scheme, whatever is given here but another scheme; gguf: a GGUF file's "
-        "Q8_0 / Q4_0 / Q4_1 decoder Linears kept as stored (else dequantized)", choices=QUANTIZATIONS[1:]))
+        "decoder Linears kept as stored, Q8_0 to the K-quants of Q4_K_M files (else dequantized)",
+        choices=QUANTIZATIONS[1:]))
     scan_layers: bool = dataclasses.field(default=True, metadata=_option(
         "one compiled decoder layer, run by a lax.scan (on the CPU: called once per layer from the host, each "
         "layer's weights read in place); --no-scan-layers unrolls the layers into the step: ~3x the compile time"))

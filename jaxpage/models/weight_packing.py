@@ -41,9 +41,9 @@ def packing_being_built() -> bool:
 def packs_weights(dtype: str, attention_backend: str, quantization: str | None, tensor_parallel_size: int,
                   devices) -> bool:
     """Whether an engine packs its weights: bfloat16 on one CPU device, XLA's attention path, float weights, and
-    oneDNN available."""
+    oneDNN's bfloat16 matmul running here."""
     return (dtype == "bfloat16" and attention_backend == "xla" and quantization is None
-            and tensor_parallel_size == 1 and all(d.platform == "cpu" for d in devices) and onednn.available())
+            and tensor_parallel_size == 1 and all(d.platform == "cpu" for d in devices) and onednn.bfloat16_matmul())
 
 
 def linear_packs(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> bool:
