@@ -23,6 +23,10 @@
 6. The vLLM paper's comparison (benchmarks/throughput.py's setup): ShareGPT-like lengths at t=0, 2048-token
    reservations, the same KV memory for every system, a warm-up window then a measured one; beside section 3,
    where every request fits.
+7. The quantized checkpoints' products (jaxpage.models.quant) on Llama-3-8B's up projection [4096, 14336] at
+   1, 32 and 256 rows: bfloat16, int8 weight-only, int4 in groups of 64, FP8 per channel and in blocks of 128,
+   each FP8 one as float8 x float8 (``fp8_native_dot``, the form a GPU with FP8 runs) and upcast: us a call and
+   GB/s of the weights' stored bytes.
 ``--sections`` runs some of them (a rerun of what a first run's time limit skipped); ``--budget-s`` is the whole
 run's: a section not started within it is recorded as skipped.
 Writes DIR/device_check.json (everything; also to --json F) and DIR/device_check.md (the short table), and prints
@@ -69,7 +73,9 @@ SMOKE = dict(heads=((8, 2, 64, 16, "float32"),), model=random_model.TINY, dtype=
                            "--no-check"], engine_budget_s=120.0,
              prefill=[(16, 20), (0, 12)], prefill_calls=1, prefill_rows=(64,), layout_steps=2, budget_s=600.0,
              paper=dict(slots=3, max_len=64, requests=6, scale=0.08, max_num_seqs=8, warmup=0.0, duration=0.0))
-SECTIONS = ("checks", "kernels", "prefill", "engine", "layouts", "defaults", "paper")
+SECTIONS = ("checks", "kernels", "prefill", "engine", "layouts", "defaults", "paper", "quant")
+QUANT = {"full": dict(k=4096, n=14336, rows=(1, 32, 256), calls=20, samples=5),
+         "smoke": dict(k=256, n=384, rows=(1, 4), calls=1, samples=1)}
 LIFTED = {"long_prefill_token_threshold": 0, "max_num_partial_prefills": 256, "max_long_partial_prefills": 256}
 
 
@@ -301,6 +307,47 @@ def paper_benchmark(setup: dict) -> dict:
     return result
 
 
+# --- 7. quantized products -------------------------------------------------------------------------------
+def quant_products(k: int, n: int, key) -> dict:
+    """name -> (the product x -> y, the weights' stored bytes) of each scheme on a random [k, n] kernel."""
+    from jaxpage.models import quant
+
+    w = jax.random.normal(key, (k, n), jnp.float32) * 0.02
+    values, scale = quant.quantize_int8(np.asarray(w), (0,))
+    int8 = jnp.asarray(values), jnp.asarray(scale)
+    fp8 = (w / 0.001).astype(jnp.float8_e4m3fn), jnp.full((n,), 0.001, jnp.float32)
+    fp8_blocks = fp8[0], jnp.full((k // 128, n), 0.001, jnp.float32)
+    int4 = (jnp.asarray(quant.pack_int4(np.clip(values // 16, -8, 7), 0)), jnp.full((k // 64, n), 0.01, jnp.float32),
+            jnp.zeros((k // 64, n), jnp.float32))
+    bf16 = w.astype(jnp.bfloat16)
+    return {"bfloat16": (lambda x: x @ bf16, bf16.nbytes),
+            "int8 weight-only": (lambda x: quant.int8_dot_weight_only(x, *int8, 1), values.nbytes + scale.nbytes),
+            "int4 groups of 64": (lambda x: quant.grouped_dot(x, *int4, 1), sum(a.nbytes for a in int4)),
+            "fp8 native": (lambda x: quant.fp8_native_dot(x, *fp8, 1), sum(a.nbytes for a in fp8)),
+            "fp8 upcast": (lambda x: quant.int8_dot_weight_only(x, *fp8, 1), sum(a.nbytes for a in fp8)),
+            "fp8 blocks native": (lambda x: quant.fp8_native_dot(x, *fp8_blocks, 1),
+                                  sum(a.nbytes for a in fp8_blocks)),
+            "fp8 blocks upcast": (lambda x: quant.grouped_dot(x, *fp8_blocks, None, 1),
+                                  sum(a.nbytes for a in fp8_blocks))}
+
+
+def quant_section(smoke: bool) -> dict:
+    """Each scheme's product at each row count: median us a call and GB/s of its stored weight bytes."""
+    shape = QUANT["smoke" if smoke else "full"]
+    products = quant_products(shape["k"], shape["n"], jax.random.key(0))
+    out = {"k": shape["k"], "n": shape["n"], "results": []}
+    for rows in shape["rows"]:
+        sets = [(jax.random.normal(jax.random.key(rows + i), (rows, shape["k"]), jnp.bfloat16),) for i in range(2)]
+        for name, (fn, nbytes) in products.items():
+            try:
+                seconds = kernels.time_method(jax.jit(fn), sets, shape["calls"], shape["samples"])
+                out["results"].append({"scheme": name, "rows": rows, "us": seconds * 1e6,
+                                       "weight_bytes": nbytes, "gbps": nbytes / seconds / 1e9})
+            except Exception as e:  # noqa: BLE001 - a scheme this GPU cannot run is recorded, the others go on
+                out["results"].append({"scheme": name, "rows": rows, "error": str(e)[:300]})
+    return out
+
+
 # --- the report -------------------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
     lines = [f"# Device check: {result['device']} ({result['platform']}), JAX {result['jax']}"
@@ -374,6 +421,16 @@ def markdown(result: dict) -> str:
                       f" of KV memory, {paper['setup']['requests']} ShareGPT-like requests at t=0): requests/s "
                       + ", ".join(f"{name} {paper[name]['requests_per_s']:.2f}" for name in throughput.SYSTEMS)
                       + f"; paged / best contiguous {paper['paged_speedup_vs_best_baseline']:.2f}x"]
+    quant = result.get("quant")
+    if quant:
+        lines += ["", f"Quantized products on a [{quant['k']}, {quant['n']}] kernel, us a call (GB/s of the "
+                      "stored weights):", "", "| scheme | " + " | ".join(
+                          f"{r} rows" for r in dict.fromkeys(x["rows"] for x in quant["results"])) + " |"]
+        lines.append("|---" * (1 + len({x["rows"] for x in quant["results"]})) + "|")
+        for name in dict.fromkeys(x["scheme"] for x in quant["results"]):
+            cells = [f"{x['us']:.1f} ({x['gbps']:.0f})" if "us" in x else "error"
+                     for x in quant["results"] if x["scheme"] == name]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [f"(skipped: section {s})" for s in result.get("skipped_sections", [])]
     lines += ["", f"total {result['total_s']:.0f} s"]
     return "\n".join(lines) + "\n"
@@ -456,6 +513,8 @@ def run_section(section: str, setup: dict, args, result: dict, started: float, d
         result["defaults"] = defaults_section(setup)
     elif section == "paper":
         result["paper"] = paper_benchmark(setup)
+    elif section == "quant":
+        result["quant"] = quant_section(args.smoke)
     return True
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxpage.testing.quality import SEGMENT, SOURCES, agreement_with_transformers
 from jaxpage.config import ModelConfig
@@ -180,3 +182,48 @@ def test_get_model_info_and_v1_models_report_the_quantization():
         assert info.quantization == reported
         models = asyncio.run(OpenAIServing(requests).models())
         assert models.data[0].quantization == quantization and models.data[0].id == "tiny"
+
+
+@pytest.mark.parametrize("in_shape, groups", [((256,), None), ((256,), 4), ((4, 64), 2)])
+def test_fp8_native_product_is_the_float8_math(in_shape, groups):
+    """The product a GPU with FP8 runs for an FP8-dynamic or block-FP8 checkpoint (quant.fp8_native_dot): against
+    numpy, x quantized to float8 e4m3 with a scale per token (and block of inputs), float8 values multiplied in
+    float64, each block's sum times both scales; and within FP8's rounding of the float product."""
+    import ml_dtypes
+
+    from jaxpage.models.quant import FP8_MAX, fp8_native_dot
+
+    rng = np.random.default_rng(SEED)
+    k, n, g = int(np.prod(in_shape)), 48, groups or 1
+    x = rng.standard_normal((5, *in_shape)).astype(np.float32)
+    x[1] = 0  # an all-zero token: scale 1
+    kernel = np.clip(rng.standard_normal((*in_shape, n)) * 100, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(1e-3, 2e-3, (n,) if groups is None else (g, n)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda *a: fp8_native_dot(*a, num_in=len(in_shape)))(x, kernel, scale))
+    xs = x.reshape(5, g, k // g)
+    x_scale = np.abs(xs).max(axis=-1, keepdims=True) / np.float32(FP8_MAX)
+    x_scale = np.where(x_scale == 0, np.float32(1), x_scale)
+    xq = (xs / x_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    w = kernel.astype(np.float64).reshape(g, k // g, n)
+    want = sum((xq[:, i] @ w[i]) * x_scale[:, i] * scale.reshape(g, n)[i] for i in range(g))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=f"seed {SEED}")
+    exact = x.reshape(5, k) @ (w * scale.reshape(g, 1, n)).reshape(k, n)
+    assert np.abs(got - exact).max() <= 0.08 * np.abs(exact).max(), f"seed {SEED}"
+
+
+def test_fp8_checkpoints_take_the_float8_product_only_on_a_gpu_with_fp8():
+    """A float8 Linear whose scheme quantizes activations lowers for CUDA (the lane's Hopper target) to a float8 x
+    float8 dot, and for the CPU to the weights upcast (bfloat16 x bfloat16); a weight-only one (group_size -1)
+    upcasts on CUDA too."""
+    x = jnp.ones((3, 64), jnp.bfloat16)
+    for group_size, native in ((None, True), (32, True), (-1, False)):
+        with building("fp8", group_size):
+            linear = Linear((64,), (16,), (None, None))
+        graph, state = nnx.split(linear)
+
+        def apply(state, x, graph=graph):
+            return nnx.merge(graph, state)(x)
+        lowered = {p: jax.jit(apply).trace(state, x).lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu")}
+        float8_dot = re.compile(r"dot_general.*f8E4M3FN>, tensor<[^>]*f8E4M3FN>")
+        assert bool(float8_dot.search(lowered["cuda"])) is native, group_size
+        assert not float8_dot.search(lowered["cpu"]), group_size

@@ -52,7 +52,7 @@ def quantized_weights(qc: dict) -> dict:
     acts = group.get("input_activations")
     require(acts is None or acts.get("dynamic") is True, "quantization_config.config_groups.input_activations",
             acts, "must be dynamic (or absent): static activation scales are not served")
-    weight_only = FORMATS[fmt][1] == "int8" and acts is None  # W8A16: no per-token int8 product on the CPU
+    weight_only = acts is None  # W8A16 (int8 or float8): activations stay unquantized on every backend
     group_size = block[1] if block else -1 if weight_only else None
     return {"quantized_weights": FORMATS[fmt][1], "quantization_group_size": group_size,
             "quantization_zero_point": False}

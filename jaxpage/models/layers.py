@@ -96,6 +96,8 @@ class Linear(nnx.Module):
         self.packed = packing_being_built() and not quantized and linear_packs(in_shape, out_shape)
         in_names, out_names = names[:len(in_shape)], names[len(in_shape):]
         group_size, zero_point = groups_being_built()
+        # float8 weights of a scheme that quantizes the activations too (not weight-only: group_size -1)
+        self.fp8_activations = kind == "fp8" and group_size != -1
         self.num_groups = num_groups(in_shape, group_size) if kind == "int4" or group_size else None
         if self.num_groups:  # groups split as the first input axis is (row-parallel): a device holds its own
             grouped = (in_names[0], *out_names)
@@ -118,12 +120,12 @@ class Linear(nnx.Module):
         """lora: the step's adapter slots and each token's among them (x [T, *in_shape]); None: the base weights
         alone."""
         kernel = self.kernel[...]
-        if self.num_groups:
+        if self.fp8_activations:
+            y = fp8_dot(x, kernel, self.scale[...], self.num_in)
+        elif self.num_groups:
             y = grouped_dot(x, kernel, self.scale[...], None if self.zero is None else self.zero[...], self.num_in)
         elif kernel.dtype == jnp.int8:
             y = int8_dot(x, kernel, self.scale[...], self.num_in)
-        elif kernel.dtype == STORED["fp8"]:
-            y = fp8_dot(x, kernel, self.scale[...], self.num_in)
         else:
             y = dense(x, kernel, self.num_in, packed=self.packed)
         if self.lora_a is not None and lora is not None:

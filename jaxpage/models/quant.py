@@ -7,11 +7,15 @@ nearest), so that kernel ~= values * scale. The matmul takes one of two forms:
   dynamic: x quantized per row (absmax over its contracted axes / 127) to int8, an int8 x int8 dot accumulated in
     int32, then * row scale * scale; the CPU, where int8 dots are faster than float ones (docs/DESIGN.md §14,
     the int8 forms on the CPU).
+A float8 checkpoint whose scheme quantizes activations takes ``fp8_dot``: float8 x float8 on a GPU with FP8,
+upcast weights elsewhere; grouped int8 / int4 weights take ``grouped_dot`` (weight-only).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -131,9 +135,46 @@ def int8_dot_dynamic(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: 
     return (acc.astype(jnp.float32) * row_scale * scale).astype(x.dtype)
 
 
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
+
 def fp8_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:
-    """x [..., *in] . (kernel * scale): float8 e4m3 weights upcast to x's dtype inside the dot (weight-only)."""
-    return int8_dot_weight_only(x, kernel, scale, num_in)
+    """x [..., *in] . (kernel * scale) for a float8 e4m3 checkpoint whose scheme quantizes activations too (FP8
+    dynamic, block FP8): scale [*out] per output channel, or [groups, *out] per block of inputs. On a GPU with FP8
+    (compute capability 8.9 and up) x is quantized as well and the product is float8 x float8 (``fp8_native_dot``,
+    vLLM's Fp8LinearMethod); elsewhere the weights are upcast to x's dtype inside the dot."""
+    def upcast(x, kernel, scale):
+        if scale.ndim > kernel.ndim - num_in:
+            return grouped_dot(x, kernel, scale, None, num_in)
+        return int8_dot_weight_only(x, kernel, scale, num_in)
+    native = functools.partial(fp8_native_dot, num_in=num_in) if _gpus_have_fp8() else upcast
+    return jax.lax.platform_dependent(x, kernel, scale, cuda=native, default=upcast)
+
+
+def fp8_native_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:
+    """The FP8 product: x quantized to float8 e4m3 with a scale per token (per token and block of inputs where the
+    weights are in blocks: DeepSeek's 1 x block activation groups), one float8 x float8 dot per block of inputs
+    accumulated in float32 (a batched FP8 GEMM), each block's sum times both scales, summed over blocks."""
+    lead, out_shape = x.shape[:x.ndim - num_in], kernel.shape[num_in:]
+    k, n = math.prod(x.shape[x.ndim - num_in:]), math.prod(out_shape)
+    groups = scale.shape[0] if scale.ndim > len(out_shape) else 1
+    xs = x.reshape(-1, groups, k // groups).astype(jnp.float32)
+    x_scale = jnp.max(jnp.abs(xs), axis=-1, keepdims=True) / FP8_MAX  # [T, groups, 1]
+    x_scale = jnp.where(x_scale == 0, 1, x_scale)
+    xq = (xs / x_scale).astype(kernel.dtype)
+    w = kernel.reshape(groups, k // groups, n)
+    acc = jax.lax.dot_general(xq, w, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
+    w_scale = scale.reshape(groups, 1, n)  # acc [groups, T, n]
+    y = jnp.sum(acc * jnp.transpose(x_scale, (1, 0, 2)) * w_scale, axis=0)
+    return y.reshape(*lead, *out_shape).astype(x.dtype)
+
+
+@functools.cache
+def _gpus_have_fp8() -> bool:
+    """Whether a CUDA program traced here runs on GPUs with FP8 products (compute capability 8.9 and up: Ada,
+    Hopper, Blackwell). A host without GPUs (the CUDA lowering lane) is taken to target one."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    return all(tuple(map(int, str(d.compute_capability).split("."))) >= (8, 9) for d in gpus)
 
 
 def int8_dot(x: jax.Array, kernel: jax.Array, scale: jax.Array, num_in: int) -> jax.Array:
