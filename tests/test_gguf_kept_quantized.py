@@ -38,7 +38,7 @@ def test_blocks_read_as_gguf_dequantizes_them(ggml_type):
     assert asymmetric or not got["_zero_point"].any()
     dequantized = (values - spread["_zero_point"]) * spread["_scale"]
     np.testing.assert_allclose(dequantized, want, rtol=0, atol=2e-6 * np.abs(want).max())
-    assert np.abs(want - w).max() < 0.35  # the quantizer wrote a fair quantization of w
+    assert np.abs(want - w).max() < 0.15 * np.abs(w).max()  # the quantizer wrote a fair quantization of w
 
 
 def test_each_projection_takes_a_kind_holding_all_its_types_or_refused():
