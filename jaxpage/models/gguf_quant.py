@@ -48,12 +48,10 @@ def quantized_weights(qc: dict) -> dict:
         types = {linear: [qc["ggml_type"]] for linear in dict.fromkeys(PROJECTIONS.values())}
     require(isinstance(types, dict) and types, "quantization_config.ggml_types", types,
             "must map each decoder projection to its ggml types")
-    schemes = {linear: projection_scheme(found) for linear, found in sorted(types.items())}
-    kinds = {kind for kind, _, _ in schemes.values()}
-    return {"quantized_weights": "int8" if "int8" in kinds else "int4",
-            "quantization_group_size": min(group for _, group, _ in schemes.values()),
-            "quantization_zero_point": any(zero for _, _, zero in schemes.values()),
-            "quantized_projections": tuple((linear, *scheme) for linear, scheme in schemes.items())}
+    kind, group, zero = projection_scheme([t for found in types.values() for t in found])
+    return {"quantized_weights": kind, "quantization_group_size": group, "quantization_zero_point": zero,
+            "quantized_projections": tuple((linear, *projection_scheme(found))
+                                           for linear, found in sorted(types.items()))}
 
 
 def projection_scheme(ggml_types) -> tuple[str, int, bool]:
