@@ -104,7 +104,10 @@ class ModelConfig:
         return bool(self.layer_windows().min() > 0)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")  # vLLM's method names jaxpage implements (spec_decode/)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix", "eagle3")  # vLLM's method names jaxpage implements
+# the methods whose drafts come from a model of their own run on the device before the target's step
+# (jaxpage/worker/draft_runner.py, jaxpage/worker/eagle3_runner.py); the others propose on the host
+DEVICE_DRAFT_METHODS = ("draft_model", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +118,16 @@ class SpeculativeConfig:
     ngram: prompt lookup over the sequence's own prompt and output; the longest n-gram of prompt_lookup_max down
     to prompt_lookup_min tokens that ends the sequence and occurred before proposes the tokens that followed it.
     draft_model: ``model`` (a path the loader takes: GGUF or an HF directory), a smaller model of the same
-    vocabulary, run for num_speculative_tokens steps per target step (its own runner and KV pool)."""
+    vocabulary, run for num_speculative_tokens steps per target step (its own runner and KV pool).
+    eagle3: ``model`` (an EAGLE-3 head's directory: the speculators library's layout or the original release's),
+    one decoder layer over the target's auxiliary hidden states, run for num_speculative_tokens steps per target
+    step (jaxpage/worker/eagle3_runner.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5  # vLLM's defaults when neither is given
     prompt_lookup_min: int = 5
-    model: str | None = None  # draft_model: the draft's path
+    model: str | None = None  # draft_model, eagle3: the draft's path
     draft_tensor_parallel_size: int = 1  # draft_model: only 1 (the draft runs on one device)
     # suffix: vLLM's names and defaults (Arctic Inference's SuffixDecodingCache)
     suffix_decoding_max_tree_depth: int = 24  # the longest match and draft the trees hold
@@ -141,7 +147,7 @@ class SpeculativeConfig:
         require(not unknown, "speculative_config", unknown, f"has unknown keys; known: {', '.join(sorted(fields))}")
         method = options.get("method", "ngram")
         require(method in SPECULATIVE_METHODS, "speculative_config.method", method,
-                f"must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} (EAGLE heads are not built yet)")
+                f"must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}")
         require("num_speculative_tokens" in options, "speculative_config.num_speculative_tokens", None,
                 "must be given")
         k = options["num_speculative_tokens"]
@@ -155,14 +161,15 @@ class SpeculativeConfig:
             require(type(value) is int and value >= 1, f"speculative_config.{name}", value, "must be an integer >= 1")
         require(lo <= hi, "speculative_config.prompt_lookup_min", lo, f"must be <= prompt_lookup_max={hi}")
         model, draft_tp = options.get("model"), options.get("draft_tensor_parallel_size", 1)
-        if method == "draft_model":
+        if method in DEVICE_DRAFT_METHODS:
             require(isinstance(model, str) and model, "speculative_config.model", model,
-                    "must be the draft model's path (a .gguf file or an HF directory) for method 'draft_model'")
+                    "must be the draft model's path (a .gguf file or an HF directory) for method 'draft_model'"
+                    if method == "draft_model" else "must be the EAGLE-3 head's directory for method 'eagle3'")
             require(draft_tp == 1, "speculative_config.draft_tensor_parallel_size", draft_tp,
                     "must be 1 (the draft runs on one device)")
         else:
             require(model is None, "speculative_config.model", model,
-                    f"is only for method 'draft_model', not {method!r}")
+                    f"is only for methods 'draft_model' and 'eagle3', not {method!r}")
         off = options.get("disable_by_batch_size")
         require(off is None or type(off) is int and off >= 2, "speculative_config.disable_by_batch_size", off,
                 "must be an integer >= 2 (or unset)")
@@ -311,6 +318,9 @@ class EngineConfig:
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     sampler_returns_probs: bool = False  # a draft model's runner: the step returns each row's distribution (q)
+    # EAGLE-3's target: the layers whose input (the residual stream) the step returns for every token, side by
+    # side (SamplerOutput.hidden_states); empty: none
+    aux_hidden_layers: tuple[int, ...] = ()
     pooler_config: PoolerConfig | None = None  # runner "pooling": the step pools instead of sampling; None: generate
 
     @property
@@ -320,8 +330,9 @@ class EngineConfig:
 
     @property
     def verifies_draft_probs(self) -> bool:
-        """A draft model's target: its batches carry the drafts' tokens and distributions (rejection sampling)."""
-        return self.speculative_config is not None and self.speculative_config.method == "draft_model"
+        """A draft model's or EAGLE-3 head's target: its batches carry the drafts' tokens and distributions
+        (rejection sampling)."""
+        return self.speculative_config is not None and self.speculative_config.method in DEVICE_DRAFT_METHODS
 
     @property
     def num_draft_tokens(self) -> int:

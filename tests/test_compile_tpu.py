@@ -253,6 +253,24 @@ def test_speculative_verify_and_draft_steps_compile_for_v5e():
         assert (f"s32[{seqs},{ct.SPEC_TOKENS}]" in params) == (config is target)
 
 
+def test_eagle3_verify_step_and_head_passes_compile_for_v5e():
+    """Speculative decoding with an EAGLE-3 head (SmolLM2's shapes, 32,000 draft tokens, 4 drafts): the target's
+    verify step (scanned layers) returns the three layers' hidden states of every token [T, 3 x 576] beside the
+    drafts' q among its parameters; the head's pass from the target's hidden states and from its own compile,
+    q [S, vocab] float32 among their outputs, the head's pool donated and aliased."""
+    target, draft, head = ct.eagle3_configs()
+    r = check_step("v5e", "smollm2-135m", target.token_buckets()[0], target)
+    assert_compiled(r)
+    params, results = r.hlo[r.hlo.index("ENTRY"):].split("\n", 1)[0].split(" -> ")
+    num_tokens, seqs, vocab = target.token_buckets()[0], target.num_seqs_for(target.token_buckets()[0]), 49152
+    assert f"bf16[{num_tokens},{3 * 576}]" in results and f"f32[{seqs},{vocab}]" in params
+    for r in ct.compile_eagle3_steps("v5e")[1:]:
+        assert_compiled(r)
+        rows = draft.num_seqs_for(draft.token_buckets()[0])
+        assert f"f32[{rows},{vocab}]" in r.hlo[r.hlo.index("ENTRY"):].split("\n", 1)[0].split(" -> ")[1], r.shape
+        assert r.memory["alias"] > 0, r.memory
+
+
 def test_llama3_70b_step_compiles_tensor_parallel_on_eight_v5e_chips():
     """TP=8 over a v5e:2x4 topology with 4 of Llama-3-70B's 80 layers (the same compiled layer in a scan; the
     whole model is benchmarks/RESULTS.md's table): the weights and the pool are split 8 ways (each chip's

@@ -20,7 +20,7 @@ from pallas_kernels.decode_attention.gpu import triton_params
 
 from jaxpage.testing.cuda_lowering import (SHARED_MEMORY_BYTES, TARGET_HONOURED, TARGETS, TRITON_CALL, LoweringCase,
                                       compile_for_cuda, kernel_cases, layer_loop_cases, lower_for_cuda, run_case,
-                                      spec_step_cases, step_cases)
+                                      spec_step_cases, step_cases, eagle3_step_cases)
 
 KERNELS = kernel_cases()
 STEPS = step_cases()
@@ -103,6 +103,20 @@ def test_speculative_verify_and_draft_steps_lower_with_the_triton_kernel(case):
     args, results = signature.split(") -> (", 1)
     q = f"tensor<{case.args[3].temperature.shape[0]}x49152xf32>"
     assert (q in args, q in results) == ((True, False) if "verify" in case.shape else (False, True)), signature[-300:]
+
+
+@pytest.mark.parametrize("case", eagle3_step_cases(), ids=lambda c: c.shape.split()[2])
+def test_eagle3_verify_step_and_head_passes_lower_with_the_triton_kernel(case):
+    """An EAGLE-3 head's target (the three layers' hidden states [T, 3 x 576] among its outputs) and the head's two
+    passes (q among their outputs), SmolLM2's shapes at the smallest bucket: one Triton attention call each."""
+    text = lower_for_cuda(case, TARGET_LIST[-1])
+    assert triton_calls(text) == 1
+    signature = text[text.index("func.func public @main"):].split("\n", 1)[0]
+    args, results = signature.split(") -> (", 1)
+    if "verify" in case.shape:
+        assert f"tensor<{case.args[2].token_ids.shape[0]}x1728xbf16>" in results, signature[-300:]
+    else:
+        assert f"tensor<{case.args[4].temperature.shape[0]}x49152xf32>" in results, signature[-300:]
 
 
 def test_a_kernel_that_does_not_lower_fails_the_lane():

@@ -11,6 +11,7 @@ from jaxpage.cpu_kernels import onednn
 from jaxpage.attention import kv_cache
 from jaxpage.attention.backends import resolve_backend
 from jaxpage.config import (
+    DEVICE_DRAFT_METHODS,
     KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
@@ -42,13 +43,14 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
 def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, data_parallel_rank: int = 0,
                         draft_model: ModelConfig | None = None, async_prompt_steps: bool | None = None,
-                        **options) -> EngineConfig:
+                        aux_hidden_layers: tuple[int, ...] = (), **options) -> EngineConfig:
     """Validates the engine options and sizes the KV pool and the host's swap space (bytes, used with
     preemption_mode swap), for ``model`` (the checkpoint's shapes). args: the engine's options (EngineArgs, the
     one declaration of each option, its default, flag and help); ``options``: EngineArgs fields set over args'.
     data_parallel_rank: which of ``data_parallel_size`` replicas this is; draft_model: the draft's shapes with
-    speculative decoding's draft_model method (its pool has the target's block ids, so each block's bytes are both
-    models'); async_prompt_steps: EngineConfig's (None: on off the CPU)."""
+    speculative decoding's draft_model or eagle3 method (its pool has the target's block ids, so each block's bytes
+    are both models'); async_prompt_steps: EngineConfig's (None: on off the CPU); aux_hidden_layers: an EAGLE-3
+    head's (EngineConfig's)."""
     args = dataclasses.replace(args or EngineArgs(), **options)
     dtype, block_size, max_num_seqs = args.dtype, args.block_size, args.max_num_seqs
     max_num_batched_tokens, quantization = args.max_num_batched_tokens, args.quantization
@@ -58,7 +60,7 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
     max_cpu_loras, kv_offloading_dir = args.max_cpu_loras, args.kv_offloading_dir
     speculative_config = speculative_config_of(args.speculative_config)
     assert (draft_model is not None) == (speculative_config is not None
-                                         and speculative_config.method == "draft_model"), "draft_model: its shapes"
+                                         and speculative_config.method in DEVICE_DRAFT_METHODS), "its shapes"
     check_quantization(quantization)
     if model.quantized_weights is not None:  # a checkpoint published quantized
         require(quantization in (None, model.quantization), "quantization", quantization,
@@ -118,9 +120,9 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
             log.info("pooling_type %s reads every prompt token's hidden state: prefix caching is off",
                      pooler.pooling_type)
             enable_prefix_caching = False
-    if speculative_config is not None and speculative_config.method == "draft_model" and async_scheduling:
-        log.info("speculative decoding (draft_model): async scheduling is off (the draft model computes each "
-                 "step's tokens from the host's view of them)")
+    if speculative_config is not None and speculative_config.method in DEVICE_DRAFT_METHODS and async_scheduling:
+        log.info("speculative decoding (%s): async scheduling is off (the draft computes each step's tokens from "
+                 "the host's view of them)", speculative_config.method)
         async_scheduling = False
     cache = CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching, num_host_blocks,
                         num_offload_blocks, kv_offloading_dir, int(args.kv_offloading_disk_size * (1 << 30)))
@@ -133,7 +135,7 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
         args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold))
     config = EngineConfig(model, dtype, cache, scheduler, parallel,
                           LoRAConfig(max_cpu_loras) if args.enable_lora else None, backend, args.scan_layers,
-                          speculative_config, pooler_config=pooler)
+                          speculative_config, pooler_config=pooler, aux_hidden_layers=tuple(aux_hidden_layers))
     require(config.scheduler.seqs_per_request >= 1, "max_seqs_per_request", args.max_seqs_per_request, "must be >= 1")
     return config
 
@@ -179,9 +181,11 @@ def speculative_config_of(options: dict | SpeculativeConfig | None) -> Speculati
 
 
 def engine_config_from_args(args: EngineArgs, model: ModelConfig, data_parallel_rank: int = 0,
-                            draft_model: ModelConfig | None = None) -> EngineConfig:
+                            draft_model: ModelConfig | None = None, aux_hidden_layers: tuple[int, ...] = ()
+                            ) -> EngineConfig:
     """The EngineConfig of every engine option in ``args``, for ``model`` (see ``build_engine_config``)."""
-    return build_engine_config(model, args, data_parallel_rank=data_parallel_rank, draft_model=draft_model)
+    return build_engine_config(model, args, data_parallel_rank=data_parallel_rank, draft_model=draft_model,
+                               aux_hidden_layers=aux_hidden_layers)
 
 
 def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfig:
@@ -208,7 +212,7 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
     # under tensor parallelism the draft runs whole on the first device of the target's group: device_group of
     # TP 1 over dp x tp ranks of one device each names that device
     return dataclasses.replace(
-        config, model=draft, speculative_config=None, sampler_returns_probs=True,
+        config, model=draft, speculative_config=None, sampler_returns_probs=True, aux_hidden_layers=(),
         scheduler=dataclasses.replace(config.scheduler, async_scheduling=False, max_num_batched_tokens=budget),
         parallel=dataclasses.replace(config.parallel, tensor_parallel_size=1,
                                      data_parallel_size=config.parallel.data_parallel_size * tp,

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from jaxpage.attention.kv_cache import NULL_BLOCK, bytes_per_block
 from jaxpage.config import EngineConfig, ModelConfig
 from jaxpage.core.block_pool import BlockPool
@@ -27,6 +29,7 @@ from jaxpage.engine.config_builder import (
 )
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.models import config_from_hf
+from jaxpage.models.eagle3 import Eagle3Config, load_head
 from jaxpage.models.loader import CLASSIFIER, default_cache_dir, load_model
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.pooling_params import PoolingParams
@@ -36,6 +39,7 @@ from jaxpage.structured.manager import StructuredOutputManager
 from jaxpage.utils import cdiv
 from jaxpage.worker.compile_cache import enable_compilation_cache
 from jaxpage.worker.draft_runner import DraftRunner
+from jaxpage.worker.eagle3_runner import Eagle3Runner
 from jaxpage.worker.kv_disk_store import DiskKVStore
 from jaxpage.worker.multihost import runner_class
 from jaxpage.worker.runner import Runner
@@ -74,9 +78,23 @@ def _disk_index(config: EngineConfig, store: DiskKVStore | None) -> DiskKVIndex 
     return DiskKVIndex(capacity, store.stored())
 
 
-def _draft_runner(config: EngineConfig, draft_model: ModelConfig, draft) -> DraftRunner:
-    """The draft's runner (``draft``: the LoadedModel, ``draft_model``: its shapes) over its own pool of the
-    target's geometry (``draft_engine_config`` checks the draft against the target: vocabulary, positions)."""
+def _load_head(args: EngineArgs, target) -> tuple[Eagle3Config, dict] | None:
+    """The EAGLE-3 head (its config and weights) when speculative decoding's method is eagle3 (else None), read
+    from ``speculative_config.model`` for the target (``target``: the LoadedModel); a bad head is a ValueError
+    naming speculative_config.model."""
+    spec = speculative_config_of(args.speculative_config)
+    if spec is None or spec.method != "eagle3":
+        return None
+    return load_head(spec.model, config_from_hf(target.hf_config), np.asarray(target.params["embed"]["embedding"]))
+
+
+def _draft_runner(config: EngineConfig, draft_model: ModelConfig, draft, head,
+                  eos_token_ids) -> DraftRunner | Eagle3Runner:
+    """The draft's runner (``draft``: the LoadedModel, or ``head``: an EAGLE-3 head's config and weights, which
+    bans the target's ``eos_token_ids`` as it does; ``draft_model``: its shapes) over its own pool of the target's
+    geometry (``draft_engine_config`` checks the draft against the target: vocabulary, positions)."""
+    if head is not None:
+        return Eagle3Runner(draft_engine_config(config, draft_model), *head, eos_token_ids)
     return DraftRunner(draft_engine_config(config, draft_model), draft.params, draft.eos_token_ids)
 
 
@@ -92,11 +110,11 @@ class LLMEngine:
     """The engine over a runner (jaxpage.worker.runner.Runner)."""
 
     def __init__(self, config: EngineConfig, runner: Runner, *, tokenizer=None, eos_token_ids=(), model_name: str = "",
-                 drafter: DraftRunner | None = None, classifier=None):
+                 drafter: DraftRunner | Eagle3Runner | None = None, classifier=None):
         self.config = config
         # a pooling model's classification head ([num_labels, hidden], numpy; None: it embeds)
         self.classifier = classifier
-        self.drafter = drafter  # speculative decoding's draft model (method draft_model), its runner and pool
+        self.drafter = drafter  # speculative decoding's draft model or EAGLE-3 head: its runner and pool
         self.max_seqs_per_request = config.scheduler.seqs_per_request
         # Refuse at admission a request whose sequences can never all fit in the pool (its worst case); off only
         # in tests of the scheduler's own safety net for such groups (they end with finish_reason 'abort')
@@ -139,13 +157,15 @@ class LLMEngine:
         load_seconds = time.perf_counter() - started
         args = resolve_runner(args, list(getattr(loaded.hf_config, "architectures", None) or []),
                               loaded.pooler_defaults)
-        draft = _load_draft(args, cache_dir, loaded)
-        draft_model = config_from_hf(draft.hf_config) if draft is not None else None
-        config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0, draft_model)
+        draft, head = _load_draft(args, cache_dir, loaded), _load_head(args, loaded)
+        draft_model = config_from_hf(draft.hf_config) if draft is not None else head[0].model if head else None
+        config = engine_config_from_args(args, config_from_hf(loaded.hf_config), data_parallel_rank or 0, draft_model,
+                                         head[0].aux_layer_ids if head else ())
         params = dict(loaded.params)
         classifier = params.pop(CLASSIFIER, None)  # a classification head: the pooler's, on the host
         runner = runner_class()(config, params, loaded.eos_token_ids)  # process 0 of several: broadcasts
-        drafter = _draft_runner(config, draft_model, draft) if draft is not None else None
+        drafter = (_draft_runner(config, draft_model, draft, head, loaded.eos_token_ids)
+                   if draft_model is not None else None)
         engine = cls(config, runner, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                      model_name=loaded.name, drafter=drafter,
                      classifier=None if classifier is None else classifier["weight"])
@@ -311,6 +331,8 @@ class LLMEngine:
         failed: dict[str, Exception] = {}  # request id -> what went wrong in its per-request work
         scheduled, bitmask = self.prepare(scheduled, failed)
         sampled = self.runner.execute(scheduled) if bitmask is None else self.runner.execute(scheduled, bitmask)
+        if sampled.hidden_states is not None:  # an EAGLE-3 head's input
+            self.drafter.take_hidden_states(scheduled, sampled)
         return outputs + self.update(scheduled, sampled, failed)
 
     def schedule(self) -> tuple[list[ScheduledSeq], list[RequestOutput]]:

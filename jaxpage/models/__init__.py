@@ -11,8 +11,10 @@ from jaxpage.models.causal_lm import (
     cast_weights,
     compute_logits,
     compute_raw_logits,
+    concat_aux,
     final_norm,
     forward_hidden,
+    forward_hidden_aux,
     layer_linears,
     model_graph,
     partition_specs,
@@ -26,6 +28,7 @@ from jaxpage.models.registry import SUPPORTED_MODEL_TYPES, architecture, config_
 from jaxpage.models.weights import hf_state_from_gguf, params_from_hf_state, quantize_params
 
 __all__ = ["TokenBatch", "CausalLM", "abstract_params", "begin_layers", "cast_weights", "compute_logits",
-           "compute_raw_logits", "final_norm", "forward_hidden", "layer_linears", "model_graph", "partition_specs",
-           "run_layer", "run_layers", "stack_layers", "top_weights", "unstack_layers", "SUPPORTED_MODEL_TYPES", "architecture",
-           "config_from_hf", "hf_state_from_gguf", "params_from_hf_state", "quantize_params"]
+           "compute_raw_logits", "concat_aux", "final_norm", "forward_hidden", "forward_hidden_aux", "layer_linears",
+           "model_graph", "partition_specs", "run_layer", "run_layers", "stack_layers", "top_weights",
+           "unstack_layers", "SUPPORTED_MODEL_TYPES", "architecture", "config_from_hf", "hf_state_from_gguf",
+           "params_from_hf_state", "quantize_params"]

@@ -117,10 +117,18 @@ def forward_hidden(cfg: ModelConfig, params: dict, pool: jax.Array, batch: Token
     """Runs all layers over the flat batch inside one program (``run_layers``); returns final-normed hidden states
     [T, D] and the updated pool. backend: the attention backend (jaxpage.attention.backends.BACKENDS, resolved),
     static under jit."""
+    hidden, pool, _ = forward_hidden_aux(cfg, params, pool, batch, backend)
+    return hidden, pool
+
+
+def forward_hidden_aux(cfg: ModelConfig, params: dict, pool: jax.Array, batch: TokenBatch, backend: str = "xla",
+                       aux_layers: tuple[int, ...] = ()):
+    """``forward_hidden`` and the auxiliary hidden states an EAGLE-3 head reads (``run_layers``; None without
+    ``aux_layers``)."""
     top = top_weights(params)
     x, shared = begin_layers(cfg, top, batch, backend, pool_block_size(pool))
-    x, pool = run_layers(cfg, params["layers"], x, pool, batch, shared, backend)
-    return final_norm(cfg, top, x), pool
+    x, pool, aux = run_layers(cfg, params["layers"], x, pool, batch, shared, backend, aux_layers)
+    return final_norm(cfg, top, x), pool, aux
 
 
 def begin_layers(cfg: ModelConfig, top: dict, batch: TokenBatch, backend: str, block_size: int):
@@ -138,23 +146,35 @@ def run_layer(cfg: ModelConfig, layer: dict, consts: LayerConstants, x: jax.Arra
 
 
 def run_layers(cfg: ModelConfig, layers: dict, x: jax.Array, pool: jax.Array, batch: TokenBatch, shared,
-               backend: str) -> tuple[jax.Array, jax.Array]:
+               backend: str, aux_layers: tuple[int, ...] = ()):
     """Every decoder layer in turn, inside the caller's program: ``run_layer`` in a ``lax.scan`` over stacked
     weights (one compiled layer body) or once per layer over unrolled ones (each layer compiled, reading its own
-    buffers). jaxpage.worker.layer_loop drives the same ``run_layer`` from the host instead."""
+    buffers). jaxpage.worker.layer_loop drives the same ``run_layer`` from the host instead. Returns (x, pool,
+    aux): aux, the residual stream entering each layer of ``aux_layers``, side by side [T, len(aux_layers) * D];
+    None without aux_layers."""
     consts = layer_constants(cfg)
     if _is_unrolled({"layers": layers}):
+        taken = []
         for i in range(cfg.num_layers):
+            taken += [x] * aux_layers.count(i)
             x, pool = run_layer(cfg, layers[i], jax.tree.map(lambda a, i=i: a[i], consts), x, pool, batch, shared,
                                 backend)
-        return x, pool
+        return x, pool, concat_aux(taken)
 
     def body(carry, xs):
+        x, pool, taken = carry
         layer, layer_consts = xs
-        return run_layer(cfg, layer, layer_consts, *carry, batch, shared, backend), None
+        taken = tuple(jnp.where(layer_consts.index == i, x, t) for i, t in zip(aux_layers, taken))
+        return (*run_layer(cfg, layer, layer_consts, x, pool, batch, shared, backend), taken), None
 
-    (x, pool), _ = jax.lax.scan(body, (x, pool), (layers, jax.tree.map(jnp.asarray, consts)))
-    return x, pool
+    zeros = tuple(jnp.zeros_like(x) for _ in aux_layers)
+    (x, pool, taken), _ = jax.lax.scan(body, (x, pool, zeros), (layers, jax.tree.map(jnp.asarray, consts)))
+    return x, pool, concat_aux(list(taken))
+
+
+def concat_aux(taken: list[jax.Array]) -> jax.Array | None:
+    """The auxiliary hidden states side by side [T, len * D], in the order taken; None for none."""
+    return jnp.concatenate(taken, axis=-1) if taken else None
 
 
 def final_norm(cfg: ModelConfig, top: dict, x: jax.Array) -> jax.Array:

@@ -111,7 +111,7 @@ def _convert_into(path: Path, is_gguf: bool, entry: Path, quantization: str | No
                                          "ggml_types": gguf_quant.types_by_projection(gguf_linear_types(path, cfg))}
         cfg = config_from_hf(hf_config)
     pooler = None if is_gguf else sentence_transformers_pooler(src)
-    state = hf_state_from_gguf(path, cfg) if is_gguf else _as_causal_lm(_read_safetensors(path))
+    state = hf_state_from_gguf(path, cfg) if is_gguf else _as_causal_lm(read_safetensors(path))
     if not cfg.tie_word_embeddings and "lm_head.weight" not in state:
         # a base model's checkpoint (an embedding model): no LM head; a pooling model never reads one
         hf_config.tie_word_embeddings = True
@@ -219,7 +219,7 @@ def _eos_token_ids(hf_dir: Path, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))

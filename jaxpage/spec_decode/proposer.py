@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jaxpage.config import SpeculativeConfig
+from jaxpage.config import DEVICE_DRAFT_METHODS, SpeculativeConfig
 from jaxpage.sequence import Sequence
 
 
@@ -14,7 +14,7 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    """The proposer of ``config.method``; None without speculative decoding, or where a draft model proposes
+    """The proposer of ``config.method``; None without speculative decoding, or where a draft model or head proposes
     (its tokens come from a step of its own on the device, not from the scheduler's host pass)."""
     if config is None:
         return None
@@ -22,8 +22,8 @@ def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
         from jaxpage.spec_decode.ngram_proposer import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "draft_model":
-        return None  # the engine's draft runner (jaxpage/worker/draft_runner.py) fills the reserved positions
+    if config.method in DEVICE_DRAFT_METHODS:
+        return None  # the engine's draft runner (draft_runner.py, eagle3_runner.py) fills the reserved positions
     if config.method == "suffix":
         from jaxpage.spec_decode.suffix_proposer import SuffixProposer
 

@@ -342,6 +342,55 @@ def compile_spec_steps(chip: str, methods=("ngram", "draft_model")) -> list[Comp
     return [compile_step(chip, "smollm2-135m", config.token_buckets()[0], config) for config in configs]
 
 
+def eagle3_configs():
+    """SmolLM2's engine with an EAGLE-3 head of its own shapes (one layer, 32,000 draft tokens, vLLM's default
+    layers 2, 15, 27): the target's EngineConfig (its step also returns those layers' hidden states), the head's,
+    and the head (jaxpage.models.eagle3.Eagle3Config)."""
+    from jaxpage.engine.config_builder import draft_engine_config
+    from jaxpage.models.eagle3 import Eagle3Config
+
+    shapes = smollm2_config()
+    n = shapes.num_layers
+    head = Eagle3Config(dataclasses.replace(shapes, num_layers=1, layer_types=shapes.layer_types[:1],
+                                            tie_word_embeddings=False), 32000, (2, n // 2, n - 3), shapes.hidden_size)
+    spec = {"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": SPEC_TOKENS}
+    target = engine_config("smollm2-135m", speculative_config=spec, draft_model=head.model,
+                           aux_hidden_layers=head.aux_layer_ids)
+    return target, draft_engine_config(target, head.model), head
+
+
+def head_step_args(config, head, from_target: bool, num_tokens: int) -> tuple:
+    """The abstract inputs of the EAGLE-3 head's pass of one bucket (jaxpage.worker.eagle3_runner.head_step)."""
+    from jaxpage.attention.kv_cache import abstract_kv_pool, packs_kv
+    from jaxpage.models.eagle3 import abstract_head_params
+    from jaxpage.worker.step import abstract_step_inputs
+
+    batch, sampling = abstract_step_inputs(config, num_tokens)
+    width = head.aux_width if from_target else config.model.hidden_size
+    return (abstract_head_params(head, config.dtype),
+            abstract_kv_pool(config.model, config.cache.num_kv_blocks, config.cache.block_size, config.kv_dtype,
+                             packs_kv(config.model, config.attention_backend)),
+            batch, jax.ShapeDtypeStruct((num_tokens, width), jnp.float32), sampling)
+
+
+def compile_eagle3_steps(chip: str) -> list[Compiled]:
+    """``eagle3_configs`` at their smallest bucket: the target's verify step (returning the auxiliary hidden
+    states) and the head's two passes (from the target's hidden states, and from its own)."""
+    target, draft, head = eagle3_configs()
+    num_tokens = draft.token_buckets()[0]
+    out = [compile_step(chip, "smollm2-135m", target.token_buckets()[0], target)]
+    from jaxpage.attention.kv_cache import jit_on_pool, packs_kv
+    from jaxpage.worker.eagle3_runner import head_step
+
+    for from_target in (True, False):
+        jitted = jit_on_pool(functools.partial(head_step, draft, head, from_target), 5, 1, "pair", tpu_device(chip),
+                             None, draft.kv_dtype, packs_kv(draft.model, draft.attention_backend))
+        out.append(compile_for(tpu_device(chip), chip, "eagle3 head smollm2-135m",
+                               f"T{num_tokens} from {'target' if from_target else 'head'}", jitted,
+                               head_step_args(draft, head, from_target, num_tokens)))
+    return out
+
+
 def compile_block_moves(chip: str, model: str, config=None) -> list[Compiled]:
     """The runner's copy-on-write copy and swap gather/scatter of whole blocks, on the pool in its format."""
     from jaxpage.attention.block_moves import BlockMoves
@@ -478,6 +527,7 @@ def run(chips: list[str], quick: bool, tp_only: bool = False, tp_weights=("bfloa
         results.append(_report(compile_moe_layer(chip, 512)))
         results += [_report(r) for r in compile_lora_steps(chip)]
         results += [_report(r) for r in compile_spec_steps(chip)]
+        results += [_report(r) for r in compile_eagle3_steps(chip)]
     return results + run_tp(chips, tp_weights)
 
 

@@ -334,6 +334,32 @@ def spec_step_cases() -> list[LoweringCase]:
     return cases
 
 
+def eagle3_step_cases() -> list[LoweringCase]:
+    """SmolLM2-135M's steps with an EAGLE-3 head of its shapes (compile_targets.eagle3_configs, bfloat16, smallest
+    bucket) on the Pallas GPU backend: the target's verify step (the three layers' hidden states among its
+    outputs) and the head's pass from the target's hidden states and from its own (q among their outputs)."""
+    from jaxpage.testing.compile_targets import eagle3_configs, head_step_args
+    from jaxpage.worker.eagle3_runner import head_step
+    from jaxpage.attention.kv_cache import abstract_kv_pool
+    from jaxpage.models import abstract_params
+    from jaxpage.worker.step import abstract_step_inputs, step
+
+    target, draft, head = (dataclasses.replace(c, attention_backend="pallas_gpu") if i < 2 else c
+                           for i, c in enumerate(eagle3_configs()))
+    num_tokens = target.token_buckets()[0]
+    args = (abstract_params(target.model, target.dtype),
+            abstract_kv_pool(target.model, target.cache.num_kv_blocks, 16, target.kv_dtype),
+            *abstract_step_inputs(target, num_tokens))
+    cases = [LoweringCase("step", f"SmolLM2-135M bfloat16 verify eagle3 k{target.num_draft_tokens} T{num_tokens}",
+                          functools.partial(step, target), args)]
+    for from_target in (True, False):
+        source = "target" if from_target else "head"
+        cases.append(LoweringCase("step", f"SmolLM2-135M bfloat16 head-from-{source} eagle3 T{num_tokens}",
+                                  functools.partial(head_step, draft, head, from_target),
+                                  head_step_args(draft, head, from_target, draft.token_buckets()[0])))
+    return cases
+
+
 def run_case(case: LoweringCase, target: str, compile_ir: bool = False) -> dict:
     """One lowering (and, with compile_ir, Triton's compilation of its kernels): ok, seconds, Triton calls in
     the module and the kernels' shared memory, or the error."""

@@ -26,7 +26,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxpage.attention.kv_cache import jit_on_pool, packs_kv
 from jaxpage.config import EngineConfig
 from jaxpage.distributed.parallel import put
-from jaxpage.models import begin_layers, final_norm, run_layer, top_weights
+from jaxpage.models import begin_layers, concat_aux, final_norm, run_layer, top_weights
 from jaxpage.models.attention import layer_constants
 from jaxpage.worker.pooler import pooler_output
 from jaxpage.worker.sampler import is_plain_greedy
@@ -58,6 +58,8 @@ class LayerLoop:
     # a pooling model's tail instead of the sampler's: (final-normed x, batch) -> pooler output
     # (jaxpage.worker.pooler.pooler_output); None: a generating model
     pooler: object = None
+    aux_layers: tuple[int, ...] = ()  # EngineConfig.aux_hidden_layers
+    aux: object = None  # (each auxiliary hidden state) -> them side by side (causal_lm.concat_aux)
 
     def __call__(self, params: dict, pool, batch, sampling):
         top, layers = top_weights(params), params["layers"]
@@ -65,7 +67,9 @@ class LayerLoop:
         batch = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else put(np.asarray(a), self.inputs), batch)
         base = dataclasses.replace(batch, lora=None)  # the layers alone take the adapters
         x, shared = self.begin(top, base)
+        taken = []  # the auxiliary hidden states (EngineConfig.aux_hidden_layers), in their order
         for i, consts in enumerate(self.consts):
+            taken += [x] * self.aux_layers.count(i)
             x, pool = self.layer(layers[i], consts, x, pool, batch, shared)
         x, rows = self.end(top, x, base)
         if self.pooler is not None:
@@ -79,6 +83,8 @@ class LayerLoop:
             out = self.for_rows("sampler", num_sampled)(top, rows, dataclasses.replace(sampling, prompt_targets=None))
         if targets is not None and (isinstance(targets, jax.Array) or np.any(np.asarray(targets) >= 0)):
             out = dataclasses.replace(out, prompt=self.prompt(top, x, targets))
+        if taken:
+            out = dataclasses.replace(out, hidden_states=self.aux(*taken))
         return out, pool
 
     @classmethod
@@ -106,7 +112,8 @@ class LayerLoop:
                    jax.jit(functools.partial(sample_rows, config)),
                    jax.jit(functools.partial(greedy_rows, config)) if has_greedy_path(config) else None,
                    jax.jit(functools.partial(prompt_logprobs_of, config)), consts, inputs, {},
-                   pooler=jax.jit(functools.partial(pooler_output, config)) if config.pooler_config else None)
+                   pooler=jax.jit(functools.partial(pooler_output, config)) if config.pooler_config else None,
+                   aux_layers=config.aux_hidden_layers, aux=jax.jit(lambda *taken: concat_aux(list(taken))))
 
     def compile(self, params: dict, pool, batch, sampling, fewer_rows: tuple = ()) -> "LayerLoop":
         """The jitted loop compiled for these (abstract or concrete) inputs: params with the layers unrolled; its
@@ -134,7 +141,8 @@ class LayerLoop:
             sampler={n: self._shared("sampler", self.sampler, top, rows_of[n], s) for n, s in tails.items()},
             greedy=({n: self._shared("greedy", self.greedy, top, rows_of[n]) for n in tails}
                     if self.greedy is not None else None),
-            prompt=self._shared("prompt", self.prompt, top, x, targets) if targets is not None else None)
+            prompt=self._shared("prompt", self.prompt, top, x, targets) if targets is not None else None,
+            aux=self._shared("aux", self.aux, *[x] * len(self.aux_layers)) if self.aux_layers else None)
 
     def _shared(self, name: str, jitted, *args):
         """``jitted`` compiled for these inputs once, for every bucket (and adapter slots bucket) that has them."""

@@ -66,6 +66,19 @@ def step_weights(config: EngineConfig, params: dict, where, loop: str) -> tuple[
     return place_params(params, shardings, jnp.dtype(config.dtype)), shardings
 
 
+def move_padded(moves: BlockMoves, pool, host_pool, kind: str, src: np.ndarray, dst: np.ndarray, n: int):
+    """One padded call of block copies or swaps between ``pool`` and ``host_pool`` (numpy, written in place): the
+    first ``n`` of ``src`` -> ``dst``; returns the pool."""
+    if kind == COPY:
+        return moves.copy(pool, src, dst)
+    if kind == SWAP_OUT:
+        moves.swap_out(pool, host_pool, src, dst[:n])
+        return pool
+    if kind == SWAP_IN:
+        return moves.swap_in(pool, host_pool, src, dst)
+    raise ValueError(kind)
+
+
 @dataclasses.dataclass
 class LaunchedStep:
     """A step started on the device: its rows and its sampler output, device arrays on their way to the host."""
@@ -183,14 +196,7 @@ class ModelRunner:
 
     def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
         """One padded call: the first ``n`` of ``src`` -> ``dst`` (block ids, ``self._move_size`` of each)."""
-        if kind == COPY:
-            self.kv_pool = self.block_moves.copy(self.kv_pool, src, dst)
-        elif kind == SWAP_OUT:
-            self.block_moves.swap_out(self.kv_pool, self.host_pool, src, dst[:n])
-        elif kind == SWAP_IN:
-            self.kv_pool = self.block_moves.swap_in(self.kv_pool, self.host_pool, src, dst)
-        else:
-            raise ValueError(kind)
+        self.kv_pool = move_padded(self.block_moves, self.kv_pool, self.host_pool, kind, src, dst, n)
 
     def execute(self, scheduled: list[ScheduledSeq], bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for each scheduled sequence, in order. bitmask

@@ -95,12 +95,15 @@ class SamplerOutput:
     prompt: PromptLogprobsOutput | None = None  # per token, not per row; None from a batch without targets
     probs: jax.Array | None = None  # [S, V] the distribution each row was drawn from (a draft model's; else None)
     pooled: jax.Array | None = None  # [S, D] a pooling model's pooled hidden states (jaxpage.worker.pooler)
+    # [T, A * D] per token, not per row: an EAGLE-3 head's target's auxiliary hidden states (EngineConfig's
+    # aux_hidden_layers); None elsewhere
+    hidden_states: jax.Array | None = None
 
     def rows(self, index) -> SamplerOutput:
         """The rows ``index`` (a slice or row numbers) of the per-row outputs; the per-token prompt part whole."""
         return SamplerOutput(self.tokens[index], self.logprobs[index], self.top_ids[index], self.top_logprobs[index],
                              self.prompt, None if self.probs is None else self.probs[index],
-                             None if self.pooled is None else self.pooled[index])
+                             None if self.pooled is None else self.pooled[index], self.hidden_states)
 
 
 jax.tree_util.register_dataclass(

@@ -9,6 +9,7 @@ in a ``lax.scan`` over stacked weights, or unrolled over each layer's own buffer
 which runs where."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,7 +21,7 @@ from jaxpage.attention.kv_cache import jit_on_pool, packs_kv
 from jaxpage.config import EngineConfig
 from jaxpage.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxpage.distributed.parallel import placement, put, spec_shardings
-from jaxpage.models import TokenBatch, abstract_params, forward_hidden, partition_specs
+from jaxpage.models import TokenBatch, abstract_params, forward_hidden_aux, partition_specs
 from jaxpage.models.lora_slots import LoRAMapping, lora_buckets
 from jaxpage.sampling_params import MAX_LOGIT_BIAS
 from jaxpage.structured.manager import bitmask_words
@@ -73,11 +74,14 @@ def make_step(config: EngineConfig, loop: str, where=None, weights: dict | None 
 
 def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
          sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
-    """One engine iteration: write K/V, attend through the block tables, sample one token per sequence."""
-    hidden, pool = forward_hidden(config.model, params, pool, batch, config.attention_backend)
+    """One engine iteration: write K/V, attend through the block tables, sample one token per sequence (with
+    ``config.aux_hidden_layers``, an EAGLE-3 head's target: also every token's auxiliary hidden states)."""
+    hidden, pool, aux = forward_hidden_aux(config.model, params, pool, batch, config.attention_backend,
+                                           config.aux_hidden_layers)
     if config.pooler_config is not None:
         return pooler_output(config, hidden, batch), pool
-    return sample_tokens(config, params, hidden, batch, sampling), pool
+    out = sample_tokens(config, params, hidden, batch, sampling)
+    return (out if aux is None else dataclasses.replace(out, hidden_states=aux)), pool
 
 
 def substitute_placeholders(token_ids: jax.Array, sampled: jax.Array, rows: jax.Array) -> jax.Array:
