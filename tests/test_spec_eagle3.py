@@ -278,3 +278,26 @@ def test_block_accounting_under_random_workloads(accounting_llm, scenario):
     _, actions = scenario
     actions = [a[:4] if a[0] == "add" else a for a in actions]  # no LoRA adapters on this engine
     play(accounting_llm.engine, actions)
+
+
+def test_a_lora_target_with_a_head_gives_its_greedy_tokens(models, tmp_path):
+    """A LoRA adapter on the target (every projection, rank 8): the head drafts from the adapted target's hidden
+    states (the head itself has no adapter, as in vLLM); greedy tokens equal the adapted engine's without
+    speculation, for requests with and without the adapter in one batch."""
+    from jaxpage import LLM
+    from jaxpage.lora.request import LoRARequest
+    from tests.reference import peft_adapter
+
+    target, torch_model, heads, cache = models
+    peft_adapter(torch_model, tmp_path / "adapter", rank=8, alpha=16,
+                 targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    options = {**OPTIONS, "enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+    plain = LLM(str(target), cache_dir=cache, **options)
+    spec = LLM(str(target), cache_dir=cache, speculative_config=eagle3_config(heads["speculators"][0], K), **options)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts, requests = _prompts(4, seed=9), [lora, None, lora, None]
+    expected = plain.generate(prompts, greedy, lora_request=requests)
+    got = spec.generate(prompts, greedy, lora_request=requests)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert spec.stats()["spec_decode_num_draft_tokens"] > 0

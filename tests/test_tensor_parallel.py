@@ -182,11 +182,18 @@ if IN_CHILD:
 
     @functools.cache
     def spec_engine(tp: int, method: str) -> LLM:
-        """llama-8h-4kv with speculative decoding: n-gram, or a draft model (a 1-layer random Llama of the same
-        vocabulary, other weights: drafts accepted and rejected)."""
+        """llama-8h-4kv with speculative decoding: n-gram, a draft model (a 1-layer random Llama of the same
+        vocabulary, other weights: drafts accepted and rejected), or a random EAGLE-3 head."""
         if method == "ngram":
             config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                       "prompt_lookup_min": 1}
+        elif method == "eagle3":
+            from tests.eagle3_heads import eagle3_config, save_random_head
+
+            head = Path(model_dir("llama-8h-4kv")).parent / "eagle3-head"
+            if not head.exists():
+                save_random_head(head, tiny_llama(**EIGHT_HEADS), (0, 1), 128, seed=6)
+            config = eagle3_config(head, 3)
         else:
             draft = Path(model_dir("llama-8h-4kv")).parent / "draft-1-layer"
             if not draft.exists():
@@ -199,15 +206,17 @@ if IN_CHILD:
         rng = np.random.default_rng(5)
         return [{"prompt_token_ids": (rng.integers(1, 256, 3 + i).tolist() * 6)[:20]} for i in range(4)]
 
-    @pytest.mark.parametrize("method", ["ngram", "draft_model"])
+    @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
     def test_speculative_decoding_at_tp2_gives_tp1_tokens(method):
-        """A TP 2 target verifying n-gram or draft-model drafts (the draft model whole on the target's first
-        device): greedy tokens equal TP 1's without speculation; seeded samples with penalties equal TP 1's with
+        """A TP 2 target verifying n-gram, draft-model or EAGLE-3 drafts (the draft model or head whole on the
+        target's first device; the head reads the TP target's hidden states): greedy tokens equal TP 1's without speculation; seeded samples with penalties equal TP 1's with
         the same speculation (rejection sampling over each device's slice of the vocabulary gives one device's
         draws); drafts accepted; every block back."""
         ours, spec1, plain = spec_engine(2, method), spec_engine(1, method), engine("llama-8h-4kv", 1, "xla")
-        if method == "draft_model":
-            assert {s.device for s in ours.engine.drafter.runner.kv_pool.addressable_shards} == {jax.devices()[0]}
+        if method != "ngram":
+            drafter = ours.engine.drafter
+            pool = drafter.kv_pool if method == "eagle3" else drafter.runner.kv_pool
+            assert {s.device for s in pool.addressable_shards} == {jax.devices()[0]}
         batch, greedy = spec_prompts(), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         expected = tokens(plain, batch, greedy)
         # both spec engines in the same state (a draft's tokens may be drawn only with the same schedule, which

@@ -175,8 +175,10 @@ class EngineArgs(CliArgs):
         "LoRA adapters kept loaded in host memory, least recently used dropped first (default: max-loras)"))
     speculative_config: dict | None = dataclasses.field(default=None, metadata=_option(
         "speculative decoding, vLLM's: a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (ngram: prompt lookup over the sequence itself); "
-        "turns async scheduling off", type=parse_json_object))
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (ngram: prompt lookup over the sequence itself; "
+        "suffix; draft_model and eagle3 with \"model\": a draft model's path or an EAGLE-3 head's directory, "
+        "both turning async scheduling off)",
+        type=parse_json_object))
     runner: str = dataclasses.field(default="auto", metadata=_option(
         "vLLM's: generate (sample tokens), pooling (one vector per prompt: LLM.embed, /v1/embeddings), or auto: "
         "pooling for a checkpoint of a base model (its architecture *Model, as transformers saves an embedding "
