@@ -93,14 +93,21 @@ def test_a_gguf_q4_k_m_step_lowers_with_each_projection_as_stored():
         assert f"tensor<{kernel}>" in text, kernel
 
 
-@pytest.mark.parametrize("case", spec_step_cases(), ids=lambda c: c.shape.split()[2])
-def test_speculative_verify_and_draft_steps_lower_with_the_triton_kernel(case):
-    """A draft model's target (rejection sampling: the drafts' q [S, vocab] float32 among its inputs) and the
-    draft (q among its outputs), SmolLM2's shapes at the smallest bucket: one Triton attention call each."""
+def _main_signature(case) -> tuple[str, str]:
+    """The lowered step's (arguments, results) of its main function; one Triton attention call in it."""
     text = lower_for_cuda(case, TARGET_LIST[-1])
     assert triton_calls(text) == 1
     signature = text[text.index("func.func public @main"):].split("\n", 1)[0]
     args, results = signature.split(") -> (", 1)
+    return args, results
+
+
+@pytest.mark.parametrize("case", spec_step_cases(), ids=lambda c: c.shape.split()[2])
+def test_speculative_verify_and_draft_steps_lower_with_the_triton_kernel(case):
+    """A draft model's target (rejection sampling: the drafts' q [S, vocab] float32 among its inputs) and the
+    draft (q among its outputs), SmolLM2's shapes at the smallest bucket: one Triton attention call each."""
+    args, results = _main_signature(case)
+    signature = args + results
     q = f"tensor<{case.args[3].temperature.shape[0]}x49152xf32>"
     assert (q in args, q in results) == ((True, False) if "verify" in case.shape else (False, True)), signature[-300:]
 
@@ -109,14 +116,11 @@ def test_speculative_verify_and_draft_steps_lower_with_the_triton_kernel(case):
 def test_eagle3_verify_step_and_head_passes_lower_with_the_triton_kernel(case):
     """An EAGLE-3 head's target (the three layers' hidden states [T, 3 x 576] among its outputs) and the head's two
     passes (q among their outputs), SmolLM2's shapes at the smallest bucket: one Triton attention call each."""
-    text = lower_for_cuda(case, TARGET_LIST[-1])
-    assert triton_calls(text) == 1
-    signature = text[text.index("func.func public @main"):].split("\n", 1)[0]
-    args, results = signature.split(") -> (", 1)
+    _, results = _main_signature(case)
     if "verify" in case.shape:
-        assert f"tensor<{case.args[2].token_ids.shape[0]}x1728xbf16>" in results, signature[-300:]
+        assert f"tensor<{case.args[2].token_ids.shape[0]}x1728xbf16>" in results, results[-300:]
     else:
-        assert f"tensor<{case.args[4].temperature.shape[0]}x49152xf32>" in results, signature[-300:]
+        assert f"tensor<{case.args[4].temperature.shape[0]}x49152xf32>" in results, results[-300:]
 
 
 def test_a_kernel_that_does_not_lower_fails_the_lane():

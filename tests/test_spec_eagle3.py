@@ -301,3 +301,34 @@ def test_a_lora_target_with_a_head_gives_its_greedy_tokens(models, tmp_path):
     got = spec.generate(prompts, greedy, lora_request=requests)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_smollm2_with_a_random_head_gives_its_greedy_tokens(smollm2, tmp_path):
+    """SmolLM2 (the real model, float32) with a random head of its shapes (2,048 draft tokens, vLLM's default
+    layers 2, 15, 27): chat answers, a regex-constrained and a JSON-constrained answer, and a stop string give
+    the engine's tokens without speculation; drafts were made and verified."""
+    from transformers import LlamaConfig
+
+    from jaxpage import LLM
+    from jaxpage.structured_outputs import StructuredOutputsParams
+    from tests.factories import SMOLLM2_OPTIONS
+
+    shapes = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5)
+    save_random_head(tmp_path / "head", shapes, (2, 15, 27), 2048, seed=3)
+    spec = LLM(**SMOLLM2_OPTIONS, speculative_config=eagle3_config(tmp_path / "head", 3))
+    tokenizer = smollm2.get_tokenizer()
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in ("What is the capital of France?", "Name three colors.", "Write a haiku about rain.")]
+    params = [SamplingParams(temperature=0.0, max_tokens=24),
+              SamplingParams(temperature=0.0, max_tokens=24, stop=["."]),
+              SamplingParams(temperature=0.0, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(regex=r"[A-Z][a-z]+( [a-z]+){2,4}\.")),
+              SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+                  json={"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}))]
+    prompts = [chat[0], chat[1], chat[2], chat[1]]
+    expected, got = smollm2.generate(prompts, params), spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+    assert spec.stats()["spec_decode_num_draft_tokens"] > 0

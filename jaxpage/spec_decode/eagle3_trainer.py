@@ -253,18 +253,30 @@ def _shapes(cfg) -> tuple[Shapes, dict]:
                   cfg.rms_norm_eps, tuple(inv.tolist())), layer
 
 
-def train_head(llm, out: Path, config: TrainConfig, log=print) -> dict:
-    """Steps 1-5 of the module's docstring for the target served by ``llm``; returns the timings (seconds)."""
+def train_head(llm, out: Path, config: TrainConfig, log=print, features: Path | None = None) -> dict:
+    """Steps 1-5 of the module's docstring for the target served by ``llm``; returns the timings (seconds).
+    features: an .npz of steps 1-2's results, written if missing, read (steps 1-2 skipped) if present."""
     engine = llm.engine
     cfg = engine.config.model
     n = cfg.num_layers
     aux_layers = (2, n // 2, n - 3)
     times, started = {}, time.perf_counter()
-    seqs = conversations(llm, config)
-    times["generate"] = time.perf_counter() - started
-    length = max(len(s) for s in seqs)
-    aux, choices = target_features(engine, seqs, aux_layers, length)
-    times["features"] = time.perf_counter() - started - times["generate"]
+    if features is not None and features.exists():  # an earlier run's conversations and features
+        with np.load(features) as f:
+            seqs = [row[row >= 0].tolist() for row in f["seqs"]]
+            aux, choices = f["aux"].view(jnp.bfloat16), f["choices"]
+        times["generate"] = times["features"] = 0.0
+    else:
+        seqs = conversations(llm, config)
+        times["generate"] = time.perf_counter() - started
+        aux, choices = target_features(engine, seqs, aux_layers, max(len(s) for s in seqs))
+        times["features"] = time.perf_counter() - started - times["generate"]
+        if features is not None:
+            rows = np.full((len(seqs), aux.shape[1]), -1, np.int32)
+            for i, s in enumerate(seqs):
+                rows[i, :len(s)] = s
+            np.savez(features, seqs=rows, aux=aux.view(np.uint16), choices=choices)
+    length, started = aux.shape[1], time.perf_counter()
     draft_ids = draft_vocabulary(choices, config.draft_vocab_size, cfg.vocab_size)
     to_draft = np.full(cfg.vocab_size + 1, -1, np.int32)
     to_draft[draft_ids] = np.arange(len(draft_ids))
@@ -280,7 +292,7 @@ def train_head(llm, out: Path, config: TrainConfig, log=print) -> dict:
     frozen = {"embed": jnp.asarray(embed), "lm_head": jnp.asarray(lm_head)}
     params = init_params(shapes, len(aux_layers), np.random.default_rng(config.seed))
     params = train(params, frozen, shapes, (tokens, aux[:, :-1], labels), config, log)
-    times["train"] = time.perf_counter() - started - times["generate"] - times["features"]
+    times["train"] = time.perf_counter() - started
     save_head(out, params, shapes, layer, draft_ids, aux_layers, lm_head, cfg.vocab_size)
     return times
 
@@ -290,6 +302,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="the head's directory (written)")
     parser.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--features", type=Path, default=None,
+                        help="an .npz keeping the conversations and the target's features: written, or read if present")
     for field in dataclasses.fields(TrainConfig):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     args = parser.parse_args(argv)
@@ -297,7 +311,7 @@ def main(argv=None) -> None:
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=512, progress=False)
-    times = train_head(llm, Path(args.out), config)
+    times = train_head(llm, Path(args.out), config, features=args.features)
     print(json.dumps({"out": args.out, "config": dataclasses.asdict(config),
                       "seconds": {k: round(v, 1) for k, v in times.items()}}))
 
