@@ -210,8 +210,8 @@ if IN_CHILD:
     def test_speculative_decoding_at_tp2_gives_tp1_tokens(method):
         """A TP 2 target verifying n-gram, draft-model or EAGLE-3 drafts (the draft model or head whole on the
         target's first device; the head reads the TP target's hidden states): greedy tokens equal TP 1's without
-        speculation; seeded samples with penalties equal TP 1's with the same speculation (rejection sampling over each device's slice of the vocabulary gives one device's
-        draws); drafts accepted; every block back."""
+        speculation; seeded samples with penalties equal TP 1's with the same speculation (rejection sampling over
+        each device's slice of the vocabulary gives one device's draws); drafts accepted; every block back."""
         ours, spec1, plain = spec_engine(2, method), spec_engine(1, method), engine("llama-8h-4kv", 1, "xla")
         if method != "ngram":
             drafter = ours.engine.drafter
