@@ -23,7 +23,7 @@ def head(tmp_path_factory):
     from jaxpage.models.hf_config import common_fields
 
     cfg = ModelConfig(**common_fields(tiny_llama(num_hidden_layers=4)))
-    shapes, layer = tr._shapes(cfg)
+    shapes, layer = tr.head_shapes(cfg)
     rng = np.random.default_rng(0)
     params = tr.init_params(shapes, 3, rng)
     params = {k: v * (1 + 0.2 * rng.normal(size=v.shape)).astype(np.float32) for k, v in params.items()}
@@ -47,7 +47,7 @@ def test_each_ttt_step_is_the_heads_draft_chain(head):
     aux = rng.normal(size=(1, N, 3 * D)).astype(np.float32)
     logits = [np.asarray(a[0]) for a in tr.ttt_logits(params, frozen, shapes, tokens, aux, 3)]
     tensors = load_file(str(path / "model.safetensors"))
-    layer = {**tr._shapes(cfg)[1]}
+    layer = {**tr.head_shapes(cfg)[1]}
     embeds = torch.tensor(frozen["embed"])[torch.tensor(tokens[0])]
     hidden0 = torch.tensor(aux[0]) @ tensors["fc.weight"].T
     for step in range(3):

@@ -21,6 +21,12 @@ def padded_ids(ids: list[int], size: int) -> np.ndarray:
     return out
 
 
+def padded_chunks(src: list[int], dst: list[int], size: int):
+    """``src`` -> ``dst`` in move calls of ``size`` ids each: (padded src, padded dst, ids in the call)."""
+    for i in range(0, len(src), size):
+        yield padded_ids(src[i:i + size], size), padded_ids(dst[i:i + size], size), len(src[i:i + size])
+
+
 def take(a: jax.Array, blocks: jax.Array, one_device: bool = False) -> jax.Array:
     """Blocks [n] of every layer of one pool leaf [L, NB, ...] -> [L, n, ...]. With ``one_device`` (a mesh's pool is
     split: the FFI call would see one device's part as the pool) an 8- or 16-bit pool's blocks move by the CPU's

@@ -241,7 +241,7 @@ def save_head(out: Path, params: dict, shapes: Shapes, layer_config: dict, draft
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def _shapes(cfg) -> tuple[Shapes, dict]:
+def head_shapes(cfg) -> tuple[Shapes, dict]:
     """The head's shapes and its transformers layer config (the target's, one layer)."""
     inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_parameters))
     layer = {"model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -288,7 +288,7 @@ def train_head(llm, out: Path, config: TrainConfig, log=print, features: Path | 
     if not cfg.tie_word_embeddings:
         raise ValueError("the trainer takes a target whose LM head is its embedding (tie_word_embeddings)")
     lm_head = embed.T[:, draft_ids]  # speculators' start: the target's LM head, kept frozen
-    shapes, layer = _shapes(cfg)
+    shapes, layer = head_shapes(cfg)
     frozen = {"embed": jnp.asarray(embed), "lm_head": jnp.asarray(lm_head)}
     params = init_params(shapes, len(aux_layers), np.random.default_rng(config.seed))
     params = train(params, frozen, shapes, (tokens, aux[:, :-1], labels), config, log)

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpage.attention.kv_cache import allocate_kv_pool, host_kv_pool, jit_on_pool, packs_kv, pool_block_size
-from jaxpage.attention.block_moves import BlockMoves, padded_ids
+from jaxpage.attention.block_moves import BlockMoves, padded_chunks
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import DeviceOps
 from jaxpage.core.scheduler_output import ScheduledSeq
@@ -138,12 +138,10 @@ class Eagle3Runner:
 
     def apply(self, ops: DeviceOps) -> None:
         """The target's block moves, applied to the head's pool too."""
-        size = self._move_size
         for kind, src, dst in ops.batches():
-            for i in range(0, len(src), size):
-                n = len(src[i:i + size])
-                self.kv_pool = move_padded(self.block_moves, self.kv_pool, self.host_pool, kind,
-                                           padded_ids(src[i:i + size], size), padded_ids(dst[i:i + size], size), n)
+            for padded_src, padded_dst, n in padded_chunks(src, dst, self._move_size):
+                self.kv_pool = move_padded(self.block_moves, self.kv_pool, self.host_pool, kind, padded_src,
+                                           padded_dst, n)
 
     # --- proposing ------------------------------------------------------------------------------------
     def take_hidden_states(self, scheduled: list[ScheduledSeq], sampled: SamplerOutput) -> None:

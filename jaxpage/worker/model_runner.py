@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpage.attention.block_moves import BlockMoves, padded_ids
+from jaxpage.attention.block_moves import BlockMoves, padded_chunks
 from jaxpage.attention.kv_cache import allocate_kv_pool, host_kv_pool, packs_kv
 from jaxpage.config import EngineConfig
 from jaxpage.core.kv_cache_manager import COPY, SWAP_IN, SWAP_OUT, DeviceOps
@@ -184,14 +184,12 @@ class ModelRunner:
     def apply(self, ops: DeviceOps) -> list[int]:
         """Carries out the queued block copies and swaps, in order, in padded fixed-size calls; returns the device
         blocks whose disk-tier restore failed (their files missing or bad)."""
-        size = self._move_size
         for kind, src, dst in ops.batches():
             if kind in TIER_MOVES:
                 self.kv_pool = self.tiers.apply(self.kv_pool, kind, src, dst)
                 continue
-            for i in range(0, len(src), size):
-                n = len(src[i:i + size])
-                self.move(kind, padded_ids(src[i:i + size], size), padded_ids(dst[i:i + size], size), n)
+            for padded_src, padded_dst, n in padded_chunks(src, dst, self._move_size):
+                self.move(kind, padded_src, padded_dst, n)
         return self.tiers.take_failed_loads() if self.tiers is not None else []
 
     def move(self, kind: str, src: np.ndarray, dst: np.ndarray, n: int) -> None:
