@@ -332,3 +332,19 @@ def test_smollm2_with_a_random_head_gives_its_greedy_tokens(smollm2, tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
     assert spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_one_token_prompts_speculate_from_their_first_step(llms):
+    """A one-token prompt's first step may carry drafts before any position has its next token (found by the
+    property test): the head is skipped (the drafts are the token itself, q one-hot), and greedy and seeded
+    tokens are those without speculation; every block is back."""
+    plain, spec, _ = llms
+    prompts = [{"prompt_token_ids": [t]} for t in (5, 77, 200)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2, best_of=2)]
+    expected = plain.generate(prompts, params)
+    got = spec["speculators"].generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
+    s = spec["speculators"].stats()
+    assert s["num_free_blocks"] == s["num_blocks"]

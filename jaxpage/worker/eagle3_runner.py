@@ -157,11 +157,14 @@ class Eagle3Runner:
     def propose(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """The rows with each speculating row's reserved draft positions (``num_pending_drafts``) filled in
         (``spec_token_ids`` and ``draft_probs``: new rows, the scheduler's unchanged)."""
-        first, spec = [], []
+        first, spec, drafts, q = [], [], {}, {}
         for s in scheduled:
             if not s.num_new_tokens:
                 continue  # a fork: its parent's row computes its tokens
             seq, end = s.seq, s.seq.num_computed_tokens  # positions the target computed (their tokens p + 1 known)
+            if s.num_pending_drafts and not end:  # a one-token prompt: no position has its next token yet
+                drafts[id(s)], q[id(s)] = self._blind_drafts(seq.token_ids[-1], s.num_pending_drafts)
+                continue
             # from the first whose target states are held: before it, K/V an earlier pass computed (of this
             # sequence, or of a prefix another sequence computed); none held: a fork, nothing to catch up
             held = self.hidden.first(seq)
@@ -173,13 +176,13 @@ class Eagle3Runner:
                 if s.num_pending_drafts:
                     spec.append((len(first) - 1, s))
         if not first:
-            return scheduled
+            return self._filled(scheduled, drafts, q)
         hidden = np.concatenate([self.hidden.take(s.seq, a, b, self.head.aux_width) for s, a, b, _ in first])
         tokens, probs, nxt = self._step(first, hidden, True)
         for s, _, end, _ in first:
             self._computed[s.seq] = end
-        drafts = {id(s): [tokens[row]] for row, s in spec}
-        q = {id(s): [probs[row]] for row, s in spec}
+        drafts.update({id(s): [tokens[row]] for row, s in spec})
+        q.update({id(s): [probs[row]] for row, s in spec})
         prev = {id(s): nxt[row] for row, s in spec}
         for j in range(1, max((s.num_pending_drafts for _, s in spec), default=0)):
             rows = [s for _, s in spec if s.num_pending_drafts > j]
@@ -190,9 +193,21 @@ class Eagle3Runner:
                 drafts[id(s)].append(tokens[row])
                 q[id(s)].append(probs[row])
                 prev[id(s)] = nxt[row]
+        return self._filled(scheduled, drafts, q)
+
+    @staticmethod
+    def _filled(scheduled: list[ScheduledSeq], drafts: dict, q: dict) -> list[ScheduledSeq]:
+        """The rows with their drafts and q (by the row's id) in place of their reserved positions."""
         return [dataclasses.replace(s, spec_token_ids=tuple(drafts[id(s)]), draft_probs=np.stack(q[id(s)]),
                                     num_pending_drafts=0)
                 if id(s) in drafts else s for s in scheduled]
+
+    def _blind_drafts(self, token: int, n: int) -> tuple[list[int], list[np.ndarray]]:
+        """Drafts without the head: ``token`` n times, each drawn with certainty (q one-hot), which the rule
+        verifies as any draft."""
+        one_hot = np.zeros(self.config.model.vocab_size, np.float32)
+        one_hot[token] = 1.0
+        return [token] * n, [one_hot] * n
 
     def _step(self, rows: list[tuple[ScheduledSeq, int, int, list[int]]], hidden: np.ndarray, from_target: bool):
         """One pass: each (target row, start, end, extra) computes the head's positions [start, end) of its
