@@ -9,7 +9,9 @@ none asks to repeat a text), one per stream. The engines run in one process, rou
     python -m benchmarks.spec_decode --head DIR [--rounds 3] [--tokens 96] [--k 3] [--streams 1 4 16]
         [--methods eagle3 ngram draft_model] [--json benchmarks/results/spec_decode_eagle3.json]
 
-Acceptance length: output tokens per step of a stream (1 + accepted drafts a step, as EAGLE papers count it)."""
+Acceptance length: output tokens per step of a stream (1 + accepted drafts a step, as EAGLE papers count it).
+``--time-calls --methods eagle3``: instead, where one stream's steps go (the head's passes and the target's steps
+timed around the runners' methods; medians in ms) and a plain decode step's time."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +42,28 @@ def run_case(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> dict:
     return {"token_ids": ids, "tokens_per_s": sum(map(len, ids)) / seconds, "steps": steps}
 
 
+def time_calls(engine: LLMEngine, prompt: list[int], tokens: int) -> dict:
+    """One greedy stream on an engine with a head: the median ms of the head's first pass, of each further pass
+    and of the target's step, and how many of each."""
+    drafter, runner, seen = engine.drafter, engine.runner, {"head first pass": [], "head next pass": [],
+                                                            "target step": []}
+
+    def timed(name, fn):
+        def call(*args):
+            started = time.perf_counter()
+            out = fn(*args)
+            seen[name(*args)].append(time.perf_counter() - started)
+            return out
+        return call
+    drafter._step = timed(lambda rows, hidden, first: f"head {'first' if first else 'next'} pass", drafter._step)
+    runner.execute = timed(lambda *_: "target step", runner.execute)
+    try:
+        run_case(engine, [prompt], tokens)
+    finally:
+        del drafter._step, runner.execute
+    return {k: {"calls": len(v), "median_ms": 1000 * statistics.median(v)} for k, v in seen.items() if v}
+
+
 def spec_configs(args) -> dict:
     return {"eagle3": {"method": "eagle3", "model": str(args.head), "num_speculative_tokens": args.k},
             "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
@@ -68,6 +92,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["eagle3", "ngram", "draft_model"],
                         choices=["eagle3", "ngram", "draft_model"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--time-calls", action="store_true")
     args = parser.parse_args()
     options = dict(max_num_seqs=max(16, max(args.streams)), max_num_batched_tokens=256, max_model_len=1024,
                    kv_cache_memory=512 << 20, progress=False)
@@ -80,6 +105,12 @@ def main() -> None:
     template = plain.tokenizer.apply_chat_template
     prompts = [plain.tokenize(template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
                for q in questions]
+    if args.time_calls:
+        run_case(engines["eagle3"], prompts[:1], 8)
+        timings = time_calls(engines["eagle3"], prompts[0], args.tokens)
+        plain_tps = run_case(plain, prompts[:1], args.tokens)["tokens_per_s"]
+        print(json.dumps({"head": timings, "plain_decode_ms": 1000 / plain_tps, "load_1min": os.getloadavg()[0]}))
+        return
     for engine in engines.values():  # untimed: each engine's first steps
         run_case(engine, prompts[:2], 8)
     runs = {n: {e: [] for e in engines} for n in args.streams}
