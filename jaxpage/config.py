@@ -3,6 +3,7 @@ jaxpage.engine.config_builder makes an EngineConfig from the engine's options)."
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -59,19 +60,17 @@ class ModelConfig:
     # decoder Linears stored otherwise than the above (a GGUF file's mix of types, jaxpage.models.gguf_quant):
     # sorted (linear, stored kind, group size, zero points), linear one of "qkv", "o", "gate_up", "down"
     quantized_projections: tuple = ()
-    # LoRA adapter slots on the device (the engine's, as quantization): max_loras adapters of rank up to
-    # max_lora_rank in every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
-    max_loras: int = 0
-    max_lora_rank: int = 0
-    # the adapters' deltas by the CPU's grouped kernel (the engine's: lora_slots.grouped_kernel_runs), so a step
-    # has one slots bucket, every slot
-    cpu_lora_kernel: bool = False
     # each checkpoint KV head repeated this many times to fill a tensor-parallel mesh (vLLM's
     # num_kv_head_replicas; jaxpage.distributed.parallel.model_for_tp): num_kv_heads counts the repeats
     num_kv_head_replicas: int = 1
-    # bfloat16 Linear kernels packed for oneDNN's CPU matmul (the engine's: jaxpage.models.weight_packing)
-    onednn_packed_weights: bool = False
     checkpoint_dtype: str | None = None  # the checkpoint's float dtype where its config names one ("float32", ...)
+
+    # The engine's choices that shape the step's graph are not the checkpoint's: a model as published has no
+    # LoRA slots and no packed weights; StepModelConfig (EngineConfig.step_model) carries them as fields
+    max_loras = 0
+    max_lora_rank = 0
+    cpu_lora_kernel = False
+    onednn_packed_weights = False
 
     def layer_windows(self) -> np.ndarray:
         """int32 [num_layers]: each layer's sliding window in tokens, 0 for full attention."""
@@ -102,6 +101,30 @@ class ModelConfig:
     def every_layer_windowed(self) -> bool:
         """Every layer slides (Mistral): blocks that no future token can see can go back to the pool."""
         return bool(self.layer_windows().min() > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModelConfig(ModelConfig):
+    """The model as the engine compiles its step: the checkpoint's ModelConfig and the engine's choices that shape
+    the graph, made from the EngineConfig's groups (``EngineConfig.step_model``), never set by hand."""
+
+    # LoRA adapter slots on the device (EngineConfig.lora): max_loras adapters of rank up to max_lora_rank in
+    # every decoder Linear (jaxpage.models.lora_slots); 0: none, the base model's graph
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    # the adapters' deltas by the CPU's grouped kernel (lora_slots.grouped_kernel_runs): one slots bucket
+    cpu_lora_kernel: bool = False
+    # bfloat16 Linear kernels packed for oneDNN's CPU matmul (EngineConfig.onednn_packed_weights;
+    # jaxpage.models.weight_packing)
+    onednn_packed_weights: bool = False
+
+    @classmethod
+    def of(cls, model: ModelConfig, lora: "LoRAConfig | None", onednn_packed_weights: bool) -> "StepModelConfig":
+        fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)}
+        if lora is not None:
+            fields.update(max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
+                          cpu_lora_kernel=lora.cpu_lora_kernel)
+        return cls(**fields, onednn_packed_weights=onednn_packed_weights)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix", "eagle3")  # vLLM's method names jaxpage implements
@@ -301,7 +324,11 @@ class ParallelConfig:
 class LoRAConfig:
     """vLLM's lora_config (None on an engine without LoRA)."""
 
-    max_cpu_loras: int = 0  # LoRA adapters kept loaded on the host (an LRU; model.max_loras of them on the device)
+    max_loras: int = 1  # adapters in the device's slots at once (a step's distinct adapters)
+    max_lora_rank: int = 16  # the slots' rank: an adapter of rank up to this
+    max_cpu_loras: int = 1  # LoRA adapters kept loaded on the host (an LRU; max_loras of them on the device)
+    # the adapters' deltas by the CPU's grouped kernel (the engine's choice: lora_slots.grouped_kernel_runs)
+    cpu_lora_kernel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +342,7 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None
     attention_backend: str = "xla"  # resolved: xla, pallas_gpu or pallas_tpu
+    onednn_packed_weights: bool = False  # bfloat16 Linear kernels packed for oneDNN (models/weight_packing.py)
     scan_layers: bool = True  # one compiled layer in a scan (fast compile), or unrolled layers (faster CPU steps)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     sampler_returns_probs: bool = False  # a draft model's runner: the step returns each row's distribution (q)
@@ -322,6 +350,11 @@ class EngineConfig:
     # side (SamplerOutput.hidden_states); empty: none
     aux_hidden_layers: tuple[int, ...] = ()
     pooler_config: PoolerConfig | None = None  # runner "pooling": the step pools instead of sampling; None: generate
+
+    @functools.cached_property
+    def step_model(self) -> StepModelConfig:
+        """The model as the step compiles it: ``model`` with the LoRA slots and weight packing chosen here."""
+        return StepModelConfig.of(self.model, self.lora, self.onednn_packed_weights)
 
     @property
     def runner(self) -> str:

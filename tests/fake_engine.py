@@ -172,7 +172,7 @@ class FakeRunner:
         budget = cfg.scheduler.max_num_batched_tokens
         assert total <= budget, f"{total} tokens > budget {budget}"
         loras = {s.group.lora_int_id for s in scheduled} - {0}
-        assert len(loras) <= cfg.model.max_loras, f"adapters {sorted(loras)} in one step: more than the slots"
+        assert len(loras) <= cfg.step_model.max_loras, f"adapters {sorted(loras)} in one step: more than the slots"
         row_adapters = self._row_adapters(scheduled)
         hashes = {}
         for s in scheduled:  # writes first (the real step writes a layer's K/V before attending)
@@ -235,12 +235,12 @@ class FakeRunner:
         adapters = sorted({s.group.lora_int_id for s in scheduled} - {0})
         slot_of = {0: 0, **{a: i + 1 for i, a in enumerate(adapters)}}
         row_slots = np.asarray([slot_of[s.group.lora_int_id] for s in scheduled], np.int32)
-        mapping = lora_mapping(row_slots, token_rows, len(token_rows), len(scheduled), self.config.model.max_loras,
-                               self.config.model.cpu_lora_kernel)
+        mapping = lora_mapping(row_slots, token_rows, len(token_rows), len(scheduled), self.config.step_model.max_loras,
+                               self.config.step_model.cpu_lora_kernel)
         if mapping is None:
             assert not adapters, "a step with adapters got no LoRA mapping"
             return {id(s): 0 for s in scheduled}
-        buckets = lora_buckets(self.config.model.max_loras, self.config.model.cpu_lora_kernel)
+        buckets = lora_buckets(self.config.step_model.max_loras, self.config.step_model.cpu_lora_kernel)
         assert len(mapping.slots) in buckets and len(mapping.slots) >= len(adapters)
         tokens = np.where(mapping.token_indices >= 0, mapping.slots[mapping.token_indices], 0)
         adapter_in = {slot: a for a, slot in slot_of.items()}

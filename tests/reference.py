@@ -80,12 +80,13 @@ def paged_logits(llm, token_ids: list[int], seed: int = 0, backend: str = "xla",
     batch = TokenBatch(np.asarray(token_ids, np.int32), pos, table[pos // bs] * bs + pos % bs,
                        np.zeros(n, np.int32), tables, np.zeros(1, np.int32),
                        None if lora_slot is None else lora_mapping(np.full(1, lora_slot, np.int32), np.zeros(n, np.int32),
-                                                                   n, 1, cfg.model.max_loras, cfg.model.cpu_lora_kernel))
+                                                                   n, 1, cfg.step_model.max_loras,
+                                                                   cfg.step_model.cpu_lora_kernel))
     pool = jnp.zeros_like(llm.engine.runner.kv_pool)
 
     def logits(params, pool, batch):
-        hidden, _ = forward_hidden(cfg.model, params, pool, batch, backend)
-        return compute_logits(cfg.model, params, hidden)
+        hidden, _ = forward_hidden(cfg.step_model, params, pool, batch, backend)
+        return compute_logits(cfg.step_model, params, hidden)
     # traced under the runner's tensor-parallel mesh, if any, as its step is
     return np.asarray(jax.jit(with_mesh(logits, llm.engine.runner.mesh))(params, pool, batch))
 

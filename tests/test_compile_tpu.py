@@ -225,13 +225,13 @@ def test_smollm2_lora_step_compiles_for_v5e(tp):
     r = ct.compile_step("v5e", "smollm2-135m", config.token_buckets()[0], config)
     assert_compiled(r)
     lora = sum(a.size * a.dtype.itemsize for path, a in jax.tree_util.tree_leaves_with_path(
-        abstract_params(config.model, config.dtype)) if path[-1].key in ("lora_a", "lora_b"))
+        abstract_params(config.step_model, config.dtype)) if path[-1].key in ("lora_a", "lora_b"))
     assert lora > 0 and r.memory["argument"] >= (lora + least_pool_bytes(config)) // tp, r.memory
     assert r.memory["alias"] >= least_pool_bytes(config) // tp, r.memory
     assert tp == 1 or "all-reduce" in r.hlo
     # a row-parallel Linear's x @ A reduction [T, slots, rank] rides in its base product's [T, hidden] all-reduce
     results = [line.split(" all-reduce(")[0] for line in r.hlo.splitlines() if " all-reduce(" in line]
-    lora_reductions = [shapes for shapes in results if f",{config.model.max_lora_rank}]" in shapes]
+    lora_reductions = [shapes for shapes in results if f",{config.step_model.max_lora_rank}]" in shapes]
     base = f"[{config.token_buckets()[0]},{config.model.hidden_size}]"
     assert tp == 1 or (lora_reductions and all(base in shapes for shapes in lora_reductions)), lora_reductions
 
@@ -281,7 +281,7 @@ def test_llama3_70b_step_compiles_tensor_parallel_on_eight_v5e_chips():
     r = ct.compile_step("v5e", "llama-3-70b", config.token_buckets()[0], config)
     assert_compiled(r)
     assert "all-reduce" in r.hlo
-    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract_params(config.model, config.dtype)))
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract_params(config.step_model, config.dtype)))
     embedding = config.model.vocab_size * config.model.hidden_size * 2
     assert r.memory["alias"] >= pool_bytes(config) // 8, r.memory
     assert r.memory["argument"] <= (weights + pool_bytes(config)) // 8 + embedding, r.memory

@@ -177,13 +177,13 @@ def test_every_engine_option_is_in_the_engine_config():
 
     groups = (EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)  # vLLM's VllmConfig's
     args, fields = dataclasses.fields(EngineArgs), {f.name for g in groups for f in dataclasses.fields(g)}
-    # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization and the LoRA slots,
-    # max_loras and max_lora_rank, behind enable_lora: in those shapes; the data-parallel router's, in routing;
-    # runner: whether pooler_config is set)
+    # (model: the checkpoint's path in EngineArgs, its shapes in EngineConfig; quantization: in those shapes;
+    # enable_lora: whether lora is set; the data-parallel router's, in routing; runner: whether pooler_config is
+    # set)
     routing = {"data_parallel_routing", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold"}
     assert {f.name for f in args} - fields == {"cache_dir", "progress", "quantization", "kv_cache_memory",
                                                "gpu_memory_utilization", "swap_space", "enable_lora",
-                                               "max_loras", "max_lora_rank", "kv_offloading_size",
+                                               "kv_offloading_size",
                                                "kv_offloading_backend", "kv_offloading_disk_size", "runner",
                                                *routing}
     model = _smollm2_shape()
@@ -222,4 +222,4 @@ def test_auto_dtype_on_the_cpu_follows_the_checkpoint_and_the_cpu():
     assert _engine(half, dtype="auto", quantization="int8").dtype == "float32"
     assert _engine(half, dtype="float32").dtype == "float32"
     engine = _engine(half, dtype="auto")
-    assert engine.model.onednn_packed_weights == (fast == "bfloat16")  # packed where bfloat16 runs oneDNN's matmul
+    assert engine.onednn_packed_weights == (fast == "bfloat16")  # packed where bfloat16 runs oneDNN's matmul

@@ -242,16 +242,15 @@ def test_smollm2_bfloat16_teacher_forced_quality_against_float32(hf_smollm2):
     """bfloat16 weights, activations and KV pool (oneDNN matmuls on weights packed at load, as the engine runs
     them, where available) against transformers float32, teacher-forced over the quantization tests' 2,048
     tokens of varied text."""
-    import dataclasses
-
     from jaxpage.testing.quality import SEGMENT, SOURCES, agreement_with_transformers
+    from jaxpage.config import StepModelConfig
     from jaxpage.models import cast_weights, config_from_hf
     from jaxpage.models.loader import default_cache_dir, load_model
     from jaxpage.models.weights import pack_params
 
     model, tokenizer = hf_smollm2
     loaded = load_model(None, default_cache_dir(), None)
-    cfg = dataclasses.replace(config_from_hf(loaded.hf_config), onednn_packed_weights=onednn.bfloat16_matmul())
+    cfg = StepModelConfig.of(config_from_hf(loaded.hf_config), None, onednn.bfloat16_matmul())
     params = cast_weights(pack_params(cfg, loaded.params), "bfloat16")
     top1, kl, top1s, kls = agreement_with_transformers(model, tokenizer, cfg, params, jnp.bfloat16)
     print(f"bfloat16 vs float32 over {SEGMENT * len(SOURCES)} tokens: top-1 {top1:.4f}, mean KL {kl:.5f} "

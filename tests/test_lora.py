@@ -146,7 +146,7 @@ def test_steps_take_only_their_own_adapters_slots(setup, monkeypatch):
             assert steps and all(step is None for step in steps), steps
         else:
             slot = runner.lora.resident()[adapters[1][0].lora_int_id]
-            model = llm.engine.config.model
+            model = llm.engine.config.step_model
             step_slots = list(range(model.max_loras + 1)) if model.cpu_lora_kernel else [slot]
             assert any(steps) and all(step in (None, ({slot}, step_slots)) for step in steps), (slot, steps)
     assert lora_buckets(2) == (1, 3) and lora_buckets(8) == (1, 2, 4, 9) and lora_buckets(6) == (1, 2, 4, 7)

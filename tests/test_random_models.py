@@ -182,7 +182,7 @@ def check_teacher_forced_logits(built, prompt_len, params):
         token_seq=np.concatenate([np.zeros(t, np.int32), np.ones(pad, np.int32)]),
         block_tables=block_tables, logits_indices=np.zeros(2, np.int32))
     pool = jnp.zeros_like(built.llm.engine.runner.kv_pool)
-    got = np.asarray(_paged_logits(cfg.model, params, pool, batch))[:t]
+    got = np.asarray(_paged_logits(cfg.step_model, params, pool, batch))[:t]
     assert_logits_close_by_position(got, expected, REL_TOL, ATOL,
                                     context=f"{built.where(name)} (block table {table.tolist()})")
 

@@ -115,7 +115,7 @@ def test_target_step_returns_the_layers_hidden_states(llms, models):
     hidden_states at the head's layers (the input of each)."""
     _, torch_model, _, _ = models
     engine = llms[1]["speculators"].engine
-    cfg = engine.config.model
+    cfg = engine.config.step_model
     tokens = _prompts(3)[2]["prompt_token_ids"]
     n, bs = len(tokens), engine.config.cache.block_size
     table = np.arange(1, 1 + -(-n // bs), dtype=np.int32)

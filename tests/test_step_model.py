@@ -20,7 +20,7 @@ def config():
 def test_weights_are_the_leaves_bytes(config):
     from jaxpage.models import abstract_params
 
-    leaves = jax.tree.leaves(abstract_params(config.model, config.dtype))
+    leaves = jax.tree.leaves(abstract_params(config.step_model, config.dtype))
     assert config.model.tie_word_embeddings  # the whole embedding is read as the LM head
     assert step_model.weight_count(config, 8).bytes == sum(math.prod(a.shape) * 2 for a in leaves)
 

@@ -195,7 +195,7 @@ class Scheduler:
         """Whether ``group`` may run beside groups of these adapters: its adapter is among them, or a device slot
         is left for it (the runner loads it there before the step)."""
         lora = group.lora_int_id
-        return not lora or lora in loras or len(loras - {0}) < self.config.model.max_loras
+        return not lora or lora in loras or len(loras - {0}) < self.config.lora.max_loras
 
     def _match_prefix(self, seq: Sequence, group: SequenceGroup) -> None:
         """The prefix cache's blocks for a sequence starting (or recomputing), unless its request still lacks

@@ -22,6 +22,7 @@ from jaxpage.config import (
     RoutingConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StepModelConfig,
     check_quantization,
     kv_storage_dtype,
     require,
@@ -73,17 +74,15 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
     model = dataclasses.replace(model, quantization=quantization)
     group = device_group(tensor_parallel_size, data_parallel_size, data_parallel_rank)
     backend = resolve_backend(args.attention_backend)
-    if args.enable_lora:
-        model, max_cpu_loras = _with_lora(model, args.max_loras, args.max_lora_rank, max_cpu_loras,
-                                          grouped_kernel_runs(backend, tensor_parallel_size, group))
+    lora = (_lora_config(args.max_loras, args.max_lora_rank, max_cpu_loras,
+                         grouped_kernel_runs(backend, tensor_parallel_size, group)) if args.enable_lora else None)
     model = model_for_tp(model, tensor_parallel_size)
     require(kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype,
             f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
     kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
     require(block_size in (8, 16, 32, 64, 128), "block_size", block_size, "must be one of 8, 16, 32, 64, 128")
     _check_tpu_tiles(backend, kv_dtype, block_size, max_num_batched_tokens)
-    model = dataclasses.replace(model, onednn_packed_weights=packs_weights(
-        dtype, backend, quantization, tensor_parallel_size, group))
+    packed = packs_weights(dtype, backend, quantization, tensor_parallel_size, group)
     require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
     require(max_num_batched_tokens >= max_num_seqs, "max_num_batched_tokens", max_num_batched_tokens,
             f"must be >= max_num_seqs={max_num_seqs}")
@@ -91,7 +90,8 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
     max_model_len = args.max_model_len or limit
     require(1 <= max_model_len <= limit, "max_model_len", max_model_len,
             f"must be between 1 and the model's max_position_embeddings={limit}")
-    models = (model,) if draft_model is None else (model, draft_model)  # a draft runs on the target's first device
+    step_model = StepModelConfig.of(model, lora, packed)  # its weights (LoRA slots included) take device memory
+    models = (step_model,) if draft_model is None else (step_model, draft_model)  # a draft: the target's 1st device
     per_block = [kv_cache.device_bytes_per_block(m, block_size, kv_dtype, kv_cache.packs_kv(m, backend), shards)
                  for m, shards in zip(models, (tensor_parallel_size, 1))]
     if num_kv_blocks is None:
@@ -133,8 +133,7 @@ def build_engine_config(model: ModelConfig, args: EngineArgs | None = None, *, d
         args.wave_prefill, args.prefill_into_padding)
     parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, data_parallel_rank, RoutingConfig(
         args.data_parallel_routing, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold))
-    config = EngineConfig(model, dtype, cache, scheduler, parallel,
-                          LoRAConfig(max_cpu_loras) if args.enable_lora else None, backend, args.scan_layers,
+    config = EngineConfig(model, dtype, cache, scheduler, parallel, lora, backend, packed, args.scan_layers,
                           speculative_config, pooler_config=pooler, aux_hidden_layers=tuple(aux_hidden_layers))
     require(config.scheduler.seqs_per_request >= 1, "max_seqs_per_request", args.max_seqs_per_request, "must be >= 1")
     return config
@@ -207,30 +206,28 @@ def draft_engine_config(config: EngineConfig, draft: ModelConfig) -> EngineConfi
             "is not built with a draft model (speculative_config.model): its pool would need tiers of its own")
     limits = config.scheduler
     budget = cdiv(limits.max_num_batched_tokens + limits.max_num_seqs, 8) * 8  # TPU kernels take blocks of 8
-    draft = dataclasses.replace(draft, onednn_packed_weights=config.model.onednn_packed_weights)
     tp, rank = config.parallel.tensor_parallel_size, config.parallel.data_parallel_rank
     # under tensor parallelism the draft runs whole on the first device of the target's group: device_group of
     # TP 1 over dp x tp ranks of one device each names that device
     return dataclasses.replace(
-        config, model=draft, speculative_config=None, sampler_returns_probs=True, aux_hidden_layers=(),
+        config, model=draft, lora=None, speculative_config=None, sampler_returns_probs=True, aux_hidden_layers=(),
         scheduler=dataclasses.replace(config.scheduler, async_scheduling=False, max_num_batched_tokens=budget),
         parallel=dataclasses.replace(config.parallel, tensor_parallel_size=1,
                                      data_parallel_size=config.parallel.data_parallel_size * tp,
                                      data_parallel_rank=rank * tp))
 
 
-def _with_lora(model: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-               cpu_lora_kernel: bool) -> tuple[ModelConfig, int]:
-    """The model with its adapter slots (under tensor parallelism sharded as their base projections), and the
-    host's LRU size (default: max_loras)."""
+def _lora_config(max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
+                 cpu_lora_kernel: bool) -> LoRAConfig:
+    """The adapter slots (under tensor parallelism sharded as their base projections) and the host's LRU size
+    (default: max_loras)."""
     require(max_loras >= 1, "max_loras", max_loras, "must be >= 1")
     require(max_lora_rank >= 1, "max_lora_rank", max_lora_rank, "must be >= 1")
     max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
     require(max_cpu_loras >= max_loras, "max_cpu_loras", max_cpu_loras, f"must be >= max_loras={max_loras}")
     require(jax.process_count() == 1, "enable_lora", True, "runs on one host only (the followers' replay "
             "carries no adapter slots yet)")
-    return dataclasses.replace(model, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                               cpu_lora_kernel=cpu_lora_kernel), max_cpu_loras
+    return LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, cpu_lora_kernel)
 
 
 def _num_offload_blocks(size_gib: float, backend: str | None, directory: str | None, disk_gib: float,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpage.config import ModelConfig
+from jaxpage.config import ModelConfig, StepModelConfig
 from jaxpage.distributed.parallel import checkpoint_model
 from jaxpage.models import abstract_params, architecture, layer_linears
 from jaxpage.models.placement import replicate_kv_leaf
@@ -61,7 +61,7 @@ class LoRAModel:
 def lora_targets(cfg: ModelConfig) -> dict[str, Target]:
     """transformers' module names (``self_attn.q_proj``, ...) that map onto a decoder Linear of this model."""
     linears = layer_linears(cfg)
-    shapes = abstract_params(dataclasses.replace(cfg, max_loras=0, max_lora_rank=0), np.float32)["layers"]
+    shapes = abstract_params(StepModelConfig.of(cfg, None, cfg.onednn_packed_weights), np.float32)["layers"]
     targets = {}
     for path, (names, transform) in architecture(cfg.model_type).layer_weights(cfg).items():
         linear = linears.get(path[:-1])

@@ -21,8 +21,8 @@ from jaxpage.models.lora_slots import LORA_LEAVES, LoRAMapping, lora_buckets
 
 class WorkerLoRAManager:
     def __init__(self, config: EngineConfig):
-        self.model = config.model
-        self.max_loras, self.max_cpu_loras = config.model.max_loras, config.lora.max_cpu_loras
+        self.model = config.step_model
+        self.max_loras, self.max_cpu_loras = config.lora.max_loras, config.lora.max_cpu_loras
         self._host: collections.OrderedDict[int, LoRAModel] = collections.OrderedDict()  # least recent first
         self._slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora_int_id -> slot, LRU first
         self.num_loads = 0  # adapters read from disk
@@ -73,7 +73,7 @@ class WorkerLoRAManager:
 
 def with_empty_slots(config: EngineConfig, params: dict) -> dict:
     """The loaded weights (numpy, layers stacked) with every Linear's adapter slots, all zeros."""
-    shapes = abstract_params(config.model, np.float32)["layers"]
+    shapes = abstract_params(config.step_model, np.float32)["layers"]
 
     def fill(shape_tree, tree):
         out = dict(tree)

@@ -6,8 +6,8 @@ decode step's matmuls ran 2-2.6x faster at one row and ~2x at 8 (benchmarks/RESU
 array's shape and dtype (its bytes are only reordered; ``onednn.packs`` admits only layouts that pad nothing),
 so shapes, shardings and the pure-dict layout stay as they are; only ``Linear`` reads the bytes, through the
 packed matmul. Engines pack where they run the weights on one CPU device in bfloat16 with the XLA attention path
-(``packs_weights``); the model config carries the choice (``ModelConfig.onednn_packed_weights``) so the traced
-graph and the placed weights agree.
+(``packs_weights``); the step's model config carries the choice (``StepModelConfig.onednn_packed_weights``) so
+the traced graph and the placed weights agree.
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def target_features(engine, seqs: list[list[int]], aux_layers: tuple[int, ...], 
     from jaxpage.attention.kv_cache import allocate_kv_pool
     from jaxpage.models import TokenBatch, compute_raw_logits, forward_hidden_aux
 
-    cfg, params, bs = engine.config.model, engine.runner.params, engine.config.cache.block_size
+    cfg, params, bs = engine.config.step_model, engine.runner.params, engine.config.cache.block_size
     pool = allocate_kv_pool(cfg, -(-length // bs) + 1, bs, jnp.dtype(engine.config.kv_dtype))
 
     @jax.jit
@@ -257,7 +257,7 @@ def train_head(llm, out: Path, config: TrainConfig, log=print, features: Path | 
     """Steps 1-5 of the module's docstring for the target served by ``llm``; returns the timings (seconds).
     features: an .npz of steps 1-2's results, written if missing, read (steps 1-2 skipped) if present."""
     engine = llm.engine
-    cfg = engine.config.model
+    cfg = engine.config.step_model
     n = cfg.num_layers
     aux_layers = (2, n // 2, n - 3)
     times, started = {}, time.perf_counter()

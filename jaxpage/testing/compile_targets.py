@@ -264,7 +264,7 @@ def engine_config(model: str, backend: str = "pallas_tpu", num_kv_blocks: int = 
         shapes = dataclasses.replace(shapes, num_layers=num_layers, layer_types=shapes.layer_types[:num_layers])
     config = build_engine_config(shapes, **{**kw, **options})
     # built on this CPU for a TPU: the CPU's packed bfloat16 weights (weight_packing) are not the chip's
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, onednn_packed_weights=False))
+    return dataclasses.replace(config, onednn_packed_weights=False)
 
 
 def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compiled:
@@ -277,13 +277,13 @@ def compile_step(chip: str, model: str, num_tokens: int, config=None) -> Compile
     config = config or engine_config(model)
     tp = config.parallel.tensor_parallel_size
     where = tpu_mesh(chip, tp) if tp > 1 else tpu_device(chip)
-    params = abstract_params(config.model, config.dtype)
+    params = abstract_params(config.step_model, config.dtype)
     pool = abstract_kv_pool(config.model, config.cache.num_kv_blocks, config.cache.block_size, config.kv_dtype,
                             packs_kv(config.model, config.attention_backend))
     batch, sampling = abstract_step_inputs(config, num_tokens)
     shape = (f"{config.attention_backend} T{num_tokens} pool {pool_gib(config) / tp:.2f} GiB/chip"
              + (f" TP{tp} L{config.model.num_layers}" if tp > 1 else "")
-             + (f" LoRA {config.model.max_loras}x{config.model.max_lora_rank}" if config.model.max_loras else "")
+             + (f" LoRA {config.lora.max_loras}x{config.lora.max_lora_rank}" if config.lora else "")
              + ("" if config.cache.kv_cache_dtype == "auto" else f" kv {config.cache.kv_cache_dtype}")
              + (f" weights {config.model.quantization}" if config.model.quantization else "")
              + (f" verify {config.speculative_config.method} k{config.num_draft_tokens}" if config.num_draft_tokens
@@ -433,7 +433,7 @@ def compile_warmup(chip: str, model: str, config=None, threads: int | None = Non
 
     config = config or engine_config(model)
     where = tpu_device(chip)
-    params = abstract_params(config.model, config.dtype)
+    params = abstract_params(config.step_model, config.dtype)
     pool = abstract_kv_pool(config.model, config.cache.num_kv_blocks, config.cache.block_size, config.kv_dtype,
                             packs_kv(config.model, config.attention_backend))
     step = jit_step(config, where)

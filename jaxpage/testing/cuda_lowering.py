@@ -257,7 +257,7 @@ def tp_step_case(tp: int = 4) -> LoweringCase:
     config = gpu_engine_config(LLAMA3_8B, "bfloat16", 4096, 64, 256, 1024, tensor_parallel_size=tp)
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
-    args = (abstract_params(config.model, config.dtype),
+    args = (abstract_params(config.step_model, config.dtype),
             abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
     return LoweringCase("step", f"Llama-3-8B bfloat16 T{num_tokens} TP{tp}", jit_step(config, placement(config)),
                         args, tp)
@@ -280,7 +280,7 @@ def lora_step_case(tp: int = 1) -> LoweringCase:
                                **LORA_OPTIONS)
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
-    args = (abstract_params(config.model, config.dtype),
+    args = (abstract_params(config.step_model, config.dtype),
             abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
     fn = jit_step(config, placement(config)) if tp > 1 else functools.partial(step, config)
     return LoweringCase("step", f"SmolLM2-135M bfloat16 LoRA 4x16 T{num_tokens}" + (f" TP{tp}" if tp > 1 else ""),
@@ -301,7 +301,7 @@ def checkpoint_quant_case(weights: str) -> LoweringCase:
     config = gpu_engine_config(model, "bfloat16", 2048, 64, 256, 1024)
     num_tokens = config.token_buckets()[0]
     batch, sampling = abstract_step_inputs(config, num_tokens)
-    args = (abstract_params(config.model, config.dtype),
+    args = (abstract_params(config.step_model, config.dtype),
             abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
     return LoweringCase("step", f"SmolLM2-135M bfloat16 {model.quantization} {weights} T{num_tokens}",
                         functools.partial(step, config), args)
@@ -327,7 +327,7 @@ def spec_step_cases() -> list[LoweringCase]:
     for what, config in (("verify", target), ("draft", draft_engine_config(target, SMOLLM2_135M))):
         num_tokens = config.token_buckets()[0]
         batch, sampling = abstract_step_inputs(config, num_tokens)
-        args = (abstract_params(config.model, config.dtype),
+        args = (abstract_params(config.step_model, config.dtype),
                 abstract_kv_pool(config.model, config.cache.num_kv_blocks, 16, config.kv_dtype), batch, sampling)
         cases.append(LoweringCase("step", f"SmolLM2-135M bfloat16 {what} draft_model k{SPEC_TOKENS} T{num_tokens}",
                                   functools.partial(step, config), args))
@@ -347,7 +347,7 @@ def eagle3_step_cases() -> list[LoweringCase]:
     target, draft, head = (dataclasses.replace(c, attention_backend="pallas_gpu") if i < 2 else c
                            for i, c in enumerate(eagle3_configs()))
     num_tokens = target.token_buckets()[0]
-    args = (abstract_params(target.model, target.dtype),
+    args = (abstract_params(target.step_model, target.dtype),
             abstract_kv_pool(target.model, target.cache.num_kv_blocks, 16, target.kv_dtype),
             *abstract_step_inputs(target, num_tokens))
     cases = [LoweringCase("step", f"SmolLM2-135M bfloat16 verify eagle3 k{target.num_draft_tokens} T{num_tokens}",

@@ -65,7 +65,7 @@ def _hidden(model_cfg, params, pool, batch):
 def teacher_forced_hidden(config, params, segments, variant: dict) -> jax.Array:
     batch = segments_batch(segments, config.cache.block_size)
     pool = variant_pool(config, 1 + batch.block_tables.size, variant)
-    return _hidden(config.model, variant_params(params, variant), pool, batch)
+    return _hidden(config.step_model, variant_params(params, variant), pool, batch)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -83,7 +83,7 @@ def quality(config, params, segments, variant: dict, reference: jax.Array, chunk
     ours = variant_params(params, variant)
     agree = kl = 0.0
     for i in range(0, hidden.shape[0], chunk):  # logits of every position at once would be 2 x 400 MB
-        a, k = _compare(config.model, params, ours, reference[i:i + chunk], hidden[i:i + chunk])
+        a, k = _compare(config.step_model, params, ours, reference[i:i + chunk], hidden[i:i + chunk])
         agree, kl = agree + float(a), kl + float(k)
     return {"top1": agree / hidden.shape[0], "kl": kl / hidden.shape[0], "tokens": int(hidden.shape[0])}
 

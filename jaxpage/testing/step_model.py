@@ -214,7 +214,7 @@ class WeightCount:
 def weight_count(config, num_tokens: int) -> WeightCount:
     from jaxpage.models import abstract_params
 
-    params = abstract_params(config.model, config.dtype)
+    params = abstract_params(config.step_model, config.dtype)
     size = lambda a: math.prod(a.shape)  # noqa: E731
     total = sum(size(a) * a.dtype.itemsize for a in jax.tree.leaves(params))
     embed = params["embed"]["embedding"]

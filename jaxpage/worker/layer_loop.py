@@ -91,7 +91,7 @@ class LayerLoop:
     def make(cls, config: EngineConfig, weights: dict, where=None) -> "LayerLoop":
         """weights: the unrolled weights' shardings; where: the device (one device only: a mesh's layer call is a
         launch on each of its devices, see ``step.MESH_LAYER_LOOP``)."""
-        cfg, backend = config.model, config.attention_backend
+        cfg, backend = config.step_model, config.attention_backend
 
         def begin(top, batch):
             return begin_layers(cfg, top, batch, backend, config.cache.block_size)

@@ -76,7 +76,7 @@ def step(config: EngineConfig, params: dict, pool: jax.Array, batch: TokenBatch,
          sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
     """One engine iteration: write K/V, attend through the block tables, sample one token per sequence (with
     ``config.aux_hidden_layers``, an EAGLE-3 head's target: also every token's auxiliary hidden states)."""
-    hidden, pool, aux = forward_hidden_aux(config.model, params, pool, batch, config.attention_backend,
+    hidden, pool, aux = forward_hidden_aux(config.step_model, params, pool, batch, config.attention_backend,
                                            config.aux_hidden_layers)
     if config.pooler_config is not None:
         return pooler_output(config, hidden, batch), pool
@@ -112,7 +112,7 @@ def weight_shardings(config: EngineConfig, mesh: Mesh | None, device=None, unrol
     """Where each weight goes: split over ``mesh`` by the parameters' names, or whole on ``device`` (default:
     the default device); a tree matching the stacked or (``unrolled``, default: not ``config.scan_layers``)
     unrolled weights."""
-    specs, shapes = partition_specs(config.model), abstract_params(config.model, np.float32)
+    specs, shapes = partition_specs(config.step_model), abstract_params(config.step_model, np.float32)
     if unrolled is None:
         unrolled = not config.scan_layers
     if unrolled:  # each layer's entry: the stacked one less its layer axis
@@ -141,7 +141,7 @@ def abstract_step_inputs(config: EngineConfig, num_tokens: int, num_loras: int |
     ``num_sampled`` sampled rows (None: the bucket's sequence count; fewer: InputBatch.sampled_rows_apart)."""
     num_seqs = config.num_seqs_for(num_tokens)
     if num_loras is None:
-        num_loras = lora_buckets(config.model.max_loras)[-1] if config.model.max_loras else 0
+        num_loras = lora_buckets(config.step_model.max_loras)[-1] if config.step_model.max_loras else 0
     rows = num_seqs if num_sampled is None else num_sampled
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731

@@ -41,7 +41,7 @@ def sample_tokens(config: EngineConfig, params: dict, hidden: jax.Array, batch: 
 
 def sample_rows(config: EngineConfig, params: dict, rows: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
     """The sampler's per-row output from the rows' final-normed hidden states [S, D] (prompt targets unread)."""
-    return sample(compute_logits(config.model, params, rows), sampling, config.sampler_returns_probs)
+    return sample(compute_logits(config.step_model, params, rows), sampling, config.sampler_returns_probs)
 
 
 def has_greedy_path(config: EngineConfig) -> bool:
@@ -62,7 +62,7 @@ def choose_sampler(config: EngineConfig, params: dict, rows: jax.Array, sampling
 
 def greedy_rows(config: EngineConfig, params: dict, rows: jax.Array) -> SamplerOutput:
     """``sample_rows``' output where every row is plain greedy (``sampler.is_plain_greedy``; one device)."""
-    cfg = config.model
+    cfg = config.step_model
     return plain_greedy(compute_raw_logits(cfg, params, rows), cfg.final_logit_softcap)
 
 
@@ -77,7 +77,7 @@ def prompt_logprobs_of(config: EngineConfig, params: dict, hidden: jax.Array,
 
     def one_chunk(args):
         h, t = args
-        return jax.lax.cond(jnp.any(t >= 0), lambda: prompt_logprobs(compute_logits(config.model, params, h), t),
+        return jax.lax.cond(jnp.any(t >= 0), lambda: prompt_logprobs(compute_logits(config.step_model, params, h), t),
                             lambda: PromptLogprobsOutput.zeros(chunk))
     out = jax.lax.map(one_chunk, (hidden.reshape(-1, chunk, hidden.shape[1]), targets.reshape(-1, chunk)))
     return jax.tree.map(lambda a: a.reshape(num_tokens, *a.shape[2:]), out)

@@ -41,7 +41,7 @@ def warmup_programs(config: EngineConfig, substitutes: bool) -> list[WarmupProgr
     for num_tokens in reversed(config.token_buckets()):
         programs.append(WarmupProgram("step", num_tokens))
         programs += [WarmupProgram("step", num_tokens, num_loras=n)
-                     for n in lora_buckets(config.model.max_loras, config.model.cpu_lora_kernel)]
+                     for n in lora_buckets(config.step_model.max_loras, config.step_model.cpu_lora_kernel)]
         if substitutes:
             rows = sorted({config.num_seqs_for(b) for b in previous_buckets(config, num_tokens)})
             programs += [WarmupProgram("substitute", num_tokens, num_sampled=n) for n in rows]
