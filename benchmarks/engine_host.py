@@ -42,7 +42,8 @@ def measure(seqs: int, steps: int, async_scheduling: bool, build_batch: bool = F
         tiers = disk_store = disk_tier = None  # disk_tier: the name before 2026-12-07, for --compare with older trees
 
         def __init__(self, config):
-            self.config, self.supports_async_scheduling = config, config.scheduler.async_scheduling
+            # getattr: EngineConfig was flat before 2026-12-07 (--compare with older trees)
+            self.config, self.supports_async_scheduling = config, getattr(config, "scheduler", config).async_scheduling
             self.input_batch = InputBatch(config) if build_batch else None
 
         def warm_up(self, progress=True): ...

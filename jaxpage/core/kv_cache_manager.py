@@ -131,9 +131,12 @@ class KVCacheManager:
     def has_room(self, seq: Sequence, num_new: int) -> bool:
         """Whether the sequence's blocks hold num_new more tokens with no block to allocate or copy (the common
         decode step)."""
+        return self.holds(seq, num_new) and not self.writes_shared_block(seq)
+
+    def holds(self, seq: Sequence, num_new: int) -> bool:
+        """Whether the sequence's blocks have room for num_new more tokens (shared or not)."""
         table = self.seq_blocks.get(seq, NO_BLOCKS).block_ids
-        return (seq.num_computed_tokens + num_new <= len(table) * self.block_size
-                and not self.writes_shared_block(seq))
+        return seq.num_computed_tokens + num_new <= len(table) * self.block_size
 
     def blocks_to_recompute(self, seqs: list[Sequence]) -> int:
         """Blocks to compute these sequences afresh: with prefix caching the full blocks of their common prefix

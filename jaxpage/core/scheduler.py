@@ -230,16 +230,17 @@ class Scheduler:
             return None  # admission or swap-in: the full pass
         if len(rows) > self.config.scheduler.max_num_batched_tokens:
             return None
-        grow, windowed = [], bool(self.kv.window)
+        kv = self.kv
+        grow, windowed = [], bool(kv.window)
         for s in rows:
             seq = s.seq
             if windowed:
-                self.kv.free_dead_blocks(seq)
+                kv.free_dead_blocks(seq)
             if len(seq.token_ids) + seq.num_placeholders != seq.num_computed_tokens + 1:  # num_tokens, inlined
                 return None  # not exactly one new token (an engine step did not run; or it finished)
-            if self.kv.writes_shared_block(seq):
+            if kv.writes_shared_block(seq):
                 return None  # copy-on-write (a fork's first token): the full pass
-            if not self.kv.has_room(seq, 1):
+            if not kv.holds(seq, 1):
                 grow.append(seq)
         if grow and sum(self.kv.blocks_needed(seq, 1) for seq in grow) > self.kv.num_free_blocks():
             return None  # the full pass preempts
