@@ -194,12 +194,15 @@ def test_proposals_are_the_heads_own_greedy_continuation(llms, models, layout):
 
 def test_sampled_drafts_carry_their_distribution(llms, models):
     """Sampled requests (temperature 0.8, seeded): each draft's q sums to 1, is 0 off the draft vocabulary, and
-    holds its token; the same seeds give the same tokens again; every block is back."""
+    holds its token; the same seeds give the same tokens again; every block is back. Which steps carry drafts
+    decides which of the law's realizations a seed gives, and a prefix-cache hit changes that (a shorter prefill
+    leaves the step's token budget room for drafts): both runs start with the prompts cached."""
     _, _, heads, _ = models
     llm, seen = llms[1]["speculators"], []
     d2t = heads["speculators"][1]["d2t"].numpy()
     vocab = np.arange(DRAFT_VOCAB) + d2t
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(4)]
+    llm.generate(_prompts(4), SamplingParams(temperature=0, max_tokens=1))
     drafter = _recording(llm, seen)
     try:
         first = llm.generate(_prompts(4), params)
@@ -355,3 +358,4 @@ def test_one_token_prompts_speculate_from_their_first_step(llms):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
     s = spec["speculators"].stats()
     assert s["num_free_blocks"] == s["num_blocks"]
+
