@@ -388,12 +388,16 @@ class EngineConfig:
         1-token bucket comes first: a lone decode step then reads the weights for one row, not eight (the Pallas
         kernels take tokens in blocks of 8). A TPU or GPU step below a few hundred tokens is bound by its weight
         and K/V reads (``jaxpage/testing/step_model.py``), which padding does not add to: there each halfway size
-        would cost a compile at start for a step a few percent shorter."""
-        octaves = _powers(8, 2, self.scheduler.max_num_batched_tokens)
+        would cost a compile at start for a step a few percent shorter. With speculative decoding the CPU also gets
+        one sequence's verify step (1 + num_draft_tokens: its token and its drafts), which would otherwise pad to
+        8."""
+        limit = self.scheduler.max_num_batched_tokens
+        octaves = _powers(8, 2, limit)
         if self.attention_backend != "xla":
             return octaves
         halves = [size * 3 // 2 for size in octaves[1:-1]]
-        return sorted(set([1] + octaves + [h for h in halves if h < self.scheduler.max_num_batched_tokens]))
+        verify = [1 + self.num_draft_tokens] if 1 + self.num_draft_tokens < limit else []
+        return sorted(set([1] + verify + octaves + [h for h in halves if h < limit]))
 
     def num_seqs_for(self, num_tokens_bucket: int) -> int:
         """The sequence axis is tied to the token axis, so the bucket grid stays two-dimensional."""
