@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +67,28 @@ def load_model(model: str | os.PathLike | None, cache_dir: Path, quantization: s
     is_gguf = path.is_file() and path.suffix == ".gguf"
     if not is_gguf and not (path.is_dir() and (path / "config.json").exists()):
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a directory with config.json")
-    entry = cache_dir / "models" / _source_key(path, quantization)
+    entry = _writable(cache_dir / "models") / _source_key(path, quantization)
     if not (entry / "complete").exists():
-        _convert_once(path, is_gguf, entry, quantization)
+        try:
+            _convert_once(path, is_gguf, entry, quantization)
+        except (ValueError, NotImplementedError):
+            raise  # refusals that name their field
+        except Exception as e:  # noqa: BLE001 - whatever the readers raise on a damaged file, said in one line
+            raise ValueError(f"model path {str(path)!r}: its checkpoint could not be read (is a file truncated or "
+                             f"damaged?): {type(e).__name__}: {e}") from e
     return _restore(entry, name=path.stem if is_gguf else path.name)
+
+
+def _writable(folder: Path) -> Path:
+    """``folder``, made if missing; where it cannot be (cache_dir unwritable), a temporary folder of this process,
+    so the model is converted again at each start but still served."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    except OSError as e:
+        fallback = Path(tempfile.mkdtemp(prefix="jaxpage-models-"))
+        log.warning("cache_dir: cannot write %s (%s); converting the model into %s for this run", folder, e, fallback)
+        return fallback
 
 
 def _convert_once(path: Path, is_gguf: bool, entry: Path, quantization: str | None) -> None:
