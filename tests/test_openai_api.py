@@ -15,8 +15,9 @@ with the official `openai` package (sync and async clients, streaming and not) a
   documented events; text.format and forced function calls are valid for their schemas; bad fields are 400s;
 - a client that disconnects (streaming or not) gets its blocks freed within a second;
 - SIGTERM lets the HTTP and gRPC streams in flight finish, then the server exits 0.
-A stand-in engine (test_grpc_service's, no model) shows 429 for a full queue, and 503 for the calls in flight when
-the engine dies, while the server makes a fresh engine (then 200 again).
+A stand-in engine (test_grpc_service's, no model) shows 429 for a full queue (10,000 requests at once each answered,
+200 or 429), and 503 for the calls in flight when the engine dies, while the server makes a fresh engine (then 200
+again).
 """
 from __future__ import annotations
 
@@ -953,6 +954,31 @@ def test_a_full_queue_is_429_and_the_default_model_name(stand_in):
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7, 7]
         for cm, _ in streams[1:]:
             cm.__exit__(None, None, None)
+    assert stand_in.wait_metric("jaxpage:num_requests_in_flight", lambda v: v == 0) == 0
+    assert stand_in.all_blocks_free()
+
+
+def test_ten_thousand_requests_at_once_each_get_an_answer_and_the_server_serves_on(stand_in):
+    """A client opening 10,000 requests at once (its own connection each) against --max-queue 4: every one is
+    answered, 200 with its tokens or 429 naming the limit (no 5xx, no dropped connection); then the server serves
+    the next request, nothing is in flight and every KV block is back."""
+    n = 10_000
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=stand_in.base + "/v1", limits=limits, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/completions", json={
+                "prompt": [1, 2, i % 50 + 3], "max_tokens": 2, "return_token_ids": True}) for i in range(n)))
+
+    got = asyncio.run(burst())
+    statuses = {r.status_code for r in got}
+    assert statuses <= {200, 429}, statuses
+    ok = [r for r in got if r.status_code == 200]
+    assert ok and all(r.json()["choices"][0]["token_ids"] == [7, 7] for r in ok)
+    assert all(r.json()["error"]["type"] == "rate_limit_error" for r in got if r.status_code == 429)
+    with httpx.Client(base_url=stand_in.base + "/v1", timeout=30) as http:
+        r = http.post("/completions", json={"prompt": [1], "max_tokens": 2, "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7, 7]
     assert stand_in.wait_metric("jaxpage:num_requests_in_flight", lambda v: v == 0) == 0
     assert stand_in.all_blocks_free()
 
