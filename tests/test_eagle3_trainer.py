@@ -1,7 +1,8 @@
 """The EAGLE-3 trainer (jaxpage/spec_decode/eagle3_trainer.py): its training-time-test pass is the served head's
 drafting, step for step (each step's logits at a position equal the float32 torch reference's draft chain that
 starts from the target's hidden states that many positions back), a head it saves loads into the engine, and
-training lowers the loss on a tiny target's own choices."""
+training lowers the loss on a tiny target's own choices; sampled answers (SmolLM2) vary a repeated question and
+repeat with their seeds."""
 from __future__ import annotations
 
 import numpy as np
@@ -86,3 +87,21 @@ def test_training_lowers_the_loss(head):
     trained = tr.train(params, frozen, shapes, (tokens, aux, labels), config, log=lambda _: None)
     after = np.asarray(jax.jit(tr.ttt_losses, static_argnums=(2, 6))(trained, frozen, shapes, tokens, aux, labels, 2))
     assert np.all(after < 0.7 * before), (before, after)
+
+
+
+def test_sampled_answers_vary_a_repeated_question_and_repeat_with_their_seeds(monkeypatch):
+    """temperature > 0: a question asked again (the split's questions repeat past its 400) gets an answer of its
+    own, each drawn with its seed (the same config gives the same conversations); greedy (the default) gives one
+    answer per question."""
+    from jaxpage import LLM
+    from jaxpage.spec_decode import chat_prompts
+
+    questions = chat_prompts.chat_prompts("train", 2)
+    monkeypatch.setattr(chat_prompts, "chat_prompts", lambda split, n, seed=0: [questions[0]] * 2 + [questions[1]] * 2)
+    llm = LLM(None, max_num_seqs=4, progress=False)
+    sampled = tr.TrainConfig(num_prompts=4, max_tokens=12, temperature=1.0, seed=3)
+    one, two = tr.conversations(llm, sampled), tr.conversations(llm, sampled)
+    assert one == two and one[0] != one[1] and one[2] != one[3]
+    greedy = tr.conversations(llm, tr.TrainConfig(num_prompts=4, max_tokens=12))
+    assert greedy[0] == greedy[1] and greedy[2] == greedy[3]

@@ -39,6 +39,9 @@ class TrainConfig:
     batch_size: int = 8
     learning_rate: float = 2e-3
     seed: int = 0
+    # the answers' sampling temperature (0: greedy); sampled, a question asked again (num_prompts beyond the
+    # split's 400) gets another answer, each drawn with its own seed (seed + its index)
+    temperature: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +58,8 @@ class Shapes:
 
 
 def conversations(llm, config: TrainConfig) -> list[list[int]]:
-    """The target's greedy answers to the train split's questions, as chat-templated token ids (prompt and
-    answer)."""
+    """The target's answers to the train split's questions (greedy, or sampled at ``config.temperature``), as
+    chat-templated token ids (prompt and answer)."""
     from jaxpage.sampling_params import SamplingParams
     from jaxpage.spec_decode.chat_prompts import chat_prompts
 
@@ -64,7 +67,8 @@ def conversations(llm, config: TrainConfig) -> list[list[int]]:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                              add_generation_prompt=True)
                for q in chat_prompts("train", config.num_prompts, config.seed)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=config.max_tokens))
+    outs = llm.generate(prompts, [SamplingParams(temperature=config.temperature, seed=config.seed + i,
+                                                 max_tokens=config.max_tokens) for i in range(len(prompts))])
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
 
 
