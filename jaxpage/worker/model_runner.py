@@ -57,7 +57,7 @@ def step_weights(config: EngineConfig, params: dict, where, loop: str) -> tuple[
     tensor parallelism needs it."""
     unrolled = unrolls_weights(loop)
     params = pack_params(config.step_model, params)
-    if config.step_model.max_loras:
+    if config.lora is not None:
         params = with_empty_slots(config, params)
     if unrolled:
         params = unstack_layers(params)
@@ -116,7 +116,7 @@ class ModelRunner:
         self.layer_loop = layer_loop(config, device.platform, self.mesh)
         host_loop = self.layer_loop == "host_loop"
         # LoRA: the adapters on the host and in the device slots (all zeros until an adapter is written in)
-        self.lora = WorkerLoRAManager(config) if config.step_model.max_loras else None
+        self.lora = WorkerLoRAManager(config) if config.lora is not None else None
         self.params, shardings = step_weights(config, params, where, self.layer_loop)
         self._lora_writer = SlotWriter(self.params) if self.lora is not None else None
         kv_dtype = jnp.dtype(config.kv_dtype)
@@ -230,8 +230,9 @@ class ModelRunner:
         for slot, adapter in writes:
             self.params = self._lora_writer.write(self.params, slot, adapter)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        mapping = lora_mapping(row_slots, batch.token_seq, num_tokens, len(scheduled), self.config.step_model.max_loras,
-                               self.config.step_model.cpu_lora_kernel)
+        lora = self.config.lora
+        mapping = lora_mapping(row_slots, batch.token_seq, num_tokens, len(scheduled), lora.max_loras,
+                               lora.cpu_lora_kernel)
         return dataclasses.replace(batch, lora=mapping)
 
     def load_lora(self, request) -> LoRAModel:
